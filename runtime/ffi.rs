@@ -1,0 +1,1 @@
+//! Placeholder: raw amdxdna UAPI bindings (generated into ffi/bindings.rs).

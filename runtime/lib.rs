@@ -1,0 +1,16 @@
+//! xdna: a Rust NPU kernel-and-runtime stack over the Linux `amdxdna` driver.
+//!
+//! Layers (data flows down, errors flow up; see `docs/architecture.md`):
+//! `spec` → `model` → {`kernels`, `weights`} → `device` → `ffi`.
+//! `tiles` is the shared vocabulary of weight tile formats used by `kernels` and `weights`.
+
+pub mod device;
+pub mod error;
+pub mod ffi;
+pub mod kernels;
+pub mod model;
+pub mod spec;
+pub mod tiles;
+pub mod weights;
+
+pub use error::{Error, Result};

@@ -1,0 +1,1 @@
+//! Placeholder: weight tile formats.

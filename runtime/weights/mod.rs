@@ -1,0 +1,8 @@
+//! Placeholder: this layer is being written (see docs/architecture.md).
+
+/// Errors of this layer.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("{0}")]
+    Other(String),
+}

@@ -1,0 +1,1 @@
+//! Placeholder: the fake amdxdna device.

@@ -1,0 +1,24 @@
+//! `xdna bench ...`: benchmarks that print a table, or JSON with `--json`.
+
+use clap::Subcommand;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    which: Which,
+}
+
+#[derive(Subcommand)]
+enum Which {
+    /// GEMM kernels on the model's shapes, against measured read bandwidth.
+    Gemm(super::bench_gemm::Args),
+    /// Prefill and decode speed against the memory limit.
+    Decode(super::bench_decode::Args),
+}
+
+pub fn run(args: Args) -> xdna::Result<()> {
+    match args.which {
+        Which::Gemm(a) => super::bench_gemm::run(a),
+        Which::Decode(a) => super::bench_decode::run(a),
+    }
+}

@@ -1,0 +1,10 @@
+//! Subcommands of `xdna`, one module each.
+
+pub mod bench;
+pub mod bench_decode;
+pub mod bench_gemm;
+pub mod info;
+pub mod kernels;
+pub mod pack;
+pub mod perplexity;
+pub mod run;

@@ -1,0 +1,61 @@
+//! `xdna`: the command-line front end of the xdna runtime.
+//!
+//! Each subcommand lives in its own module under `cmd/`; this file only parses and dispatches.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xdna", version, about = "AMD XDNA NPU runtime: device info, kernels, packages, generation, benchmarks")]
+struct Cli {
+    /// Log filter (e.g. `info`, `xdna=debug`); also RUST_LOG.
+    #[arg(long, global = true, default_value = "warn", env = "XDNA_LOG")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show everything the NPU device reports.
+    Info(cmd::info::Args),
+    /// Build, list and wrap per-shape kernel ELF files.
+    Kernels(cmd::kernels::Args),
+    /// Import, inspect and synthesize model packages.
+    Pack(cmd::pack::Args),
+    /// Generate text from a model.
+    Run(cmd::run::Args),
+    /// Perplexity of a text file (llama-perplexity method).
+    Perplexity(cmd::perplexity::Args),
+    /// Benchmarks (table and --json).
+    Bench(cmd::bench::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let result = match cli.command {
+        Command::Info(args) => cmd::info::run(args),
+        Command::Kernels(args) => cmd::kernels::run(args),
+        Command::Pack(args) => cmd::pack::run(args),
+        Command::Run(args) => cmd::run::run(args),
+        Command::Perplexity(args) => cmd::perplexity::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+    };
+    if let Err(err) = result {
+        eprintln!("xdna: error: {err}");
+        let mut source = std::error::Error::source(&err);
+        while let Some(cause) = source {
+            eprintln!("  caused by: {cause}");
+            source = cause.source();
+        }
+        std::process::exit(1);
+    }
+}
