@@ -7,7 +7,11 @@ mod cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "xdna", version, about = "AMD XDNA NPU runtime: device info, kernels, packages, generation, benchmarks")]
+#[command(
+    name = "xdna",
+    version,
+    about = "AMD XDNA NPU runtime: device info, kernels, packages, generation, benchmarks"
+)]
 struct Cli {
     /// Log filter (e.g. `info`, `xdna=debug`); also RUST_LOG.
     #[arg(long, global = true, default_value = "warn", env = "XDNA_LOG")]
