@@ -227,6 +227,14 @@ impl HwContext {
                     Err(e) if retryable(&e) => continue,
                     Err(e) if errno_of(&e) == libc::ETIME => return Err(timed_out(timeout_ms)),
                     Err(e) if is_unsupported(&e) && self.syncobj != 0 => break,
+                    Err(e) if is_unsupported(&e) => {
+                        tracing::debug!("WAIT_CMD: {e}");
+                        return Err(DeviceError::Unsupported {
+                            path: self.dev.path.clone(),
+                            what: "WAIT_CMD (needed: this context has no syncobj)",
+                            version: self.dev.version.to_string(),
+                        });
+                    }
                     Err(e) => return Err(self.dev.ioctl_err("DRM_IOCTL_AMDXDNA_WAIT_CMD", e)),
                 }
             }
