@@ -572,3 +572,87 @@ fn decide_cost_at_smollm_vocabulary() -> TestResult {
     }
     Ok(())
 }
+
+/// The processing written the obvious way: sort everything by (logit desc, id asc), keep top-k,
+/// softmax, keep the shortest prefix reaching top-p, renormalize.
+fn reference_probabilities(logits: &[f32], config: &SamplingConfig) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..logits.len())
+        .filter(|&t| logits[t] != f32::NEG_INFINITY)
+        .collect();
+    order.sort_by(|&a, &b| {
+        logits[b]
+            .partial_cmp(&logits[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    if config.top_k > 0 {
+        order.truncate(config.top_k);
+    }
+    let max = f64::from(logits[order[0]]);
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&t| ((f64::from(logits[t]) - max) / f64::from(config.temperature)).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut kept = order.len();
+    if config.top_p < 1.0 {
+        let mut cumulative = 0.0;
+        for (i, w) in weights.iter().enumerate() {
+            cumulative += w;
+            if cumulative >= f64::from(config.top_p) * total {
+                kept = i + 1;
+                break;
+            }
+        }
+    }
+    let kept_total: f64 = weights[..kept].iter().sum();
+    let mut p = vec![0.0; logits.len()];
+    for (&t, &w) in order[..kept].iter().zip(&weights[..kept]) {
+        p[t] = w / kept_total;
+    }
+    p
+}
+
+#[test]
+fn processing_matches_a_full_sort_reference() -> TestResult {
+    let mut rng = UniformSource::new(77);
+    let mut processor = LogitProcessor::new();
+    let mut p = Vec::new();
+    let mut compared = 0;
+    for case in 0..400 {
+        let vocab = 1 + (rng.next_u64() % 3000) as usize;
+        // Coarse logits (many exact ties), some −∞, varying spread.
+        let spread = [0.5, 3.0, 12.0, 40.0][case % 4];
+        let logits: Vec<f32> = (0..vocab)
+            .map(|t| {
+                if t > 0 && rng.next_uniform() < 0.05 {
+                    f32::NEG_INFINITY
+                } else {
+                    ((rng.next_uniform() * spread * 8.0).round() / 8.0) as f32
+                }
+            })
+            .collect();
+        let config = SamplingConfig {
+            temperature: [0.3, 0.7, 1.0, 1.5][(case / 4) % 4] as f32,
+            top_k: [0, 1, 5, 50, 5000][case % 5],
+            top_p: [1.0, 0.95, 0.5, 0.9, 0.1, 0.999][case % 6],
+        };
+        processor.probabilities(&logits, &config, 0, &mut p)?;
+        let reference = reference_probabilities(&logits, &config);
+        for (token, (&got, &want)) in p.iter().zip(&reference).enumerate() {
+            // Same support, same values.
+            assert_eq!(
+                got == 0.0,
+                want == 0.0,
+                "case {case}, token {token}: {got} vs {want}, {config:?}"
+            );
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-6 + 1e-5 * want,
+                "case {case}, token {token}: {got} vs {want}"
+            );
+        }
+        compared += 1;
+    }
+    assert_eq!(compared, 400);
+    Ok(())
+}

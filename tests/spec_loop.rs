@@ -733,3 +733,64 @@ fn speculative_sampling_loop_reproduces_the_target_distribution() -> TestResult 
     );
     Ok(())
 }
+
+/// Prompt lookup written as a scan: for n from max down to min, the latest start i < len − n with
+/// context[i..i+n] == suffix, continuation context[i+n..].
+fn ngram_by_scan(context: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
+    let len = context.len();
+    for n in (min_n..=max_n.min(len)).rev() {
+        let suffix = &context[len - n..];
+        for start in (0..len - n).rev() {
+            if &context[start..start + n] == suffix {
+                let end = start + n;
+                return context[end..(end + k).min(len)].to_vec();
+            }
+        }
+    }
+    Vec::new()
+}
+
+#[test]
+fn ngram_index_agrees_with_a_scan_as_the_context_grows() -> TestResult {
+    let mut rng = xdna::spec::UniformSource::new(5);
+    for (vocab, min_n, max_n, k) in [(3u64, 1, 3, 5), (5, 2, 4, 8), (8, 1, 1, 3), (4, 3, 6, 15)] {
+        let config = NgramConfig {
+            min_n,
+            max_n,
+            max_drafts: k,
+        };
+        let mut drafter = NgramDrafter::new(config)?;
+        let mut context: Vec<u32> = vec![(rng.next_u64() % vocab) as u32];
+        drafter.begin(&context)?;
+        let mut proposal = DraftProposal::new();
+        let mut hits = 0;
+        for _ in 0..1500 {
+            drafter.propose(&context, k, &AcceptanceRule::Greedy, &mut proposal)?;
+            let expected = ngram_by_scan(&context, min_n, max_n, k);
+            assert_eq!(
+                proposal.tokens(),
+                expected.as_slice(),
+                "context length {}",
+                context.len()
+            );
+            hits += usize::from(!expected.is_empty());
+            // Grow by 1–3 tokens, as rounds do.
+            for _ in 0..=(rng.next_u64() % 3) {
+                context.push((rng.next_u64() % vocab) as u32);
+            }
+            drafter.observe(&context, 0)?;
+            assert_eq!(drafter.indexed_len(), context.len());
+        }
+        assert!(hits > 100);
+    }
+    // A different sequence after begin() starts a fresh index.
+    let mut drafter = NgramDrafter::new(NgramConfig::default())?;
+    let mut proposal = DraftProposal::new();
+    drafter.begin(&[1, 2, 3, 1, 2])?;
+    drafter.propose(&[1, 2, 3, 1, 2], 4, &AcceptanceRule::Greedy, &mut proposal)?;
+    assert_eq!(proposal.tokens(), &[3, 1, 2]);
+    drafter.begin(&[7, 8, 9])?;
+    drafter.propose(&[7, 8, 9], 4, &AcceptanceRule::Greedy, &mut proposal)?;
+    assert!(proposal.is_empty());
+    Ok(())
+}
