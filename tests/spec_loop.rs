@@ -279,7 +279,13 @@ fn max_tokens_is_exact_even_when_drafts_would_go_beyond() -> TestResult {
         },
         drafter,
     )?;
-    let spec = speculative(&mut runner, &config, &PROMPT, &stop(7, None))?;
+    let mut target = prefilled(&config, &PROMPT)?;
+    let mut streamed = Vec::new();
+    let generation = runner.generate_streaming(&mut target, &PROMPT, &stop(7, None), |tokens| {
+        streamed.push(tokens.to_vec())
+    })?;
+    assert_eq!(streamed, vec![plain.0[..5].to_vec(), plain.0[5..].to_vec()]);
+    let spec = (generation, target);
     assert_same_as_plain(&spec, &plain, "max_tokens 7");
     let prefill_passes = 1; // 5 prompt tokens in one pass
     assert_eq!(spec.1.pass_rows[prefill_passes..], [5, 2]);

@@ -365,6 +365,18 @@ impl<D: Drafter> SpecRunner<D> {
         context: &[u32],
         stop: &StopConditions,
     ) -> Result<Generation, SpecError> {
+        self.generate_streaming(target, context, stop, |_| {})
+    }
+
+    /// [`generate`](Self::generate), handing each round's emitted tokens to `on_tokens` as soon as
+    /// they are committed (for streaming servers).
+    pub fn generate_streaming<T: VerifyTarget>(
+        &mut self,
+        target: &mut T,
+        context: &[u32],
+        stop: &StopConditions,
+        mut on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, SpecError> {
         if context.is_empty() || target.position() + 1 != context.len() {
             return Err(SpecError::ContextMismatch {
                 context_len: context.len(),
@@ -447,6 +459,7 @@ impl<D: Drafter> SpecRunner<D> {
                 .commit_verify_rows(kept)
                 .map_err(|e| target_error("commit_verify_rows", e))?;
             let pass_seconds = pass_start.elapsed().as_secs_f64();
+            on_tokens(&decision.emitted[..kept]);
 
             self.stats.emitted += kept as u64;
             self.stats.draft_seconds += draft_seconds;
