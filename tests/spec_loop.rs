@@ -800,3 +800,54 @@ fn ngram_index_agrees_with_a_scan_as_the_context_grows() -> TestResult {
     assert!(proposal.is_empty());
     Ok(())
 }
+
+/// Proposes a fixed list of tokens whatever the context.
+struct FixedDrafter(Vec<u32>);
+
+impl Drafter for FixedDrafter {
+    fn name(&self) -> &'static str {
+        "fixed"
+    }
+
+    fn begin(&mut self, _context: &[u32]) -> Result<(), SpecError> {
+        Ok(())
+    }
+
+    fn propose(
+        &mut self,
+        _context: &[u32],
+        max_drafts: usize,
+        _rule: &AcceptanceRule,
+        out: &mut DraftProposal,
+    ) -> Result<(), SpecError> {
+        out.reset(true, 0);
+        for &token in self.0.iter().take(max_drafts) {
+            out.push_one_hot(token);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_malformed_proposal_is_refused_before_the_pass() -> TestResult {
+    let config = toy(12, 2);
+    let mut target = prefilled(&config, &PROMPT)?;
+    let passes_before = target.pass_rows.len();
+    let mut runner = SpecRunner::new(greedy_config(4), FixedDrafter(vec![3, 500]))?;
+    match runner.generate(&mut target, &PROMPT, &stop(10, None)) {
+        Err(SpecError::DraftTokenOutOfVocab {
+            position: 1,
+            token: 500,
+            vocab: 32,
+        }) => {}
+        other => panic!("expected DraftTokenOutOfVocab, got {other:?}"),
+    }
+    assert_eq!(target.pass_rows.len(), passes_before, "a pass ran");
+    assert_eq!(target.pending_rows(), None);
+    // The sequence is intact: generation can proceed with a sane drafter.
+    let plain = plain_greedy(&config, &PROMPT, 10, None)?;
+    let mut runner = SpecRunner::new(greedy_config(4), FixedDrafter(vec![3, 4]))?;
+    let generation = runner.generate(&mut target, &PROMPT, &stop(10, None))?;
+    assert_eq!(generation.tokens, plain.0);
+    Ok(())
+}

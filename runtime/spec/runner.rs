@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use super::decide::{uniforms_needed, AcceptanceRule, DecideWorkspace};
+use super::decide::{uniforms_needed, AcceptanceRule, DecideWorkspace, DraftProbabilities};
 use super::drafter::{DraftProposal, Drafter};
 use super::sampling::SamplingConfig;
 use super::stats::SpecStats;
@@ -416,6 +416,9 @@ impl<D: Drafter> SpecRunner<D> {
             }
             let draft_seconds = draft_start.elapsed().as_secs_f64();
             let drafted = self.proposal.len();
+            // Refuse a malformed proposal before the pass, so the target is never left with an
+            // uncommitted pass because of a drafter bug.
+            check_proposal(&self.proposal, vocab)?;
 
             let pending = *sequence.last().ok_or(SpecError::ContextMismatch {
                 context_len: 0,
@@ -576,6 +579,28 @@ impl<D: Drafter> SpecRunner<D> {
             }
         }
     }
+}
+
+fn check_proposal(proposal: &DraftProposal, vocab: usize) -> Result<(), SpecError> {
+    for (position, &token) in proposal.tokens().iter().enumerate() {
+        if token as usize >= vocab {
+            return Err(SpecError::DraftTokenOutOfVocab {
+                position,
+                token,
+                vocab,
+            });
+        }
+    }
+    if let DraftProbabilities::Full(distributions) = proposal.probabilities() {
+        let expected = proposal.len() * vocab;
+        if distributions.len() != expected {
+            return Err(SpecError::DraftDistributionShape {
+                expected,
+                got: distributions.len(),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn target_error<E: std::error::Error + Send + Sync + 'static>(
