@@ -70,6 +70,6 @@ impl<'a> LogitRows<'a> {
     /// Row `index`, if present.
     pub fn row(&self, index: usize) -> Option<&'a [f32]> {
         let start = index.checked_mul(self.vocab)?;
-        self.data.get(start..start + self.vocab)
+        self.data.get(start..start.checked_add(self.vocab)?)
     }
 }
