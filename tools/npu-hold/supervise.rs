@@ -1,0 +1,311 @@
+//! Running the command in its own process group and making sure nothing of it survives.
+//!
+//! `npu-hold` is a child subreaper, so orphans of the command (double forks, `setsid` escapees)
+//! are re-parented to it. Stopping the command therefore means: signal the process group and
+//! every process descending from `npu-hold` (found in `/proc`), reap, repeat until none is left.
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsString;
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::sys::signal::{kill, killpg, SigSet, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+/// Signals that make `npu-hold` stop the command (and leave the queue).
+pub const STOP_SIGNALS: [Signal; 4] = [
+    Signal::SIGINT,
+    Signal::SIGTERM,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+];
+
+/// The stop signals and SIGCHLD, blocked in this thread and taken synchronously.
+pub struct Signals {
+    set: SigSet,
+}
+
+impl Signals {
+    /// Block the signals `npu-hold` handles. Call before any other thread exists. Children get
+    /// an empty signal mask from `std::process::Command`, so the command sees default handling.
+    pub fn block() -> nix::Result<Signals> {
+        let mut set = SigSet::empty();
+        for s in STOP_SIGNALS {
+            set.add(s);
+        }
+        set.add(Signal::SIGCHLD);
+        set.thread_block()?;
+        Ok(Signals { set })
+    }
+
+    /// Wait up to `timeout` for one of the blocked signals (SIGCHLD included).
+    pub fn wait(&self, timeout: Duration) -> Option<Signal> {
+        let ts = libc::timespec {
+            tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+            tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
+        };
+        // SAFETY: `self.set` is an initialised sigset_t owned by `self`, a null siginfo pointer is
+        // allowed by sigtimedwait(2), and `ts` outlives the call.
+        let r = unsafe { libc::sigtimedwait(self.set.as_ref(), std::ptr::null_mut(), &ts) };
+        if r > 0 {
+            Signal::try_from(r).ok()
+        } else {
+            None // timeout (EAGAIN) or EINTR
+        }
+    }
+}
+
+/// Start `argv` in a new process group (its pgid is its pid), dying with `npu-hold`.
+pub fn spawn(argv: &[OsString], env: &[(&str, String)]) -> io::Result<Pid> {
+    let Some((program, args)) = argv.split_first() else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty command"));
+    };
+    let mut cmd = Command::new(program);
+    cmd.args(args).process_group(0);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let parent = nix::unistd::getpid().as_raw();
+    let hook = move || -> io::Result<()> {
+        // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers; it is a plain syscall, safe between
+        // fork and exec. If npu-hold is SIGKILLed, the kernel then kills the command.
+        let rc = unsafe {
+            libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: getppid(2) has no arguments and cannot fail.
+        if unsafe { libc::getppid() } != parent {
+            // npu-hold died before the death signal was armed.
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(())
+    };
+    // SAFETY: `hook` runs in the forked child before exec; it only makes async-signal-safe
+    // syscalls (prctl, getppid) and does not allocate or take locks.
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+    let child = cmd.spawn()?;
+    let pid = i32::try_from(child.id())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "child pid out of range"))?;
+    // `child` is dropped without waiting: this module reaps with waitpid(-1).
+    Ok(Pid::from_raw(pid))
+}
+
+/// Why the run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The command exited by itself.
+    Exited,
+    /// The time limit was reached.
+    Timeout,
+    /// npu-hold received a stop signal.
+    Signal(Signal),
+}
+
+/// What stopping the process tree took.
+#[derive(Debug, Default)]
+pub struct Cleanup {
+    /// Distinct processes that were still alive and got signalled.
+    pub signalled: usize,
+    /// SIGKILL was needed (grace expired or a second stop signal arrived).
+    pub escalated: bool,
+}
+
+/// A running command: its pid (= pgid) and, once reaped, its wait status.
+pub struct Run {
+    pub child: Pid,
+    pub status: Option<WaitStatus>,
+}
+
+impl Run {
+    pub fn new(child: Pid) -> Run {
+        Run {
+            child,
+            status: None,
+        }
+    }
+
+    /// Reap every exited child: the command, and orphans re-parented to us as subreaper.
+    pub fn reap(&mut self) {
+        loop {
+            match waitpid(None::<Pid>, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => break,
+                Ok(ws) => {
+                    if ws.pid() == Some(self.child)
+                        && matches!(ws, WaitStatus::Exited(..) | WaitStatus::Signaled(..))
+                    {
+                        self.status = Some(ws);
+                    }
+                }
+                Err(Errno::EINTR) => continue,
+                Err(_) => break, // ECHILD: nothing left to reap
+            }
+        }
+    }
+
+    /// Wait until the command exits, the deadline passes, or a stop signal arrives.
+    pub fn wait(&mut self, signals: &Signals, deadline: Option<Instant>) -> Ending {
+        loop {
+            self.reap();
+            if self.status.is_some() {
+                return Ending::Exited;
+            }
+            let mut tick = Duration::from_millis(200);
+            if let Some(d) = deadline {
+                let now = Instant::now();
+                if now >= d {
+                    return Ending::Timeout;
+                }
+                tick = tick.min(d - now);
+            }
+            match signals.wait(tick) {
+                Some(Signal::SIGCHLD) | None => {}
+                Some(s) => return Ending::Signal(s),
+            }
+        }
+    }
+
+    /// Stop the command's process group and every descendant of npu-hold: SIGTERM (+SIGCONT),
+    /// SIGKILL after `grace` (or at once on another stop signal), and return only when no
+    /// process of the group and no descendant is left, all reaped.
+    pub fn stop_all(&mut self, signals: &Signals, grace: Duration) -> Cleanup {
+        let me = nix::unistd::getpid().as_raw();
+        let pgid = self.child;
+        let grace_end = Instant::now() + grace;
+        let mut cleanup = Cleanup::default();
+        let mut termed: HashSet<i32> = HashSet::new();
+        let mut group_termed = false;
+        let mut last_note = Instant::now();
+        loop {
+            self.reap();
+            let group_alive = !matches!(killpg(pgid, None), Err(Errno::ESRCH));
+            let descendants = descendants_of(me);
+            if !group_alive && descendants.is_empty() {
+                break;
+            }
+            if !cleanup.escalated && Instant::now() >= grace_end {
+                cleanup.escalated = true;
+            }
+            let outside_group = descendants.iter().filter(|p| p.pgrp != pgid.as_raw());
+            if cleanup.escalated {
+                if group_alive {
+                    let _ = killpg(pgid, Signal::SIGKILL);
+                }
+                for p in outside_group {
+                    let _ = kill(Pid::from_raw(p.pid), Signal::SIGKILL);
+                }
+            } else {
+                if group_alive && !group_termed {
+                    let _ = killpg(pgid, Signal::SIGTERM);
+                    let _ = killpg(pgid, Signal::SIGCONT);
+                    group_termed = true;
+                }
+                for p in outside_group {
+                    if termed.insert(p.pid) {
+                        let _ = kill(Pid::from_raw(p.pid), Signal::SIGTERM);
+                        let _ = kill(Pid::from_raw(p.pid), Signal::SIGCONT);
+                    }
+                }
+            }
+            for p in &descendants {
+                termed.insert(p.pid);
+            }
+            cleanup.signalled = termed.len();
+            if cleanup.escalated && last_note.elapsed() >= Duration::from_secs(5) {
+                let pids: Vec<String> = descendants.iter().map(|p| p.pid.to_string()).collect();
+                tracing::warn!(
+                    "still waiting for processes to die after SIGKILL (uninterruptible?): {}",
+                    pids.join(" ")
+                );
+                last_note = Instant::now();
+            }
+            match signals.wait(Duration::from_millis(20)) {
+                Some(Signal::SIGCHLD) | None => {}
+                Some(s) => {
+                    if !cleanup.escalated {
+                        tracing::info!("{s} while stopping: escalating to SIGKILL now");
+                        cleanup.escalated = true;
+                    }
+                }
+            }
+        }
+        cleanup
+    }
+}
+
+/// Exit code of a wait status, shell style: the exit code, or 128 + the signal number.
+pub fn exit_code(status: &WaitStatus) -> Option<i32> {
+    match status {
+        WaitStatus::Exited(_, code) => Some(*code),
+        WaitStatus::Signaled(_, sig, _) => Some(128 + *sig as i32),
+        _ => None,
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ProcEntry {
+    pid: i32,
+    pgrp: i32,
+}
+
+/// Every process below `root` in the process tree (per /proc), zombies included.
+fn descendants_of(root: i32) -> Vec<ProcEntry> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        tracing::debug!("/proc unreadable: only the process group is tracked");
+        return Vec::new();
+    };
+    let mut children: HashMap<i32, Vec<ProcEntry>> = HashMap::new();
+    for entry in dir.filter_map(|e| e.ok()) {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue; // exited meanwhile
+        };
+        // "pid (comm) state ppid pgrp ...": comm may contain anything, so split after the last ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace().skip(1);
+        let ppid = fields.next().and_then(|f| f.parse::<i32>().ok());
+        let pgrp = fields.next().and_then(|f| f.parse::<i32>().ok());
+        if let (Some(ppid), Some(pgrp)) = (ppid, pgrp) {
+            children
+                .entry(ppid)
+                .or_default()
+                .push(ProcEntry { pid, pgrp });
+        }
+    }
+    let mut out = Vec::new();
+    let mut visited = HashSet::from([root]);
+    let mut stack = vec![root];
+    while let Some(p) = stack.pop() {
+        if let Some(kids) = children.get(&p) {
+            for k in kids {
+                // `visited` guards against a torn /proc snapshot (pid reuse) forming a cycle.
+                if visited.insert(k.pid) {
+                    out.push(*k);
+                    stack.push(k.pid);
+                }
+            }
+        }
+    }
+    out
+}
