@@ -30,12 +30,17 @@ pub struct Signals {
 }
 
 impl Signals {
-    /// Block the signals `npu-hold` handles. Call before any other thread exists. Children get
-    /// an empty signal mask from `std::process::Command`, so the command sees default handling.
+    /// Block the signals `npu-hold` handles. Call before any other thread exists. A stop signal
+    /// that is ignored on entry (`nohup`, a background job of a non-interactive shell) stays
+    /// ignored and is not handled, as a shell would do. The command starts with an empty mask.
     pub fn block() -> nix::Result<Signals> {
         let mut set = SigSet::empty();
         for s in STOP_SIGNALS {
-            set.add(s);
+            if ignored_on_entry(s) {
+                tracing::debug!("{s} is ignored on entry: leaving it ignored");
+            } else {
+                set.add(s);
+            }
         }
         set.add(Signal::SIGCHLD);
         set.thread_block()?;
@@ -57,6 +62,20 @@ impl Signals {
             None // timeout (EAGAIN) or EINTR
         }
     }
+}
+
+/// Whether `sig`'s disposition is SIG_IGN.
+fn ignored_on_entry(sig: Signal) -> bool {
+    let mut old = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
+    // SAFETY: a null new action only queries the current one into `old`, a valid, writable
+    // sigaction buffer (zero-initialised, so it is fully initialised even if the call fails).
+    let rc = unsafe { libc::sigaction(sig as libc::c_int, std::ptr::null(), old.as_mut_ptr()) };
+    if rc != 0 {
+        return false;
+    }
+    // SAFETY: zero-initialised above and filled in by sigaction on success.
+    let old = unsafe { old.assume_init() };
+    old.sa_sigaction == libc::SIG_IGN
 }
 
 /// Start `argv` in a new process group (its pgid is its pid), dying with `npu-hold`.
@@ -85,6 +104,17 @@ pub fn spawn(argv: &[OsString], env: &[(&str, String)]) -> io::Result<Pid> {
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
+        // Start the command with no blocked signals (npu-hold blocks its stop signals and SIGCHLD).
+        let mut empty = std::mem::MaybeUninit::<libc::sigset_t>::zeroed();
+        // SAFETY: `empty` is a writable sigset_t; sigemptyset and sigprocmask are
+        // async-signal-safe and only touch it and the calling thread's mask.
+        let rc = unsafe {
+            libc::sigemptyset(empty.as_mut_ptr());
+            libc::sigprocmask(libc::SIG_SETMASK, empty.as_ptr(), std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
         // SAFETY: getppid(2) has no arguments and cannot fail.
         if unsafe { libc::getppid() } != parent {
             // npu-hold died before the death signal was armed.
@@ -93,7 +123,7 @@ pub fn spawn(argv: &[OsString], env: &[(&str, String)]) -> io::Result<Pid> {
         Ok(())
     };
     // SAFETY: `hook` runs in the forked child before exec; it only makes async-signal-safe
-    // syscalls (prctl, getppid) and does not allocate or take locks.
+    // syscalls (prctl, sigprocmask, getppid) and does not allocate or take locks.
     unsafe {
         cmd.pre_exec(hook);
     }
