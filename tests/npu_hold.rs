@@ -281,9 +281,13 @@ sleep 1000
 #[test]
 fn sigterm_to_npu_hold_kills_the_group() {
     let s = Scratch::new("sigterm");
+    // A long grace: the command keeps default SIGTERM handling (npu-hold's blocked signals must
+    // not leak into it), so SIGTERM alone must end it, well before SIGKILL would be sent.
     let mut child = s.spawn(
         "hold",
         &[
+            "--grace",
+            "20s",
             "--",
             "sh",
             "-c",
@@ -294,14 +298,18 @@ fn sigterm_to_npu_hold_kills_the_group() {
         s.path("p1.pid").exists() && s.path("p0.pid").exists()
     });
     sleep(Duration::from_millis(50));
+    let start = Instant::now();
     signal(child.id(), "TERM");
     let status = finish(&mut child, LIMIT);
-    assert_eq!(
-        status.code(),
-        Some(128 + 15),
-        "stderr: {}",
-        s.stderr("hold")
+    let err = s.stderr("hold");
+    assert_eq!(status.code(), Some(128 + 15), "stderr: {err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
     );
+    assert!(!err.contains("SIGKILL sent"), "stderr: {err}");
+    assert!(err.contains("SIGTERM received"), "stderr: {err}");
     for f in ["p0.pid", "p1.pid"] {
         let pid = s.pid(f);
         assert!(!alive(pid), "{f}: process {pid} survived");
