@@ -13,7 +13,7 @@ mod queue;
 mod supervise;
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -191,7 +191,7 @@ fn nested_seq(dir: &HoldDir) -> Option<u64> {
     let value = std::env::var(ENV_TICKET).ok()?;
     let (root, seq) = value.rsplit_once('#')?;
     let seq: u64 = seq.parse().ok()?;
-    if PathBuf::from(root) != dir.root {
+    if dir.root != Path::new(root) {
         return None;
     }
     let snap = dir.snapshot().ok()?;

@@ -51,7 +51,8 @@ impl Signals {
     pub fn wait(&self, timeout: Duration) -> Option<Signal> {
         let ts = libc::timespec {
             tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
-            tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
+            // < 1e9: fits a c_long everywhere.
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
         };
         // SAFETY: `self.set` is an initialised sigset_t owned by `self`, a null siginfo pointer is
         // allowed by sigtimedwait(2), and `ts` outlives the call.
