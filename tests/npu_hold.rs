@@ -375,6 +375,10 @@ fn three_holders_run_in_fifo_order_and_status_shows_them() {
     wait_until("B queued", LIMIT, || s.queue_labels() == ["beta"]);
     let mut c = s.spawn("c", &["-l", "gamma", "--", "sh", "-c", "echo C >> order"]);
     wait_until("C queued", LIMIT, || s.queue_labels() == ["beta", "gamma"]);
+    let mut d = s.spawn("d", &["-l", "delta", "--", "sh", "-c", "echo D >> order"]);
+    wait_until("D queued", LIMIT, || {
+        s.queue_labels() == ["beta", "gamma", "delta"]
+    });
 
     // --status --json: holder and queue in order.
     let v = s.status_json();
@@ -402,17 +406,17 @@ fn three_holders_run_in_fifo_order_and_status_shows_them() {
     );
     assert!(text.contains("deadline"), "{text}");
     assert!(
-        text.contains("1. 'beta'") && text.contains("2. 'gamma'"),
+        text.contains("1. 'beta'") && text.contains("2. 'gamma'") && text.contains("3. 'delta'"),
         "{text}"
     );
 
     File::create(s.path("release")).expect("release");
-    for (name, child) in [("A", &mut a), ("B", &mut b), ("C", &mut c)] {
+    for (name, child) in [("A", &mut a), ("B", &mut b), ("C", &mut c), ("D", &mut d)] {
         assert_eq!(finish(child, LIMIT).code(), Some(0), "{name}");
     }
     assert_eq!(
         fs::read_to_string(s.path("order")).unwrap_or_default(),
-        "A\nB\nC\n"
+        "A\nB\nC\nD\n"
     );
     let v = s.status_json();
     assert_eq!(v["locked"], false, "{v}");
@@ -455,4 +459,49 @@ fn a_sigkilled_holder_releases_the_ticket() {
     });
     // A's stale ticket is gone from the queue.
     assert_eq!(s.queue_labels(), Vec::<String>::new());
+}
+
+#[test]
+fn leftovers_of_an_exited_command_are_stopped() {
+    let s = Scratch::new("leftover");
+    let code = s.run(
+        "hold",
+        &[
+            "--grace",
+            "20s",
+            "--",
+            "sh",
+            "-c",
+            "sleep 1000 & echo $! > bg.pid; exit 0",
+        ],
+    );
+    let err = s.stderr("hold");
+    assert_eq!(code, Some(0), "stderr: {err}");
+    assert!(err.contains("left 1 process(es) behind"), "stderr: {err}");
+    let pid = s.pid("bg.pid");
+    assert!(!alive(pid), "background process {pid} survived");
+}
+
+#[test]
+fn nested_npu_hold_inside_a_held_run_does_not_deadlock() {
+    let s = Scratch::new("nested");
+    let code = s.run(
+        "outer",
+        &[
+            "-t",
+            "20s",
+            "-l",
+            "outer",
+            "--",
+            BIN,
+            "-l",
+            "inner",
+            "--",
+            "sh",
+            "-c",
+            "echo ok > nested.out",
+        ],
+    );
+    assert_eq!(code, Some(0), "stderr: {}", s.stderr("outer"));
+    assert!(s.path("nested.out").exists());
 }

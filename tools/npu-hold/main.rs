@@ -194,11 +194,12 @@ fn nested_seq(dir: &HoldDir) -> Option<u64> {
     if dir.root != Path::new(root) {
         return None;
     }
-    let snap = dir.snapshot().ok()?;
-    match snap.holder {
-        Some((t, _)) if t.seq == seq => Some(seq),
-        _ => None,
+    // The enclosing run must hold the device now: lock held, its ticket first in the queue.
+    if !dir.device_locked().ok()? {
+        return None;
     }
+    let head = dir.live_tickets().first()?.seq;
+    (head == seq).then_some(seq)
 }
 
 /// Wait until our ticket is the oldest live one and the device lock is ours.
@@ -271,6 +272,22 @@ fn run_held(
         (ENV_TICKET, format!("{}#{seq}", dir.root.display())),
         ("NPU_HOLD_LABEL", label.to_string()),
     ];
+    let mut holder = HolderInfo {
+        seq,
+        child_pid: None,
+        since_ms,
+        deadline_ms,
+        state: "starting".into(),
+    };
+    let publish = |h: &HolderInfo| {
+        if let Some(t) = ticket {
+            if let Err(e) = dir.write_holder(t, h) {
+                tracing::warn!("{e}");
+            }
+        }
+    };
+    // Published before the command starts, so anything it runs already sees the holder.
+    publish(&holder);
     let child = match supervise::spawn(&cli.command, &env) {
         Ok(pid) => pid,
         Err(e) => {
@@ -282,20 +299,8 @@ fn run_held(
             };
         }
     };
-    let mut holder = HolderInfo {
-        seq,
-        child_pid: u32::try_from(child.as_raw()).ok(),
-        since_ms,
-        deadline_ms,
-        state: "running".into(),
-    };
-    let publish = |h: &HolderInfo| {
-        if let Some(t) = ticket {
-            if let Err(e) = dir.write_holder(t, h) {
-                tracing::warn!("{e}");
-            }
-        }
-    };
+    holder.child_pid = u32::try_from(child.as_raw()).ok();
+    holder.state = "running".into();
     publish(&holder);
 
     let mut run = Run::new(child);
