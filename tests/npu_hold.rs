@@ -505,3 +505,30 @@ fn nested_npu_hold_inside_a_held_run_does_not_deadlock() {
     assert_eq!(code, Some(0), "stderr: {}", s.stderr("outer"));
     assert!(s.path("nested.out").exists());
 }
+
+#[test]
+fn the_command_gets_the_terminal_when_npu_hold_has_it() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: util-linux `script` (to get a pseudo-terminal) is not installed");
+        return;
+    }
+    let s = Scratch::new("tty");
+    fs::write(s.path("input"), "hello\n").expect("write input");
+    let out = s.path("got");
+    // In its own process group the command could not read the terminal (SIGTTIN) unless
+    // npu-hold makes that group the terminal's foreground group.
+    let inner = format!("{BIN} -- sh -c 'read x; echo got:$x > {}'", out.display());
+    let mut child = Command::new("script")
+        .args(["-qec", &inner, "/dev/null"])
+        .env("XDNA_HOLD_DIR", s.hold_dir())
+        .env("XDNA_DEVICE", s.path("accel-test"))
+        .env_remove("XDNA_HOLD_TICKET")
+        .stdin(File::open(s.path("input")).expect("input"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn script");
+    let status = finish(&mut child, Duration::from_secs(15));
+    assert!(status.success(), "{status:?}");
+    assert_eq!(fs::read_to_string(&out).unwrap_or_default(), "got:hello\n");
+}

@@ -288,9 +288,13 @@ fn run_held(
     };
     // Published before the command starts, so anything it runs already sees the holder.
     publish(&holder);
-    let child = match supervise::spawn(&cli.command, &env) {
+    let foreground = supervise::stdin_is_our_terminal();
+    let child = match supervise::spawn(&cli.command, &env, foreground) {
         Ok(pid) => pid,
         Err(e) => {
+            if foreground {
+                supervise::restore_terminal();
+            }
             let name = cli.command[0].to_string_lossy();
             say!("cannot run '{name}': {e}");
             return match e.kind() {
@@ -323,6 +327,9 @@ fn run_held(
     };
     publish(&holder);
     let cleanup = run.stop_all(signals, cli.grace);
+    if foreground {
+        supervise::restore_terminal();
+    }
     if cleanup.escalated {
         say!("SIGKILL sent: processes of '{label}' were still alive after SIGTERM");
     }

@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
-use std::io;
+use std::io::{self, Write};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -43,7 +43,10 @@ impl Signals {
             }
         }
         set.add(Signal::SIGCHLD);
-        set.thread_block()?;
+        let mut mask = set;
+        // Blocked but never waited for: lets tcsetpgrp work after the command took the terminal.
+        mask.add(Signal::SIGTTOU);
+        mask.thread_block()?;
         Ok(Signals { set })
     }
 
@@ -79,8 +82,22 @@ fn ignored_on_entry(sig: Signal) -> bool {
     old.sa_sigaction == libc::SIG_IGN
 }
 
-/// Start `argv` in a new process group (its pgid is its pid), dying with `npu-hold`.
-pub fn spawn(argv: &[OsString], env: &[(&str, String)]) -> io::Result<Pid> {
+/// Whether stdin is a terminal whose foreground process group is ours: then the command gets the
+/// terminal (so it can read it and receives Ctrl-C itself) and gets it back at the end.
+pub fn stdin_is_our_terminal() -> bool {
+    let stdin = std::io::stdin();
+    std::io::IsTerminal::is_terminal(&stdin)
+        && nix::unistd::tcgetpgrp(&stdin).ok() == Some(nix::unistd::getpgrp())
+}
+
+/// Give the terminal on stdin back to npu-hold's process group.
+pub fn restore_terminal() {
+    let _ = nix::unistd::tcsetpgrp(std::io::stdin(), nix::unistd::getpgrp());
+}
+
+/// Start `argv` in a new process group (its pgid is its pid), dying with `npu-hold`. With
+/// `foreground`, the new group becomes the foreground group of the terminal on stdin.
+pub fn spawn(argv: &[OsString], env: &[(&str, String)], foreground: bool) -> io::Result<Pid> {
     let Some((program, args)) = argv.split_first() else {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty command"));
     };
@@ -105,6 +122,15 @@ pub fn spawn(argv: &[OsString], env: &[(&str, String)]) -> io::Result<Pid> {
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
+        if foreground {
+            // SAFETY: setpgid, getpid and tcsetpgrp take no pointers and are async-signal-safe.
+            // SIGTTOU is still blocked here (inherited), so tcsetpgrp from the new, background
+            // group succeeds. Errors are ignored: the parent makes the same call.
+            unsafe {
+                libc::setpgid(0, 0);
+                libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpid());
+            }
+        }
         // Start the command with no blocked signals (npu-hold blocks its stop signals and SIGCHLD).
         let mut empty = std::mem::MaybeUninit::<libc::sigset_t>::zeroed();
         // SAFETY: `empty` is a writable sigset_t; sigemptyset and sigprocmask are
@@ -124,13 +150,18 @@ pub fn spawn(argv: &[OsString], env: &[(&str, String)]) -> io::Result<Pid> {
         Ok(())
     };
     // SAFETY: `hook` runs in the forked child before exec; it only makes async-signal-safe
-    // syscalls (prctl, sigprocmask, getppid) and does not allocate or take locks.
+    // syscalls (prctl, setpgid, tcsetpgrp, sigprocmask, getppid) and does not allocate or take
+    // locks.
     unsafe {
         cmd.pre_exec(hook);
     }
     let child = cmd.spawn()?;
     let pid = i32::try_from(child.id())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "child pid out of range"))?;
+    if foreground {
+        // Same call as in the child, whichever runs first (as shells do).
+        let _ = nix::unistd::tcsetpgrp(std::io::stdin(), Pid::from_raw(pid));
+    }
     // `child` is dropped without waiting: this module reaps with waitpid(-1).
     Ok(Pid::from_raw(pid))
 }
@@ -159,6 +190,7 @@ pub struct Cleanup {
 pub struct Run {
     pub child: Pid,
     pub status: Option<WaitStatus>,
+    told_stopped: bool,
 }
 
 impl Run {
@@ -166,14 +198,19 @@ impl Run {
         Run {
             child,
             status: None,
+            told_stopped: false,
         }
     }
 
     /// Reap every exited child: the command, and orphans re-parented to us as subreaper.
     pub fn reap(&mut self) {
         loop {
-            match waitpid(None::<Pid>, Some(WaitPidFlag::WNOHANG)) {
+            match waitpid(
+                None::<Pid>,
+                Some(WaitPidFlag::WNOHANG | WaitPidFlag::WUNTRACED),
+            ) {
                 Ok(WaitStatus::StillAlive) => break,
+                Ok(WaitStatus::Stopped(pid, sig)) => self.stopped(pid, sig),
                 Ok(ws) => {
                     if ws.pid() == Some(self.child)
                         && matches!(ws, WaitStatus::Exited(..) | WaitStatus::Signaled(..))
@@ -183,6 +220,28 @@ impl Run {
                 }
                 Err(Errno::EINTR) => continue,
                 Err(_) => break, // ECHILD: nothing left to reap
+            }
+        }
+    }
+
+    /// A process of ours was stopped. A suspended held run would keep the device for nothing, so
+    /// Ctrl-Z (SIGTSTP) and SIGSTOP are undone; a stop on terminal I/O (SIGTTIN/SIGTTOU: npu-hold
+    /// runs in the background) is left alone, or resuming it would spin.
+    fn stopped(&mut self, pid: Pid, sig: Signal) {
+        let resume = matches!(sig, Signal::SIGTSTP | Signal::SIGSTOP);
+        if !self.told_stopped {
+            self.told_stopped = true;
+            let mut err = io::stderr();
+            let _ = if resume {
+                writeln!(err, "npu-hold: {sig} stopped process {pid}; a held run cannot be suspended: resumed (stop it with Ctrl-C)")
+            } else {
+                writeln!(err, "npu-hold: process {pid} stopped by {sig} (terminal I/O while npu-hold is in the background)")
+            };
+        }
+        if resume {
+            let _ = kill(pid, Signal::SIGCONT);
+            if !matches!(killpg(self.child, None), Err(Errno::ESRCH)) {
+                let _ = killpg(self.child, Signal::SIGCONT);
             }
         }
     }
