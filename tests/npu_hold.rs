@@ -28,6 +28,7 @@ impl Scratch {
             std::process::id()
         ));
         fs::create_dir_all(&dir).expect("create scratch dir");
+        let dir = fs::canonicalize(&dir).expect("canonical scratch dir");
         Scratch { dir }
     }
 

@@ -148,13 +148,16 @@ impl HoldDir {
     /// `$XDG_RUNTIME_DIR/xdna-hold/<basename>` and `/tmp/xdna-hold/<basename>`.
     pub fn resolve(device: &Path) -> Result<HoldDir, QueueError> {
         if let Some(dir) = std::env::var_os("XDNA_HOLD_DIR").filter(|v| !v.is_empty()) {
-            let root = PathBuf::from(dir);
-            let hold = HoldDir {
-                root,
+            let mut hold = HoldDir {
+                root: PathBuf::from(dir),
                 shared: false,
             };
             hold.prepare()
                 .map_err(io_err("use XDNA_HOLD_DIR", &hold.root))?;
+            // Absolute, so commands that change directory still name the same place.
+            if let Ok(abs) = fs::canonicalize(&hold.root) {
+                hold.root = abs;
+            }
             return Ok(hold);
         }
         let key = device
