@@ -21,6 +21,15 @@ impl Counters {
             .values()
             .fold(0u64, |a, b| a.saturating_add(*b))
     }
+
+    /// Keep, per context, the highest count seen in `self` or `other` (counts only grow while a
+    /// context lives; contexts that appeared during the run are kept after they are gone).
+    pub fn merge_max(&mut self, other: &Counters) {
+        for (ctx, &n) in &other.per_context {
+            let e = self.per_context.entry(*ctx).or_insert(n);
+            *e = (*e).max(n);
+        }
+    }
 }
 
 /// Where error counters come from. The device layer implements this once GET_ARRAY HW_CONTEXT_ALL
@@ -42,7 +51,10 @@ impl ErrorCounterSource for PendingDeviceLayer {
             );
             return None;
         }
-        // TODO(device layer): open the node and read HW_CONTEXT_ALL error counts here.
+        // TODO(device layer): once branch `device` is merged, this is
+        //   XdnaDevice::open(device)?.hw_contexts()? -> Vec<HwContextEntry>
+        //   mapped to per_context[e.context_id] = e.errors
+        // (runtime/device/xdna.rs: GET_ARRAY HW_CONTEXT_ALL, legacy QUERY_HW_CONTEXTS fallback).
         tracing::debug!(
             "device {}: error counter query (GET_ARRAY HW_CONTEXT_ALL) not wired yet; counters unknown",
             device.display()
@@ -104,6 +116,21 @@ mod tests {
             ]
         );
         assert_eq!(c(&[(1, 5), (7, 1)]).total(), 6);
+    }
+
+    #[test]
+    fn merging_keeps_contexts_that_came_and_went() {
+        let mut seen = c(&[(1, 2)]);
+        seen.merge_max(&c(&[(1, 3), (9, 1)])); // during the run: context 9 of the command
+        seen.merge_max(&c(&[(1, 3)])); // after: context 9 destroyed with its process
+        assert_eq!(seen, c(&[(1, 3), (9, 1)]));
+        assert_eq!(
+            describe_change(&c(&[(1, 2)]), &seen),
+            vec![
+                "context 1: errors 2 -> 3".to_string(),
+                "context 9 (new): 1 errors".to_string()
+            ]
+        );
     }
 
     #[test]

@@ -295,7 +295,11 @@ fn run_held(
             if foreground {
                 supervise::restore_terminal();
             }
-            let name = cli.command[0].to_string_lossy();
+            let name = cli
+                .command
+                .first()
+                .map(|c| c.to_string_lossy())
+                .unwrap_or_default();
             say!("cannot run '{name}': {e}");
             return match e.kind() {
                 std::io::ErrorKind::NotFound => EXIT_NOT_FOUND,
@@ -308,7 +312,14 @@ fn run_held(
     publish(&holder);
 
     let mut run = Run::new(child);
-    let ending = run.wait(signals, deadline);
+    // Contexts live only as long as their process: those the command creates are gone by the
+    // time it exits, so counters are also sampled during the run (per context, highest count seen).
+    let mut seen = before.clone();
+    let ending = run.wait(signals, deadline, || {
+        if let Some(now) = counters::read_error_counters(&cli.device) {
+            seen.get_or_insert_with(Default::default).merge_max(&now);
+        }
+    });
     let grace = format_duration(cli.grace);
     match ending {
         Ending::Exited => {}
@@ -340,7 +351,13 @@ fn run_held(
         );
     }
 
-    let after = counters::read_error_counters(&cli.device);
+    let after = match (seen, counters::read_error_counters(&cli.device)) {
+        (Some(mut seen), Some(last)) => {
+            seen.merge_max(&last);
+            Some(seen)
+        }
+        (seen, last) => last.or(seen),
+    };
     if let (Some(b), Some(a)) = (&before, &after) {
         let changes = counters::describe_change(b, a);
         if !changes.is_empty() {

@@ -166,6 +166,9 @@ pub fn spawn(argv: &[OsString], env: &[(&str, String)], foreground: bool) -> io:
     Ok(Pid::from_raw(pid))
 }
 
+/// How often [`Run::wait`] samples (device error counters).
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+
 /// Why the run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -246,9 +249,20 @@ impl Run {
         }
     }
 
-    /// Wait until the command exits, the deadline passes, or a stop signal arrives.
-    pub fn wait(&mut self, signals: &Signals, deadline: Option<Instant>) -> Ending {
+    /// Wait until the command exits, the deadline passes, or a stop signal arrives. `sample`
+    /// runs about once a second meanwhile.
+    pub fn wait(
+        &mut self,
+        signals: &Signals,
+        deadline: Option<Instant>,
+        mut sample: impl FnMut(),
+    ) -> Ending {
+        let mut next_sample = Instant::now() + SAMPLE_EVERY;
         loop {
+            if Instant::now() >= next_sample {
+                sample();
+                next_sample = Instant::now() + SAMPLE_EVERY;
+            }
             self.reap();
             if self.status.is_some() {
                 return Ending::Exited;
