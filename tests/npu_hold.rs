@@ -328,7 +328,7 @@ fn two_holders_serialize() {
             "--",
             "sh",
             "-c",
-            "date +%s%N > a.start.tmp && mv a.start.tmp a.start; sleep 1; date +%s%N > a.end",
+            "date +%s%N > a.start.tmp && mv a.start.tmp a.start; sleep 2; date +%s%N > a.end",
         ],
     );
     wait_until("A to start", LIMIT, || s.path("a.start").exists());

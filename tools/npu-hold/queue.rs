@@ -144,7 +144,8 @@ fn pid_alive(pid: u32) -> bool {
 }
 
 impl HoldDir {
-    /// `$XDNA_HOLD_DIR` if set; else `/run/xdna-hold/<device basename>`, falling back to
+    /// `$XDNA_HOLD_DIR` if set; else `/run/xdna-hold/<device basename>` (of the device path with
+    /// symlinks resolved), falling back to
     /// `$XDG_RUNTIME_DIR/xdna-hold/<basename>` and `/tmp/xdna-hold/<basename>`.
     pub fn resolve(device: &Path) -> Result<HoldDir, QueueError> {
         if let Some(dir) = std::env::var_os("XDNA_HOLD_DIR").filter(|v| !v.is_empty()) {
@@ -160,7 +161,9 @@ impl HoldDir {
             }
             return Ok(hold);
         }
-        let key = device
+        // A symlink (e.g. /dev/accel/by-path/...) names the same lock as its target.
+        let real = fs::canonicalize(device).unwrap_or_else(|_| device.to_path_buf());
+        let key = real
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .filter(|n| !n.is_empty() && n != "..")
