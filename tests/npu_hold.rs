@@ -533,3 +533,43 @@ fn the_command_gets_the_terminal_when_npu_hold_has_it() {
     assert!(status.success(), "{status:?}");
     assert_eq!(fs::read_to_string(&out).unwrap_or_default(), "got:hello\n");
 }
+
+#[test]
+fn a_waiter_interrupted_in_the_queue_leaves_it() {
+    let s = Scratch::new("leave");
+    let mut a = s.spawn(
+        "a",
+        &[
+            "-l",
+            "A",
+            "-t",
+            "25s",
+            "--",
+            "sh",
+            "-c",
+            "echo A > a.started; while [ ! -e release ]; do sleep 0.05; done",
+        ],
+    );
+    wait_until("A to hold", LIMIT, || s.path("a.started").exists());
+    let mut b = s.spawn("b", &["-l", "B", "--", "sh", "-c", "echo B > b.ran"]);
+    wait_until("B queued", LIMIT, || s.queue_labels() == ["B"]);
+    signal(b.id(), "INT");
+    assert_eq!(
+        finish(&mut b, LIMIT).code(),
+        Some(128 + 2),
+        "{}",
+        s.stderr("b")
+    );
+    assert!(
+        s.stderr("b").contains("left the queue"),
+        "{}",
+        s.stderr("b")
+    );
+    assert_eq!(s.queue_labels(), Vec::<String>::new());
+    File::create(s.path("release")).expect("release");
+    assert_eq!(finish(&mut a, LIMIT).code(), Some(0));
+    assert!(
+        !s.path("b.ran").exists(),
+        "B ran its command after being interrupted"
+    );
+}
