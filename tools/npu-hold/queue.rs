@@ -13,7 +13,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -247,10 +247,23 @@ impl HoldDir {
             .create(true)
             .truncate(false)
             .mode(0o666)
+            // Shared, world-writable directory: never follow a planted symlink.
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(io_err("open", &path))?;
+        let meta = file.metadata().map_err(io_err("stat", &path))?;
+        if !meta.is_file() || meta.nlink() != 1 {
+            return Err(QueueError::Io {
+                what: "use",
+                path,
+                source: io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "not a plain file with a single link (tampered lock directory?)",
+                ),
+            });
+        }
         if self.shared {
-            let _ = fs::set_permissions(&path, fs::Permissions::from_mode(0o666));
+            let _ = file.set_permissions(fs::Permissions::from_mode(0o666));
         }
         Ok((file, path))
     }
@@ -297,6 +310,7 @@ impl HoldDir {
         let tmp = self
             .queue_dir()
             .join(format!(".tmp-{}-{seq}.ticket", std::process::id()));
+        let _ = fs::remove_file(&tmp); // a leftover of an earlier process with our pid
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -360,8 +374,12 @@ impl HoldDir {
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = qdir.join(&name);
             if let Some(seq) = parse_seq(&name, ".ticket") {
-                let Ok(file) = File::open(&path) else {
-                    continue; // removed meanwhile
+                let opened = OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&path);
+                let Ok(file) = opened else {
+                    continue; // removed meanwhile (or a planted symlink: ignored)
                 };
                 match Flock::lock(file, FlockArg::LockSharedNonblock) {
                     Ok(mut lock) => {
@@ -452,7 +470,19 @@ impl HoldDir {
             .queue_dir()
             .join(format!(".tmp-{}-{}.holder", std::process::id(), info.seq));
         let json = serde_json::to_vec(info).unwrap_or_default();
-        fs::write(&tmp, json).map_err(io_err("write", &tmp))?;
+        // A fresh file (O_EXCL: a planted symlink or file under this name is removed, not followed).
+        let _ = fs::remove_file(&tmp);
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&tmp)
+            .map_err(io_err("create", &tmp))?;
+        if let Err(e) = file.write_all(&json) {
+            let _ = fs::remove_file(&tmp);
+            return Err(io_err("write", &tmp)(e));
+        }
+        drop(file);
         fs::rename(&tmp, &ticket.holder_path).map_err(|e| {
             let _ = fs::remove_file(&tmp);
             io_err("publish holder record", &ticket.holder_path)(e)
