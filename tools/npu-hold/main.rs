@@ -158,7 +158,23 @@ fn hold(cli: &Cli) -> Result<i32, BoxError> {
     if let Some(seq) = nested {
         tracing::info!("inside held run (ticket {seq}): running without queueing");
     } else {
-        let ticket = dir.take_ticket(label.clone(), command.clone(), cli.timeout)?;
+        let mut interrupted = None;
+        let mut give_up = || match signals.wait(Duration::from_millis(10)) {
+            Some(Signal::SIGCHLD) | None => false,
+            Some(sig) => {
+                interrupted = Some(sig);
+                true
+            }
+        };
+        let taken = dir.take_ticket(label.clone(), command.clone(), cli.timeout, &mut give_up);
+        let ticket = match (taken, interrupted) {
+            (Ok(ticket), _) => ticket,
+            (Err(_), Some(sig)) => {
+                say!("{sig} while taking a ticket for {}", cli.device.display());
+                return Ok(128 + sig as i32);
+            }
+            (Err(e), None) => return Err(e.into()),
+        };
         match wait_turn(&dir, &ticket, &signals, cli)? {
             Ok(lock) => held = Some((ticket, lock)),
             Err(sig) => {

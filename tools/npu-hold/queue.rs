@@ -37,6 +37,8 @@ pub enum QueueError {
         path: PathBuf,
         errno: Errno,
     },
+    #[error("interrupted while taking a ticket")]
+    GaveUp,
     #[error("no usable lock directory for device {device} (tried {tried})")]
     NoDir { device: String, tried: String },
 }
@@ -274,16 +276,28 @@ impl HoldDir {
         label: String,
         command: Vec<String>,
         timeout: Option<Duration>,
+        give_up: &mut dyn FnMut() -> bool,
     ) -> Result<Ticket, QueueError> {
-        let (seq_file, seq_path) = self.open_shared_file("seq")?;
-        let mut seq_lock =
-            Flock::lock(seq_file, FlockArg::LockExclusive).map_err(|(_, errno)| {
-                QueueError::Lock {
-                    what: "lock",
-                    path: seq_path.clone(),
-                    errno,
+        let (mut seq_file, seq_path) = self.open_shared_file("seq")?;
+        // Held for microseconds by others; polled so that `give_up` (a signal) can end the wait.
+        let mut seq_lock = loop {
+            match Flock::lock(seq_file, FlockArg::LockExclusiveNonblock) {
+                Ok(lock) => break lock,
+                Err((file, Errno::EWOULDBLOCK)) => {
+                    if give_up() {
+                        return Err(QueueError::GaveUp);
+                    }
+                    seq_file = file;
                 }
-            })?;
+                Err((_, errno)) => {
+                    return Err(QueueError::Lock {
+                        what: "lock",
+                        path: seq_path,
+                        errno,
+                    })
+                }
+            }
+        };
         let mut text = String::new();
         seq_lock
             .read_to_string(&mut text)
