@@ -1,8 +1,9 @@
 //! Device error counters recorded before and after a held run.
 //!
-//! The device layer (branch `device`) will provide per-hardware-context error counts from
-//! `DRM_IOCTL_AMDXDNA_GET_ARRAY` / `HW_CONTEXT_ALL`. Until it lands, [`read_error_counters`] reports
-//! `None` ("unknown") for every device; it never invents numbers.
+//! Per-hardware-context error counts come from the device layer's query-only handle
+//! ([`xdna::device::DeviceMonitor`]: `DRM_IOCTL_AMDXDNA_GET_ARRAY` `HW_CONTEXT_ALL`, or the legacy
+//! `QUERY_HW_CONTEXTS`), which creates no heap or context of its own. When the device is absent or
+//! the driver cannot report contexts, the counters are `None` ("unknown"); numbers are never invented.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -32,40 +33,32 @@ impl Counters {
     }
 }
 
-/// Where error counters come from. The device layer implements this once GET_ARRAY HW_CONTEXT_ALL
-/// is available; [`PendingDeviceLayer`] is the placeholder used until then.
-pub trait ErrorCounterSource {
-    /// `None` when the counters cannot be read (device absent, query unsupported, ...).
-    fn read_error_counters(&self, device: &Path) -> Option<Counters>;
-}
-
-/// Placeholder source: knows whether the device node exists, cannot query it yet.
-pub struct PendingDeviceLayer;
-
-impl ErrorCounterSource for PendingDeviceLayer {
-    fn read_error_counters(&self, device: &Path) -> Option<Counters> {
-        if !device.exists() {
-            tracing::debug!(
-                "device {} absent: no error counters recorded",
-                device.display()
-            );
+/// Read the error counters of `device`: `None` when they cannot be read (device absent, not
+/// amdxdna, query unsupported); the reason is logged at debug level.
+pub fn read_error_counters(device: &Path) -> Option<Counters> {
+    let monitor = match xdna::device::DeviceMonitor::open(device) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::debug!("no error counters for {}: {e}", device.display());
             return None;
         }
-        // TODO(device layer): once branch `device` is merged, this is
-        //   XdnaDevice::open(device)?.hw_contexts()? -> Vec<HwContextEntry>
-        //   mapped to per_context[e.context_id] = e.errors
-        // (runtime/device/xdna.rs: GET_ARRAY HW_CONTEXT_ALL, legacy QUERY_HW_CONTEXTS fallback).
-        tracing::debug!(
-            "device {}: error counter query (GET_ARRAY HW_CONTEXT_ALL) not wired yet; counters unknown",
-            device.display()
-        );
-        None
+    };
+    match monitor.hw_contexts() {
+        Ok(Some(entries)) => Some(Counters {
+            per_context: entries.iter().map(|e| (e.context_id, e.errors)).collect(),
+        }),
+        Ok(None) => {
+            tracing::debug!(
+                "{}: the driver reports no hardware-context list; counters unknown",
+                device.display()
+            );
+            None
+        }
+        Err(e) => {
+            tracing::debug!("{}: {e}", device.display());
+            None
+        }
     }
-}
-
-/// Read the error counters of `device` with the current source.
-pub fn read_error_counters(device: &Path) -> Option<Counters> {
-    PendingDeviceLayer.read_error_counters(device)
 }
 
 /// Human-readable lines for every change between `before` and `after` (empty when unchanged).
