@@ -1,0 +1,412 @@
+//! The fake amdxdna device (tools/xdna-shim) driven with raw ioctls from a child process started
+//! with `LD_PRELOAD`. Each `#[test]` here is a parent that re-executes this binary running one
+//! `child_*` body; the `child_*` tests do nothing unless they are that child.
+//!
+//! Needs `target/<profile>/libxdna_shim.so`: `cargo build --workspace` first.
+
+mod shim_support;
+
+use shim_support::*;
+
+fn f32s(b: &[u8], n: usize) -> Vec<f32> {
+    b[..4 * n].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn put_f32s(b: &mut [u8], xs: &[f32]) {
+    for (i, x) in xs.iter().enumerate() {
+        b[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_round_trip() {
+    if !is_child("child_round_trip") {
+        return;
+    }
+    let d = Raw::open();
+    let mut v = [0u8; 64];
+    let mut name = [0u8; 64];
+    put64(&mut v, 16, name.len() as u64);
+    put64(&mut v, 24, name.as_mut_ptr() as u64);
+    d.ioctl(DRM_VERSION, &mut v).unwrap();
+    let n = get64(&v, 16) as usize;
+    assert_eq!(&name[..n], b"amdxdna_accel_driver");
+    assert_eq!((get32(&v, 0), get32(&v, 4)), (0, 16));
+    let mut meta = [0u8; 64];
+    d.get_info(1, &mut meta).unwrap();
+    assert_eq!(u16::from_le_bytes([meta[4], meta[5]]), 8, "columns");
+    assert_eq!(u16::from_le_bytes([meta[16], meta[17]]), 4, "core rows");
+    let mut fw = [0u8; 16];
+    d.get_info(8, &mut fw).unwrap();
+    assert_eq!((get32(&fw, 0), get32(&fw, 12)), (1, 380));
+
+    let s = Setup::new(&d, 4096);
+    assert_eq!(s.a_addr, s.a_map.ptr as u64, "SHARE xdna_addr is the first mapping's VA (PASID mode)");
+    assert_eq!(s.instr_addr % (32 << 10), 0, "DEV BOs are 32 KiB-aligned");
+    let xs: Vec<f32> = (0..1024).map(|i| i as f32).collect();
+    put_f32s(s.a_map.bytes(), &xs);
+
+    // copy a -> b
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4, "COMPLETED");
+    assert_eq!(f32s(s.b_map.bytes(), 1024), xs);
+
+    // axpy: b = 2.5 a + b  (b == a now) => 3.5 a
+    assert_eq!(s.run(&d, &shim_image(2, 2.5)).unwrap(), 4, "COMPLETED");
+    let want: Vec<f32> = xs.iter().map(|x| 3.5 * x).collect();
+    assert_eq!(f32s(s.b_map.bytes(), 1024), want);
+
+    // seq counts from 0 per context: the next submission is seq 2; point 3 was never submitted.
+    assert_eq!(d.wait(s.syncobj, 3), Err(libc::ETIME));
+    s.teardown(&d);
+    drop(d);
+    println!("child ok");
+}
+
+#[test]
+fn round_trip_moves_data_and_leaks_nothing() {
+    let r = run_child("child_round_trip", &[]);
+    r.assert_ok_no_leaks();
+    assert_eq!(r.stats.len(), 1);
+    assert_eq!(r.stats[0]["execs"], 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_injected_exec_fault() {
+    if !is_child("child_injected_exec_fault") {
+        return;
+    }
+    let want: u32 = std::env::var("WANT_STATE").unwrap().parse().unwrap();
+    let d = Raw::open();
+    let s = Setup::new(&d, 4096);
+    put_f32s(s.a_map.bytes(), &[1.0; 1024]);
+    let state = s.run(&d, &shim_image(1, 0.0)).unwrap();
+    assert_eq!(state, want);
+    // Error states trash the payload (upstream driver behaviour) and skip the work.
+    assert!(s.cmd_map.bytes()[4..44].iter().all(|&b| b == 0xff), "payload overwritten with 0xFF");
+    assert_eq!(f32s(s.b_map.bytes(), 4), [0.0; 4], "the failed command did not run");
+    // The second command is not affected.
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn injected_exec_faults_end_in_their_state() {
+    for (name, state) in [("ERROR", "5"), ("TIMEOUT", "8"), ("ABORT", "6")] {
+        let r = run_child("child_injected_exec_fault", &[("XDNA_SHIM_FAIL_EXEC", &format!("1:{name}")), ("WANT_STATE", state)]);
+        r.assert_ok_no_leaks();
+        assert!(r.stderr.contains(&format!("forced to {name}")), "log names the injected state\n{}", r.stderr);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_ioctl_errno() {
+    if !is_child("child_ioctl_errno") {
+        return;
+    }
+    let d = Raw::open();
+    let heap = d.create_bo(BO_DEV_HEAP, HEAP_SIZE).unwrap();
+    let a = d.create_bo(BO_SHARE, 4096).unwrap();
+    assert_eq!(d.create_bo(BO_SHARE, 4096), Err(libc::ENOMEM), "3rd CREATE_BO fails as injected");
+    let c = d.create_bo(BO_SHARE, 4096).unwrap();
+    for h in [c, a, heap] {
+        d.gem_close(h).unwrap();
+    }
+    println!("child ok");
+}
+
+#[test]
+fn injected_ioctl_errno_is_returned_once() {
+    let r = run_child("child_ioctl_errno", &[("XDNA_SHIM_IOCTL_ERRNO", "CREATE_BO:ENOMEM@3")]);
+    r.assert_ok_no_leaks();
+    assert!(r.stderr.contains("CREATE_BO: ENOMEM"), "{}", r.stderr);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_ordering() {
+    if !is_child("child_ordering") {
+        return;
+    }
+    let d = Raw::open();
+    assert_eq!(d.create_ctx(16), Err(libc::ENOENT), "context before heap");
+    assert_eq!(d.create_bo(BO_DEV, 4096), Err(libc::EINVAL), "DEV BO before heap");
+    let heap = d.create_bo(BO_DEV_HEAP, HEAP_SIZE).unwrap();
+    assert_eq!(d.create_bo(BO_DEV, 4096), Err(libc::EAGAIN), "DEV BO before the heap is mapped");
+    assert_eq!(d.create_ctx(16), Err(libc::EINVAL), "context before the heap is mapped");
+    assert_eq!(d.create_bo(BO_DEV_HEAP, HEAP_SIZE), Err(libc::EBUSY), "second heap");
+    let m = d.map(heap, HEAP_SIZE as usize).unwrap();
+    let dev = d.create_bo(BO_DEV, 4096).unwrap();
+    assert_eq!(d.bo_info(dev).unwrap().0, !0, "DEV BOs have no map offset");
+    assert_eq!(d.bo_info(dev).unwrap().1, m.ptr as u64 + (d.bo_info(dev).unwrap().2 - 0x0400_0000));
+    d.gem_close(dev).unwrap();
+    d.gem_close(heap).unwrap();
+    println!("child ok");
+}
+
+#[test]
+fn context_before_heap_is_enoent_with_advice() {
+    let r = run_child("child_ordering", &[]);
+    r.assert_ok_no_leaks();
+    assert!(r.stderr.contains("CREATE_HWCTX: ENOENT"), "{}", r.stderr);
+    assert!(r.stderr.contains("create the 64 MiB DEV_HEAP BO and mmap it before creating a hardware context"), "{}", r.stderr);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_context_limit() {
+    if !is_child("child_context_limit") {
+        return;
+    }
+    let d = Raw::open();
+    let heap = d.create_bo(BO_DEV_HEAP, HEAP_SIZE).unwrap();
+    let _m = d.map(heap, HEAP_SIZE as usize).unwrap();
+    let mut res = [0u8; 40];
+    d.get_info(12, &mut res).unwrap();
+    assert_eq!(get64(&res, 16), 3, "npu_task_max = context limit");
+    let ctxs: Vec<(u32, u32)> = (0..3).map(|_| d.create_ctx(4).unwrap()).collect();
+    assert_eq!(d.create_ctx(4), Err(libc::EBUSY), "limit + 1");
+    assert_eq!(d.create_ctx(0), Err(libc::EINVAL), "num_tiles / core_rows = 0 columns");
+    assert_eq!(d.create_ctx(4 * 9), Err(libc::EINVAL), "9 columns on an 8-column device");
+    // The array query sees them.
+    let mut arr = vec![0u8; 160 * 8];
+    let mut g = [0u8; 24];
+    put32(&mut g, 4, 160);
+    put32(&mut g, 8, 8);
+    put64(&mut g, 16, arr.as_mut_ptr() as u64);
+    d.ioctl(GET_ARRAY, &mut g).unwrap();
+    assert_eq!(get32(&g, 8), 3);
+    let (c0, s0) = ctxs[0];
+    d.destroy_ctx(c0).unwrap();
+    d.syncobj_destroy(s0).unwrap();
+    let again = d.create_ctx(4).unwrap();
+    for (c, s) in ctxs[1..].iter().copied().chain([again]) {
+        d.syncobj_destroy(s).unwrap();
+        d.destroy_ctx(c).unwrap();
+    }
+    assert_eq!(d.destroy_ctx(again.0), Err(libc::EINVAL), "double destroy");
+    d.gem_close(heap).unwrap();
+    println!("child ok");
+}
+
+#[test]
+fn context_limit_plus_one_is_ebusy() {
+    run_child("child_context_limit", &[("XDNA_SHIM_CONTEXT_LIMIT", "3")]).assert_ok_no_leaks();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_mbz() {
+    if !is_child("child_mbz") {
+        return;
+    }
+    let d = Raw::open();
+    let heap = d.create_bo(BO_DEV_HEAP, HEAP_SIZE).unwrap();
+    let _m = d.map(heap, HEAP_SIZE as usize).unwrap();
+    // CREATE_HWCTX.ext
+    let qos = [0u8; 32];
+    let mut b = [0u8; 56];
+    put64(&mut b, 0, 1);
+    put64(&mut b, 16, qos.as_ptr() as u64);
+    put32(&mut b, 36, 4);
+    assert_eq!(d.ioctl(CREATE_HWCTX, &mut b), Err(libc::EINVAL));
+    // CREATE_HWCTX with an unreadable QoS pointer
+    let mut b = [0u8; 56];
+    put64(&mut b, 16, 8);
+    put32(&mut b, 36, 4);
+    assert_eq!(d.ioctl(CREATE_HWCTX, &mut b), Err(libc::EFAULT));
+    // GET_BO_INFO.pad
+    let mut b = [0u8; 48];
+    put32(&mut b, 16, heap);
+    put32(&mut b, 20, 1);
+    assert_eq!(d.ioctl(GET_BO_INFO, &mut b), Err(libc::EINVAL));
+    // CREATE_BO.flags
+    let mut b = [0u8; 32];
+    put64(&mut b, 0, 1);
+    put64(&mut b, 16, 4096);
+    put32(&mut b, 24, BO_SHARE);
+    assert_eq!(d.ioctl(CREATE_BO, &mut b), Err(libc::EINVAL));
+    // GEM_CLOSE.pad, unknown handles
+    let mut b = [0u8; 8];
+    put32(&mut b, 0, heap);
+    put32(&mut b, 4, 1);
+    assert_eq!(d.ioctl(GEM_CLOSE, &mut b), Err(libc::EINVAL));
+    assert_eq!(d.gem_close(999), Err(libc::EINVAL));
+    assert_eq!(d.syncobj_destroy(999), Err(libc::EINVAL));
+    // A bad argument pointer is EFAULT, not a crash.
+    // SAFETY: deliberately passing an invalid pointer; the shim must return EFAULT.
+    let r = unsafe { libc::ioctl(d.fd, CREATE_BO as libc::c_ulong, 16usize as *mut u8) };
+    assert_eq!((r, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EFAULT)));
+    // Invalid BO type
+    assert_eq!(d.create_bo(7, 4096), Err(libc::EINVAL));
+    // CONFIG_CU: non-DEV BO, then write-once
+    let (ctx, so) = d.create_ctx(4).unwrap();
+    let share = d.create_bo(BO_SHARE, 4096).unwrap();
+    assert_eq!(d.config_cu(ctx, share), Err(libc::EINVAL));
+    let pdi = d.create_bo(BO_DEV, 4096).unwrap();
+    d.config_cu(ctx, pdi).unwrap();
+    assert_eq!(d.config_cu(ctx, pdi), Err(libc::EINVAL), "CONFIG_CU is write-once");
+    // EXEC: unknown arg BO, duplicate arg BO
+    let cmd = d.create_bo(BO_CMD, 4096).unwrap();
+    assert_eq!(d.exec(ctx, cmd, &[share, 999]), Err(libc::ENOENT));
+    assert_eq!(d.exec(ctx, cmd, &[share, share]), Err(libc::EINVAL));
+    assert_eq!(d.exec(ctx, share + 100, &[share]), Err(libc::ENOENT));
+    d.syncobj_destroy(so).unwrap();
+    d.destroy_ctx(ctx).unwrap();
+    for h in [cmd, pdi, share, heap] {
+        d.gem_close(h).unwrap();
+    }
+    println!("child ok");
+}
+
+#[test]
+fn mbz_and_invalid_arguments_are_rejected() {
+    let r = run_child("child_mbz", &[]);
+    r.assert_ok_no_leaks();
+    assert!(r.stderr.contains("Invalid BO type"), "{}", r.stderr);
+    assert!(r.stderr.contains("Not support re-config CU"), "{}", r.stderr);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_guard_overrun() {
+    if !is_child("child_guard_overrun") {
+        return;
+    }
+    let d = Raw::open();
+    // Data BOs of 100 bytes: their guard words share the mapped page.
+    let s = Setup::new(&d, 100);
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
+    // SAFETY: the 100-byte mapping covers its whole page; byte 100 is the first guard byte.
+    unsafe { *s.b_map.ptr.add(100) = 0x55 }; // one byte past the end of b
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 5, "ERROR after a guard is clobbered");
+    // Reported once; guard restored.
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
+    // DEV BO overrun through the heap mapping (writing 4 KiB + 8 into a 4 KiB DEV BO).
+    let instr = s.dev_bytes(&d, s.instr);
+    instr[4096..4104].copy_from_slice(&[0xAA; 8]);
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 5);
+    println!("b={} instr={}", s.b, s.instr);
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn guard_word_overrun_is_detected_and_named() {
+    let r = run_child("child_guard_overrun", &[]);
+    r.assert_ok_no_leaks();
+    let at = r.stdout.find("b=").expect("handles line");
+    let line = r.stdout[at + 2..].lines().next().unwrap();
+    let (b, instr) = line.split_once(" instr=").unwrap();
+    assert!(r.stderr.contains(&format!("guard words after BO {b} (SHARE, 100 bytes) clobbered at byte 100")), "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("guard words after BO {instr} (DEV, 4096 bytes)")), "{}", r.stderr);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_dmabuf() {
+    if !is_child("child_dmabuf") {
+        return;
+    }
+    let d = Raw::open();
+    let s = Setup::new(&d, 4096);
+    // A sealed memfd → /dev/udmabuf → PRIME import → used as the copy source.
+    // SAFETY: plain libc calls on fds this test owns; results checked.
+    let (memfd, dmabuf) = unsafe {
+        let memfd = libc::memfd_create(c"weights".as_ptr(), libc::MFD_ALLOW_SEALING);
+        assert!(memfd >= 0);
+        assert_eq!(libc::ftruncate(memfd, 8192), 0);
+        let p = libc::mmap(std::ptr::null_mut(), 8192, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, memfd, 0) as *mut u8;
+        for i in 0..8192 {
+            *p.add(i) = (i % 251) as u8;
+        }
+        libc::munmap(p.cast(), 8192);
+        let u = libc::open(c"/dev/udmabuf".as_ptr(), libc::O_RDWR);
+        assert!(u >= 0);
+        let mut c = [0u8; 24];
+        put32(&mut c, 0, memfd as u32);
+        put64(&mut c, 8, 4096);
+        put64(&mut c, 16, 4096);
+        assert_eq!(libc::ioctl(u, UDMABUF_CREATE as libc::c_ulong, c.as_mut_ptr()), -1, "unsealed memfd refused");
+        assert_eq!(libc::fcntl(memfd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        let dmabuf = libc::ioctl(u, UDMABUF_CREATE as libc::c_ulong, c.as_mut_ptr());
+        assert!(dmabuf >= 0, "udmabuf create");
+        libc::close(u);
+        (memfd, dmabuf)
+    };
+    let mut p = [0u8; 12];
+    put32(&mut p, 8, dmabuf as u32);
+    d.ioctl(PRIME_FD_TO_HANDLE, &mut p).unwrap();
+    let imported = get32(&p, 0);
+    let m = d.map(imported, 4096).unwrap();
+    let addr = d.bo_info(imported).unwrap().2;
+    assert_eq!(m.bytes()[0], (4096 % 251) as u8, "window at offset 4096");
+    s.dev_bytes(&d, s.instr)[..16].copy_from_slice(&shim_image(1, 0.0));
+    write_start_cu(s.cmd_map.bytes(), s.instr_addr, 4, &[addr, s.b_addr]);
+    let seq = d.exec(s.ctx, s.cmd, &[s.instr, imported, s.b]).unwrap();
+    d.wait(s.syncobj, seq).unwrap();
+    assert_eq!(cmd_state(s.cmd_map.bytes()), 4);
+    assert_eq!(&s.b_map.bytes()[..4096], &m.bytes()[..4096]);
+    // Export a SHARE BO and map the dma-buf.
+    let mut e = [0u8; 12];
+    put32(&mut e, 0, s.b);
+    put32(&mut e, 4, (libc::O_CLOEXEC | libc::O_RDWR) as u32);
+    d.ioctl(PRIME_HANDLE_TO_FD, &mut e).unwrap();
+    let efd = get32(&e, 8) as i32;
+    // SAFETY: mapping the exported dma-buf fd; checked.
+    let q = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_SHARED, efd, 0) } as *const u8;
+    assert_ne!(q as *mut libc::c_void, libc::MAP_FAILED);
+    // SAFETY: q maps 4096 readable bytes.
+    assert_eq!(unsafe { std::slice::from_raw_parts(q, 4096) }, &s.b_map.bytes()[..4096]);
+    // SAFETY: cleanup of this test's mapping and fds.
+    unsafe {
+        libc::munmap(q as *mut libc::c_void, 4096);
+        libc::close(efd);
+        libc::close(dmabuf);
+        libc::close(memfd);
+    }
+    drop(m);
+    d.gem_close(imported).unwrap();
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn udmabuf_prime_import_and_export() {
+    run_child("child_dmabuf", &[]).assert_ok_no_leaks();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_leak_is_reported() {
+    if !is_child("child_leak_is_reported") {
+        return;
+    }
+    let d = Raw::open();
+    let s = Setup::new(&d, 4096);
+    std::mem::forget(s); // never torn down: closing the fd must release (and count) it all
+    println!("child ok");
+}
+
+#[test]
+fn close_releases_and_counts_leftovers() {
+    let r = run_child("child_leak_is_reported", &[]);
+    assert!(r.ok, "{}", r.stderr);
+    assert_eq!(r.stats.len(), 1, "{}", r.stderr);
+    assert_eq!(r.stats[0]["bos"], 6);
+    assert_eq!(r.stats[0]["contexts"], 1);
+    assert_eq!(r.stats[0]["syncobjs"], 1);
+    assert!(r.stderr.contains("releasing 6 BOs, 1 contexts, 1 syncobjs still alive"), "{}", r.stderr);
+}
