@@ -9,7 +9,10 @@ mod shim_support;
 use shim_support::*;
 
 fn f32s(b: &[u8], n: usize) -> Vec<f32> {
-    b[..4 * n].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    b[..4 * n]
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 fn put_f32s(b: &mut [u8], xs: &[f32]) {
@@ -43,7 +46,10 @@ fn child_round_trip() {
     assert_eq!((get32(&fw, 0), get32(&fw, 12)), (1, 380));
 
     let s = Setup::new(&d, 4096);
-    assert_eq!(s.a_addr, s.a_map.ptr as u64, "SHARE xdna_addr is the first mapping's VA (PASID mode)");
+    assert_eq!(
+        s.a_addr, s.a_map.ptr as u64,
+        "SHARE xdna_addr is the first mapping's VA (PASID mode)"
+    );
     assert_eq!(s.instr_addr % (32 << 10), 0, "DEV BOs are 32 KiB-aligned");
     let xs: Vec<f32> = (0..1024).map(|i| i as f32).collect();
     put_f32s(s.a_map.bytes(), &xs);
@@ -86,8 +92,15 @@ fn child_injected_exec_fault() {
     let state = s.run(&d, &shim_image(1, 0.0)).unwrap();
     assert_eq!(state, want);
     // Error states trash the payload (upstream driver behaviour) and skip the work.
-    assert!(s.cmd_map.bytes()[4..44].iter().all(|&b| b == 0xff), "payload overwritten with 0xFF");
-    assert_eq!(f32s(s.b_map.bytes(), 4), [0.0; 4], "the failed command did not run");
+    assert!(
+        s.cmd_map.bytes()[4..44].iter().all(|&b| b == 0xff),
+        "payload overwritten with 0xFF"
+    );
+    assert_eq!(
+        f32s(s.b_map.bytes(), 4),
+        [0.0; 4],
+        "the failed command did not run"
+    );
     // The second command is not affected.
     assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
     s.teardown(&d);
@@ -97,9 +110,19 @@ fn child_injected_exec_fault() {
 #[test]
 fn injected_exec_faults_end_in_their_state() {
     for (name, state) in [("ERROR", "5"), ("TIMEOUT", "8"), ("ABORT", "6")] {
-        let r = run_child("child_injected_exec_fault", &[("XDNA_SHIM_FAIL_EXEC", &format!("1:{name}")), ("WANT_STATE", state)]);
+        let r = run_child(
+            "child_injected_exec_fault",
+            &[
+                ("XDNA_SHIM_FAIL_EXEC", &format!("1:{name}")),
+                ("WANT_STATE", state),
+            ],
+        );
         r.assert_ok_no_leaks();
-        assert!(r.stderr.contains(&format!("forced to {name}")), "log names the injected state\n{}", r.stderr);
+        assert!(
+            r.stderr.contains(&format!("forced to {name}")),
+            "log names the injected state\n{}",
+            r.stderr
+        );
     }
 }
 
@@ -113,7 +136,11 @@ fn child_ioctl_errno() {
     let d = Raw::open();
     let heap = d.create_bo(BO_DEV_HEAP, HEAP_SIZE).unwrap();
     let a = d.create_bo(BO_SHARE, 4096).unwrap();
-    assert_eq!(d.create_bo(BO_SHARE, 4096), Err(libc::ENOMEM), "3rd CREATE_BO fails as injected");
+    assert_eq!(
+        d.create_bo(BO_SHARE, 4096),
+        Err(libc::ENOMEM),
+        "3rd CREATE_BO fails as injected"
+    );
     let c = d.create_bo(BO_SHARE, 4096).unwrap();
     for h in [c, a, heap] {
         d.gem_close(h).unwrap();
@@ -123,7 +150,10 @@ fn child_ioctl_errno() {
 
 #[test]
 fn injected_ioctl_errno_is_returned_once() {
-    let r = run_child("child_ioctl_errno", &[("XDNA_SHIM_IOCTL_ERRNO", "CREATE_BO:ENOMEM@3")]);
+    let r = run_child(
+        "child_ioctl_errno",
+        &[("XDNA_SHIM_IOCTL_ERRNO", "CREATE_BO:ENOMEM@3")],
+    );
     r.assert_ok_no_leaks();
     assert!(r.stderr.contains("CREATE_BO: ENOMEM"), "{}", r.stderr);
 }
@@ -137,15 +167,34 @@ fn child_ordering() {
     }
     let d = Raw::open();
     assert_eq!(d.create_ctx(16), Err(libc::ENOENT), "context before heap");
-    assert_eq!(d.create_bo(BO_DEV, 4096), Err(libc::EINVAL), "DEV BO before heap");
+    assert_eq!(
+        d.create_bo(BO_DEV, 4096),
+        Err(libc::EINVAL),
+        "DEV BO before heap"
+    );
     let heap = d.create_bo(BO_DEV_HEAP, HEAP_SIZE).unwrap();
-    assert_eq!(d.create_bo(BO_DEV, 4096), Err(libc::EAGAIN), "DEV BO before the heap is mapped");
-    assert_eq!(d.create_ctx(16), Err(libc::EINVAL), "context before the heap is mapped");
-    assert_eq!(d.create_bo(BO_DEV_HEAP, HEAP_SIZE), Err(libc::EBUSY), "second heap");
+    assert_eq!(
+        d.create_bo(BO_DEV, 4096),
+        Err(libc::EAGAIN),
+        "DEV BO before the heap is mapped"
+    );
+    assert_eq!(
+        d.create_ctx(16),
+        Err(libc::EINVAL),
+        "context before the heap is mapped"
+    );
+    assert_eq!(
+        d.create_bo(BO_DEV_HEAP, HEAP_SIZE),
+        Err(libc::EBUSY),
+        "second heap"
+    );
     let m = d.map(heap, HEAP_SIZE as usize).unwrap();
     let dev = d.create_bo(BO_DEV, 4096).unwrap();
     assert_eq!(d.bo_info(dev).unwrap().0, !0, "DEV BOs have no map offset");
-    assert_eq!(d.bo_info(dev).unwrap().1, m.ptr as u64 + (d.bo_info(dev).unwrap().2 - 0x0400_0000));
+    assert_eq!(
+        d.bo_info(dev).unwrap().1,
+        m.ptr as u64 + (d.bo_info(dev).unwrap().2 - 0x0400_0000)
+    );
     d.gem_close(dev).unwrap();
     d.gem_close(heap).unwrap();
     println!("child ok");
@@ -156,7 +205,13 @@ fn context_before_heap_is_enoent_with_advice() {
     let r = run_child("child_ordering", &[]);
     r.assert_ok_no_leaks();
     assert!(r.stderr.contains("CREATE_HWCTX: ENOENT"), "{}", r.stderr);
-    assert!(r.stderr.contains("create the 64 MiB DEV_HEAP BO and mmap it before creating a hardware context"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains(
+            "create the 64 MiB DEV_HEAP BO and mmap it before creating a hardware context"
+        ),
+        "{}",
+        r.stderr
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -174,8 +229,16 @@ fn child_context_limit() {
     assert_eq!(get64(&res, 16), 3, "npu_task_max = context limit");
     let ctxs: Vec<(u32, u32)> = (0..3).map(|_| d.create_ctx(4).unwrap()).collect();
     assert_eq!(d.create_ctx(4), Err(libc::EBUSY), "limit + 1");
-    assert_eq!(d.create_ctx(0), Err(libc::EINVAL), "num_tiles / core_rows = 0 columns");
-    assert_eq!(d.create_ctx(4 * 9), Err(libc::EINVAL), "9 columns on an 8-column device");
+    assert_eq!(
+        d.create_ctx(0),
+        Err(libc::EINVAL),
+        "num_tiles / core_rows = 0 columns"
+    );
+    assert_eq!(
+        d.create_ctx(4 * 9),
+        Err(libc::EINVAL),
+        "9 columns on an 8-column device"
+    );
     // The array query sees them.
     let mut arr = vec![0u8; 160 * 8];
     let mut g = [0u8; 24];
@@ -245,7 +308,10 @@ fn child_mbz() {
     // A bad argument pointer is EFAULT, not a crash.
     // SAFETY: deliberately passing an invalid pointer; the shim must return EFAULT.
     let r = unsafe { libc::ioctl(d.fd, CREATE_BO as libc::c_ulong, 16usize as *mut u8) };
-    assert_eq!((r, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EFAULT)));
+    assert_eq!(
+        (r, std::io::Error::last_os_error().raw_os_error()),
+        (-1, Some(libc::EFAULT))
+    );
     // Invalid BO type
     assert_eq!(d.create_bo(7, 4096), Err(libc::EINVAL));
     // CONFIG_CU: non-DEV BO, then write-once
@@ -254,7 +320,11 @@ fn child_mbz() {
     assert_eq!(d.config_cu(ctx, share), Err(libc::EINVAL));
     let pdi = d.create_bo(BO_DEV, 4096).unwrap();
     d.config_cu(ctx, pdi).unwrap();
-    assert_eq!(d.config_cu(ctx, pdi), Err(libc::EINVAL), "CONFIG_CU is write-once");
+    assert_eq!(
+        d.config_cu(ctx, pdi),
+        Err(libc::EINVAL),
+        "CONFIG_CU is write-once"
+    );
     // EXEC: unknown arg BO, duplicate arg BO
     let cmd = d.create_bo(BO_CMD, 4096).unwrap();
     assert_eq!(d.exec(ctx, cmd, &[share, 999]), Err(libc::ENOENT));
@@ -273,7 +343,11 @@ fn mbz_and_invalid_arguments_are_rejected() {
     let r = run_child("child_mbz", &[]);
     r.assert_ok_no_leaks();
     assert!(r.stderr.contains("Invalid BO type"), "{}", r.stderr);
-    assert!(r.stderr.contains("Not support re-config CU"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("Not support re-config CU"),
+        "{}",
+        r.stderr
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -289,7 +363,11 @@ fn child_guard_overrun() {
     assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
     // SAFETY: the 100-byte mapping covers its whole page; byte 100 is the first guard byte.
     unsafe { *s.b_map.ptr.add(100) = 0x55 }; // one byte past the end of b
-    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 5, "ERROR after a guard is clobbered");
+    assert_eq!(
+        s.run(&d, &shim_image(1, 0.0)).unwrap(),
+        5,
+        "ERROR after a guard is clobbered"
+    );
     // Reported once; guard restored.
     assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
     // DEV BO overrun through the heap mapping (writing 4 KiB + 8 into a 4 KiB DEV BO).
@@ -308,8 +386,19 @@ fn guard_word_overrun_is_detected_and_named() {
     let at = r.stdout.find("b=").expect("handles line");
     let line = r.stdout[at + 2..].lines().next().unwrap();
     let (b, instr) = line.split_once(" instr=").unwrap();
-    assert!(r.stderr.contains(&format!("guard words after BO {b} (SHARE, 100 bytes) clobbered at byte 100")), "{}", r.stderr);
-    assert!(r.stderr.contains(&format!("guard words after BO {instr} (DEV, 4096 bytes)")), "{}", r.stderr);
+    assert!(
+        r.stderr.contains(&format!(
+            "guard words after BO {b} (SHARE, 100 bytes) clobbered at byte 100"
+        )),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains(&format!("guard words after BO {instr} (DEV, 4096 bytes)")),
+        "{}",
+        r.stderr
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -327,7 +416,14 @@ fn child_dmabuf() {
         let memfd = libc::memfd_create(c"weights".as_ptr(), libc::MFD_ALLOW_SEALING);
         assert!(memfd >= 0);
         assert_eq!(libc::ftruncate(memfd, 8192), 0);
-        let p = libc::mmap(std::ptr::null_mut(), 8192, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, memfd, 0) as *mut u8;
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            memfd,
+            0,
+        ) as *mut u8;
         for i in 0..8192 {
             *p.add(i) = (i % 251) as u8;
         }
@@ -338,8 +434,15 @@ fn child_dmabuf() {
         put32(&mut c, 0, memfd as u32);
         put64(&mut c, 8, 4096);
         put64(&mut c, 16, 4096);
-        assert_eq!(libc::ioctl(u, UDMABUF_CREATE as libc::c_ulong, c.as_mut_ptr()), -1, "unsealed memfd refused");
-        assert_eq!(libc::fcntl(memfd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        assert_eq!(
+            libc::ioctl(u, UDMABUF_CREATE as libc::c_ulong, c.as_mut_ptr()),
+            -1,
+            "unsealed memfd refused"
+        );
+        assert_eq!(
+            libc::fcntl(memfd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+            0
+        );
         let dmabuf = libc::ioctl(u, UDMABUF_CREATE as libc::c_ulong, c.as_mut_ptr());
         assert!(dmabuf >= 0, "udmabuf create");
         libc::close(u);
@@ -365,10 +468,22 @@ fn child_dmabuf() {
     d.ioctl(PRIME_HANDLE_TO_FD, &mut e).unwrap();
     let efd = get32(&e, 8) as i32;
     // SAFETY: mapping the exported dma-buf fd; checked.
-    let q = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_SHARED, efd, 0) } as *const u8;
+    let q = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            efd,
+            0,
+        )
+    } as *const u8;
     assert_ne!(q as *mut libc::c_void, libc::MAP_FAILED);
     // SAFETY: q maps 4096 readable bytes.
-    assert_eq!(unsafe { std::slice::from_raw_parts(q, 4096) }, &s.b_map.bytes()[..4096]);
+    assert_eq!(
+        unsafe { std::slice::from_raw_parts(q, 4096) },
+        &s.b_map.bytes()[..4096]
+    );
     // SAFETY: cleanup of this test's mapping and fds.
     unsafe {
         libc::munmap(q as *mut libc::c_void, 4096);
@@ -408,5 +523,10 @@ fn close_releases_and_counts_leftovers() {
     assert_eq!(r.stats[0]["bos"], 6);
     assert_eq!(r.stats[0]["contexts"], 1);
     assert_eq!(r.stats[0]["syncobjs"], 1);
-    assert!(r.stderr.contains("releasing 6 BOs, 1 contexts, 1 syncobjs still alive"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("releasing 6 BOs, 1 contexts, 1 syncobjs still alive"),
+        "{}",
+        r.stderr
+    );
 }

@@ -18,7 +18,10 @@ pub fn is_child(name: &str) -> bool {
 /// `target/<profile>/libxdna_shim.so`, next to the directory holding this test binary.
 pub fn shim_path() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("test binary lives in target/<profile>/deps");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("test binary lives in target/<profile>/deps");
     let so = profile_dir.join("libxdna_shim.so");
     assert!(
         so.exists(),
@@ -31,7 +34,10 @@ pub fn shim_path() -> PathBuf {
 /// `target/<profile>/<bin>`.
 pub fn bin_path(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    exe.parent().and_then(|d| d.parent()).expect("target/<profile>").join(name)
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>")
+        .join(name)
 }
 
 pub struct ChildRun {
@@ -46,11 +52,23 @@ impl ChildRun {
     /// Panics (with the child's output) unless the child succeeded and every device-fd close saw
     /// zero live BOs, contexts and syncobjs.
     pub fn assert_ok_no_leaks(&self) {
-        assert!(self.ok, "child failed\n--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr);
-        assert!(!self.stats.is_empty(), "no stats line: the child never closed the device\n{}", self.stderr);
+        assert!(
+            self.ok,
+            "child failed\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout, self.stderr
+        );
+        assert!(
+            !self.stats.is_empty(),
+            "no stats line: the child never closed the device\n{}",
+            self.stderr
+        );
         for s in &self.stats {
             for k in ["bos", "contexts", "syncobjs"] {
-                assert_eq!(s[k], 0, "leaked {k} at close: {s}\n--- stderr\n{}", self.stderr);
+                assert_eq!(
+                    s[k], 0,
+                    "leaked {k} at close: {s}\n--- stderr\n{}",
+                    self.stderr
+                );
             }
         }
     }
@@ -59,7 +77,10 @@ impl ChildRun {
 /// Re-executes this test binary running only `name`, with the shim preloaded and `env` set.
 pub fn run_child(name: &str, env: &[(&str, &str)]) -> ChildRun {
     let shim = shim_path();
-    let stats = std::env::temp_dir().join(format!("xdna-shim-stats-{}-{name}.jsonl", std::process::id()));
+    let stats = std::env::temp_dir().join(format!(
+        "xdna-shim-stats-{}-{name}.jsonl",
+        std::process::id()
+    ));
     let _ = std::fs::remove_file(&stats);
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", name, "--nocapture", "--test-threads=1"])
@@ -76,7 +97,10 @@ pub fn run_child(name: &str, env: &[(&str, &str)]) -> ChildRun {
         ok: out.status.success(),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        stats: text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect(),
+        stats: text
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect(),
     }
 }
 
@@ -149,7 +173,12 @@ impl Drop for Mapped {
 impl Raw {
     pub fn open() -> Raw {
         // SAFETY: NUL-terminated literal path.
-        let fd = unsafe { libc::open(c"/dev/accel/accel0".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        let fd = unsafe {
+            libc::open(
+                c"/dev/accel/accel0".as_ptr(),
+                libc::O_RDWR | libc::O_CLOEXEC,
+            )
+        };
         assert!(fd >= 0, "open /dev/accel/accel0: errno {}", errno());
         Raw { fd }
     }
@@ -183,7 +212,16 @@ impl Raw {
     pub fn map(&self, h: u32, len: usize) -> Result<Mapped, i32> {
         let (off, _, _) = self.bo_info(h)?;
         // SAFETY: mapping the device fd at the BO's map offset; the result is checked.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, self.fd, off as i64) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                self.fd,
+                off as i64,
+            )
+        };
         if p == libc::MAP_FAILED {
             return Err(errno());
         }
@@ -244,7 +282,10 @@ impl Raw {
     pub fn wait(&self, syncobj: u32, point: u64) -> Result<(), i32> {
         let handles = [syncobj];
         let points = [point];
-        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
         // SAFETY: clock_gettime into a live local.
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
         let deadline = (ts.tv_sec as u64 + 5) * 1_000_000_000 + ts.tv_nsec as u64;
@@ -339,7 +380,23 @@ impl Setup {
         let cmd_map = d.map(cmd, 4096).expect("map cmd");
         let (ctx, syncobj) = d.create_ctx(4 * 4).expect("ctx");
         d.config_cu(ctx, pdi).expect("config_cu");
-        Setup { heap, heap_map, pdi, instr, instr_addr, a, b, a_map, b_map, a_addr, b_addr, cmd, cmd_map, ctx, syncobj }
+        Setup {
+            heap,
+            heap_map,
+            pdi,
+            instr,
+            instr_addr,
+            a,
+            b,
+            a_map,
+            b_map,
+            a_addr,
+            b_addr,
+            cmd,
+            cmd_map,
+            ctx,
+            syncobj,
+        }
     }
 
     /// Host view of a DEV BO's bytes through the heap mapping.
@@ -353,7 +410,12 @@ impl Setup {
     /// Returns the final command state.
     pub fn run(&self, d: &Raw, image: &[u8]) -> Result<u32, i32> {
         self.dev_bytes(d, self.instr)[..image.len()].copy_from_slice(image);
-        write_start_cu(self.cmd_map.bytes(), self.instr_addr, (image.len() / 4) as u32, &[self.a_addr, self.b_addr]);
+        write_start_cu(
+            self.cmd_map.bytes(),
+            self.instr_addr,
+            (image.len() / 4) as u32,
+            &[self.a_addr, self.b_addr],
+        );
         let seq = d.exec(self.ctx, self.cmd, &[self.instr, self.a, self.b])?;
         d.wait(self.syncobj, seq)?;
         Ok(cmd_state(self.cmd_map.bytes()))

@@ -562,7 +562,7 @@ pub fn mmap(
             let Some(w) = st.g().dmabufs.get(&fd) else {
                 return Err(libc::EINVAL);
             };
-            if off % PAGE != 0 || off + len as u64 > round_up(w.size, PAGE) {
+            if !off.is_multiple_of(PAGE) || off + len as u64 > round_up(w.size, PAGE) {
                 return fail(
                     libc::EINVAL,
                     "MMAP(dma-buf)",
@@ -592,7 +592,7 @@ pub fn mmap(
             if flags & libc::MAP_SHARED == 0 {
                 return fail(libc::EINVAL, "MMAP", "BO mappings must be MAP_SHARED");
             }
-            if sub % PAGE != 0 || sub + len as u64 > round_up(bo.size, PAGE) {
+            if !sub.is_multiple_of(PAGE) || sub + len as u64 > round_up(bo.size, PAGE) {
                 return fail(
                     libc::EINVAL,
                     "MMAP",
@@ -1751,9 +1751,11 @@ fn run_packet(c: &Client, h: u32, args: &[u32], cus_len: usize, depth: u32) -> R
                 let addr = g64(&regmap, o);
                 match c.resolve(args, addr) {
                     Some(r) => bufs.push(r),
-                    None => return error(format!(
+                    None => {
+                        return error(format!(
                         "buffer address {addr:#x} (regmap +{o:#x}) is not inside any argument BO"
-                    )),
+                    ))
+                    }
                 }
                 o += 8;
             }
@@ -1785,7 +1787,7 @@ fn run_packet(c: &Client, h: u32, args: &[u32], cus_len: usize, depth: u32) -> R
                     }
                 }
             }
-            if instr % INSTR_ALIGN != 0 {
+            if !instr.is_multiple_of(INSTR_ALIGN) {
                 return Err((ERT_TIMEOUT, format!("instruction buffer {instr:#x} is not 16 KiB-aligned: the firmware never completes such a command")));
             }
             let mut bufs = Vec::new();

@@ -27,7 +27,7 @@ use std::ffi::CStr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use libc::{c_char, c_int, c_long, c_uint, c_ulong, c_void, mode_t, off_t, size_t};
+use libc::{c_char, c_int, c_uint, c_ulong, c_void, mode_t, off_t, size_t};
 
 /// Kinds of fd the shim owns (stored in [`FAKE_FDS`]).
 pub(crate) const FD_NONE: u8 = 0;
@@ -217,7 +217,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: *mut c_void) ->
         // SAFETY: forwarding the caller's arguments unchanged to the next definition.
         return unsafe { real::ioctl(fd, request, arg) };
     }
-    guarded(|| device::ioctl(fd, kind, request as u64, arg as u64))
+    guarded(|| device::ioctl(fd, kind, request, arg as u64))
 }
 
 fn mmap_common(
@@ -395,7 +395,3 @@ pub unsafe extern "C" fn access(path: *const c_char, mode: c_int) -> c_int {
         _ => 0,
     }
 }
-
-/// Keeps `c_long` imported for the real-symbol signatures on every target.
-#[allow(dead_code)]
-type Long = c_long;
