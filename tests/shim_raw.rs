@@ -448,6 +448,21 @@ fn child_dmabuf() {
         libc::close(u);
         (memfd, dmabuf)
     };
+    // The dma-buf maps its window (offset 4096 of the memfd).
+    // SAFETY: mapping the dma-buf fd; checked, unmapped right after.
+    unsafe {
+        let w = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            dmabuf,
+            0,
+        );
+        assert_ne!(w, libc::MAP_FAILED);
+        assert_eq!(*(w as *const u8).add(1), (4097 % 251) as u8);
+        libc::munmap(w, 4096);
+    }
     let mut p = [0u8; 12];
     put32(&mut p, 8, dmabuf as u32);
     d.ioctl(PRIME_FD_TO_HANDLE, &mut p).unwrap();
