@@ -642,6 +642,8 @@ struct Def {
 }
 
 fn lookup(nr: u32) -> Option<Def> {
+    use std::mem::size_of;
+    use xdna::ffi::{self, nr};
     let d = |name, size, dir, handler: Handler| {
         Some(Def {
             name,
@@ -650,41 +652,147 @@ fn lookup(nr: u32) -> Option<Def> {
             handler,
         })
     };
+    let nr = u8::try_from(nr).ok()?;
     match nr {
-        0x00 => d("VERSION", 64, RW, drm_version),
-        0x09 => d("GEM_CLOSE", 8, IOC_WRITE, gem_close),
-        0x0c => d("GET_CAP", 16, RW, get_cap),
-        0x2d => d("PRIME_HANDLE_TO_FD", 12, RW, prime_handle_to_fd),
-        0x2e => d("PRIME_FD_TO_HANDLE", 12, RW, prime_fd_to_handle),
-        0xbf => d("SYNCOBJ_CREATE", 8, RW, syncobj_create),
-        0xc0 => d("SYNCOBJ_DESTROY", 8, RW, syncobj_destroy),
-        0xc3 => d("SYNCOBJ_WAIT", 40, RW, syncobj_wait),
-        0xc4 => d("SYNCOBJ_RESET", 16, RW, syncobj_reset),
-        0xc5 => d("SYNCOBJ_SIGNAL", 16, RW, syncobj_signal),
-        0xca => d("SYNCOBJ_TIMELINE_WAIT", 48, RW, syncobj_timeline_wait),
-        0xcb => d("SYNCOBJ_QUERY", 24, RW, syncobj_query),
-        0xcd => d("SYNCOBJ_TIMELINE_SIGNAL", 24, RW, syncobj_timeline_signal),
-        0x40 => d("CREATE_HWCTX", 56, RW, create_hwctx),
-        0x41 => d("DESTROY_HWCTX", 8, RW, destroy_hwctx),
-        0x42 => d("CONFIG_HWCTX", 24, RW, config_hwctx),
-        0x43 => d("CREATE_BO", 32, RW, create_bo),
-        0x44 => d("GET_BO_INFO", 48, RW, get_bo_info),
-        0x45 => d("SYNC_BO", 24, RW, sync_bo),
-        0x46 => d("EXEC_CMD", 56, RW, exec_cmd),
-        0x47 => d("GET_INFO", 16, RW, get_info),
-        0x48 => d("SET_STATE", 16, RW, set_state),
-        0x49 => {
+        nr::VERSION => d("VERSION", size_of::<ffi::drm_version>(), RW, drm_version),
+        nr::GEM_CLOSE => d(
+            "GEM_CLOSE",
+            size_of::<ffi::drm_gem_close>(),
+            IOC_WRITE,
+            gem_close,
+        ),
+        nr::GET_CAP => d("GET_CAP", size_of::<ffi::drm_get_cap>(), RW, get_cap),
+        nr::PRIME_HANDLE_TO_FD => d(
+            "PRIME_HANDLE_TO_FD",
+            size_of::<ffi::drm_prime_handle>(),
+            RW,
+            prime_handle_to_fd,
+        ),
+        nr::PRIME_FD_TO_HANDLE => d(
+            "PRIME_FD_TO_HANDLE",
+            size_of::<ffi::drm_prime_handle>(),
+            RW,
+            prime_fd_to_handle,
+        ),
+        nr::SYNCOBJ_CREATE => d(
+            "SYNCOBJ_CREATE",
+            size_of::<ffi::drm_syncobj_create>(),
+            RW,
+            syncobj_create,
+        ),
+        nr::SYNCOBJ_DESTROY => d(
+            "SYNCOBJ_DESTROY",
+            size_of::<ffi::drm_syncobj_destroy>(),
+            RW,
+            syncobj_destroy,
+        ),
+        nr::SYNCOBJ_WAIT => d(
+            "SYNCOBJ_WAIT",
+            size_of::<ffi::drm_syncobj_wait>(),
+            RW,
+            syncobj_wait,
+        ),
+        // drm_syncobj_array {handles u64, count_handles u32, pad u32} (not in ffi).
+        SYNCOBJ_RESET_NR => d("SYNCOBJ_RESET", 16, RW, syncobj_reset),
+        SYNCOBJ_SIGNAL_NR => d("SYNCOBJ_SIGNAL", 16, RW, syncobj_signal),
+        nr::SYNCOBJ_TIMELINE_WAIT => d(
+            "SYNCOBJ_TIMELINE_WAIT",
+            size_of::<ffi::drm_syncobj_timeline_wait>(),
+            RW,
+            syncobj_timeline_wait,
+        ),
+        nr::SYNCOBJ_QUERY => d(
+            "SYNCOBJ_QUERY",
+            size_of::<ffi::drm_syncobj_timeline_array>(),
+            RW,
+            syncobj_query,
+        ),
+        nr::SYNCOBJ_TIMELINE_SIGNAL => d(
+            "SYNCOBJ_TIMELINE_SIGNAL",
+            size_of::<ffi::drm_syncobj_timeline_array>(),
+            RW,
+            syncobj_timeline_signal,
+        ),
+        nr::AMDXDNA_CREATE_HWCTX => d(
+            "CREATE_HWCTX",
+            size_of::<ffi::amdxdna_drm_create_hwctx>(),
+            RW,
+            create_hwctx,
+        ),
+        nr::AMDXDNA_DESTROY_HWCTX => d(
+            "DESTROY_HWCTX",
+            size_of::<ffi::amdxdna_drm_destroy_hwctx>(),
+            RW,
+            destroy_hwctx,
+        ),
+        nr::AMDXDNA_CONFIG_HWCTX => d(
+            "CONFIG_HWCTX",
+            size_of::<ffi::amdxdna_drm_config_hwctx>(),
+            RW,
+            config_hwctx,
+        ),
+        nr::AMDXDNA_CREATE_BO => d(
+            "CREATE_BO",
+            size_of::<ffi::amdxdna_drm_create_bo>(),
+            RW,
+            create_bo,
+        ),
+        nr::AMDXDNA_GET_BO_INFO => d(
+            "GET_BO_INFO",
+            size_of::<ffi::amdxdna_drm_get_bo_info>(),
+            RW,
+            get_bo_info,
+        ),
+        nr::AMDXDNA_SYNC_BO => d(
+            "SYNC_BO",
+            size_of::<ffi::amdxdna_drm_sync_bo>(),
+            RW,
+            sync_bo,
+        ),
+        nr::AMDXDNA_EXEC_CMD => d(
+            "EXEC_CMD",
+            size_of::<ffi::amdxdna_drm_exec_cmd>(),
+            RW,
+            exec_cmd,
+        ),
+        nr::AMDXDNA_GET_INFO => d(
+            "GET_INFO",
+            size_of::<ffi::amdxdna_drm_get_info>(),
+            RW,
+            get_info,
+        ),
+        nr::AMDXDNA_SET_STATE => d(
+            "SET_STATE",
+            size_of::<ffi::amdxdna_drm_set_state>(),
+            RW,
+            set_state,
+        ),
+        nr::AMDXDNA_WAIT_CMD => {
+            // Upstream declares it IOW, the OOT driver IOWR.
             let dir = if config::get().driver_major == 1 {
                 RW
             } else {
                 IOC_WRITE
             };
-            d("WAIT_CMD", 16, dir, wait_cmd)
+            d(
+                "WAIT_CMD",
+                size_of::<ffi::amdxdna_drm_wait_cmd>(),
+                dir,
+                wait_cmd,
+            )
         }
-        0x4a => d("GET_ARRAY", 24, RW, get_array),
+        nr::AMDXDNA_GET_ARRAY => d(
+            "GET_ARRAY",
+            size_of::<ffi::amdxdna_drm_get_array>(),
+            RW,
+            get_array,
+        ),
         _ => None,
     }
 }
+
+const SYNCOBJ_RESET_NR: u8 = 0xC4;
+const SYNCOBJ_SIGNAL_NR: u8 = 0xC5;
 
 pub fn ioctl(fd: c_int, kind: u8, req: u64, arg: u64) -> Res<c_int> {
     let ty = ((req >> 8) & 0xff) as u8;

@@ -19,6 +19,7 @@
 mod config;
 mod device;
 mod ert;
+mod layout;
 mod log;
 mod real;
 mod uaccess;
