@@ -545,3 +545,84 @@ fn close_releases_and_counts_leftovers() {
         r.stderr
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_npu_opcodes_and_chains() {
+    if !is_child("child_npu_opcodes_and_chains") {
+        return;
+    }
+    let d = Raw::open();
+    let s = Setup::new(&d, 4096);
+    put_f32s(s.a_map.bytes(), &[7.0; 1024]);
+    let instr = s.dev_bytes(&d, s.instr);
+    instr[..16].copy_from_slice(&shim_image(1, 0.0));
+    instr[0x800..0x810].copy_from_slice(&shim_image(1, 0.0));
+    let npu = |cmd: &mut [u8], op: u32, instr_addr: u64| {
+        // header, cu_mask, ert_npu_data {instr u64, size u32, prop_count u32}, args a, b
+        put32(cmd, 0, 1 | (9 << 12) | (op << 23));
+        put32(cmd, 4, 1);
+        put64(cmd, 8, instr_addr);
+        put32(cmd, 16, 16);
+        put32(cmd, 20, 0);
+        put64(cmd, 24, s.a_addr);
+        put64(cmd, 32, s.b_addr);
+    };
+    let submit = || {
+        let seq = d.exec(s.ctx, s.cmd, &[s.instr, s.a, s.b]).unwrap();
+        d.wait(s.syncobj, seq).unwrap();
+        cmd_state(s.cmd_map.bytes())
+    };
+    npu(s.cmd_map.bytes(), 20, s.instr_addr);
+    assert_eq!(submit(), 4, "ERT_START_NPU runs");
+    assert_eq!(f32s(s.b_map.bytes(), 2), [7.0, 7.0]);
+    npu(s.cmd_map.bytes(), 20, s.instr_addr + 0x800);
+    assert_eq!(
+        submit(),
+        8,
+        "instruction buffer not 16 KiB-aligned: TIMEOUT"
+    );
+    // opcode 22 with an ELF image: not executable yet → ERROR
+    s.dev_bytes(&d, s.instr)[..4].copy_from_slice(b"\x7fELF");
+    let cmd = s.cmd_map.bytes();
+    cmd[..48].fill(0);
+    put32(cmd, 0, 1 | (11 << 12) | (22 << 23));
+    put32(cmd, 4, 1);
+    put64(cmd, 8, s.instr_addr);
+    put32(cmd, 32, 16);
+    assert_eq!(submit(), 5);
+    // A chain of one START_CU sub-command.
+    s.dev_bytes(&d, s.instr)[..16].copy_from_slice(&shim_image(2, 1.0));
+    let sub = d.create_bo(BO_CMD, 4096).unwrap();
+    let sub_map = d.map(sub, 4096).unwrap();
+    write_start_cu(sub_map.bytes(), s.instr_addr, 4, &[s.a_addr, s.b_addr]);
+    let cmd = s.cmd_map.bytes();
+    cmd[..64].fill(0);
+    put32(cmd, 0, 1 | (8 << 12) | (19 << 23));
+    put32(cmd, 4, 1); // command_count
+    put64(cmd, 4 + 24, sub as u64);
+    assert_eq!(submit(), 4, "chain completes");
+    assert_eq!(cmd_state(sub_map.bytes()), 4, "sub-command state written");
+    assert_eq!(f32s(s.b_map.bytes(), 2), [14.0, 14.0]);
+    // An unknown opcode aborts.
+    put32(s.cmd_map.bytes(), 0, 1 | (2 << 12) | (5 << 23));
+    assert_eq!(submit(), 6);
+    drop(sub_map);
+    d.gem_close(sub).unwrap();
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn npu_opcodes_alignment_and_chains() {
+    let r = run_child("child_npu_opcodes_and_chains", &[]);
+    r.assert_ok_no_leaks();
+    assert!(r.stderr.contains("not 16 KiB-aligned"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("ELF kernel images are not executed by the shim yet"),
+        "{}",
+        r.stderr
+    );
+}
