@@ -2052,11 +2052,9 @@ fn get_info(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
             }
         }
         _ => {
-            return fail(
-                libc::EOPNOTSUPP,
-                "GET_INFO",
-                format!("param {param} not emulated"),
-            )
+            // Optional queries: a client probes them, so this is debug-level, not an error line.
+            log::debug(|| format!("GET_INFO: EOPNOTSUPP: param {param} not emulated"));
+            return Err(libc::EOPNOTSUPP);
         }
     }
     let _ = c;
@@ -2084,11 +2082,10 @@ fn get_array(st: &mut State, _fd: c_int, b: &mut [u8]) -> Res<c_int> {
         );
     }
     if param != 0 {
-        return fail(
-            libc::EOPNOTSUPP,
-            "GET_ARRAY",
-            format!("param {param} not emulated (only 0 = HW_CONTEXT_ALL)"),
-        );
+        log::debug(|| {
+            format!("GET_ARRAY: EOPNOTSUPP: param {param} not emulated (only 0 = HW_CONTEXT_ALL)")
+        });
+        return Err(libc::EOPNOTSUPP);
     }
     let stride = esize.min(HWCTX_ENTRY_SIZE);
     let pid = std::process::id() as u64;
