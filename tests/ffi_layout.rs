@@ -3,6 +3,9 @@
 //! and the literal numbers of the protocol reference (amdxdna-protocol.md §2,
 //! §7, §9).
 
+// `Request` is c_ulong: u64 here, so u64::from is a no-op on x86_64 only.
+#![allow(clippy::useless_conversion)]
+
 use core::mem::{offset_of, size_of};
 use xdna::ffi::{self, probe};
 
@@ -348,7 +351,7 @@ fn structs_match_c_probe() {
 fn requests_match_c_probe() {
     assert_eq!(ffi::REQUESTS.len(), 28);
     for (name, value) in ffi::REQUESTS {
-        assert_eq!(*value as u64, c(&format!("ioctl:{name}")), "{name}");
+        assert_eq!(u64::from(*value), c(&format!("ioctl:{name}")), "{name}");
     }
 }
 
@@ -401,7 +404,7 @@ fn requests_match_reference_literals() {
         let got = ffi::REQUESTS
             .iter()
             .find(|(n, _)| n == name)
-            .map(|(_, v)| *v as u64);
+            .map(|(_, v)| u64::from(*v));
         assert_eq!(
             got,
             Some(*want),
