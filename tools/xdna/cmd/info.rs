@@ -1,5 +1,6 @@
 //! `xdna info`: everything the NPU device reports.
 
+use std::io::Write;
 use std::path::PathBuf;
 use xdna::device::{DeviceInfo, XdnaDevice};
 
@@ -19,14 +20,20 @@ pub fn run(args: Args) -> xdna::Result<()> {
         None => XdnaDevice::discover()?,
     };
     let info = dev.info()?;
-    if args.json {
-        let text = serde_json::to_string_pretty(&info)
+    let text = if args.json {
+        let mut t = serde_json::to_string_pretty(&info)
             .map_err(|e| xdna::Error::Usage(format!("JSON encoding failed: {e}")))?;
-        println!("{text}");
+        t.push('\n');
+        t
     } else {
-        print!("{}", render(&info));
+        render(&info)
+    };
+    // A closed pipe (`xdna info | head`) is not an error worth a panic.
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(xdna::Error::io("<stdout>", e)),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
