@@ -626,3 +626,51 @@ fn npu_opcodes_alignment_and_chains() {
         r.stderr
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+
+const SYNCOBJ_EVENTFD: u64 = 0xC018_64CF;
+
+#[test]
+fn child_syncobj_eventfd() {
+    if !is_child("child_syncobj_eventfd") {
+        return;
+    }
+    let d = Raw::open();
+    let s = Setup::new(&d, 4096);
+    // SAFETY: eventfd creation; checked.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    assert!(efd >= 0);
+    let mut e = [0u8; 24];
+    put32(&mut e, 0, s.syncobj);
+    put64(&mut e, 8, 0); // point 0 = the first submission's seq
+    put32(&mut e, 16, efd as u32);
+    d.ioctl(SYNCOBJ_EVENTFD, &mut e).unwrap();
+    let read = || {
+        let mut v = 0u64;
+        // SAFETY: 8-byte read from the eventfd into a live u64.
+        let n = unsafe { libc::read(efd, (&mut v as *mut u64).cast(), 8) };
+        (n == 8).then_some(v)
+    };
+    assert_eq!(read(), None, "not signalled before the submission");
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
+    assert_eq!(read(), Some(1), "signalled by the submission of point 0");
+    // Already-signalled points fire at once; unknown handles are ENOENT.
+    d.ioctl(SYNCOBJ_EVENTFD, &mut e).unwrap();
+    assert_eq!(read(), Some(1));
+    put32(&mut e, 0, 999);
+    assert_eq!(d.ioctl(SYNCOBJ_EVENTFD, &mut e), Err(libc::ENOENT));
+    // A registration still pending at teardown is released with the syncobj.
+    put32(&mut e, 0, s.syncobj);
+    put64(&mut e, 8, 10);
+    d.ioctl(SYNCOBJ_EVENTFD, &mut e).unwrap();
+    // SAFETY: closing our eventfd.
+    unsafe { libc::close(efd) };
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn syncobj_eventfd_fires_on_signal() {
+    run_child("child_syncobj_eventfd", &[]).assert_ok_no_leaks();
+}

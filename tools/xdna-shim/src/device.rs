@@ -296,6 +296,42 @@ struct Ctx {
 struct Syncobj {
     /// Highest signalled timeline point (None = no fence yet).
     signalled: Option<u64>,
+    /// SYNCOBJ_EVENTFD registrations not yet fired: (point, our dup of the eventfd).
+    waiters: Vec<(u64, c_int)>,
+}
+
+impl Syncobj {
+    /// Signals timeline point `p` (monotonic) and fires the eventfds waiting for it.
+    fn signal(&mut self, p: u64) {
+        let now = self.signalled.map_or(p, |old| old.max(p));
+        self.signalled = Some(now);
+        self.waiters.retain(|&(point, efd)| {
+            if point > now {
+                return true;
+            }
+            fire_eventfd(efd);
+            false
+        });
+    }
+}
+
+impl Drop for Syncobj {
+    fn drop(&mut self) {
+        for &(_, efd) in &self.waiters {
+            // SAFETY: closing our own dup of the eventfd.
+            unsafe { real::close(efd) };
+        }
+    }
+}
+
+/// Adds 1 to an eventfd and closes our dup of it.
+fn fire_eventfd(efd: c_int) {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: an 8-byte write to an eventfd we own, then closing it.
+    unsafe {
+        libc::write(efd, one.as_ptr().cast(), 8);
+        real::close(efd);
+    }
 }
 
 #[derive(Default)]
@@ -692,6 +728,12 @@ fn lookup(nr: u32) -> Option<Def> {
             RW,
             syncobj_wait,
         ),
+        nr::SYNCOBJ_EVENTFD => d(
+            "SYNCOBJ_EVENTFD",
+            size_of::<ffi::drm_syncobj_eventfd>(),
+            RW,
+            syncobj_eventfd,
+        ),
         // drm_syncobj_array {handles u64, count_handles u32, pad u32} (not in ffi).
         SYNCOBJ_RESET_NR => d("SYNCOBJ_RESET", 16, RW, syncobj_reset),
         SYNCOBJ_SIGNAL_NR => d("SYNCOBJ_SIGNAL", 16, RW, syncobj_signal),
@@ -1029,6 +1071,7 @@ fn syncobj_create(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
     }
     let h = c.new_syncobj(Syncobj {
         signalled: (flags & 1 != 0).then_some(0),
+        waiters: Vec::new(),
     });
     p32(b, 0, h);
     Ok(0)
@@ -1044,6 +1087,37 @@ fn syncobj_destroy(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
             "SYNCOBJ_DESTROY",
             format!("no syncobj handle {h}"),
         );
+    }
+    Ok(0)
+}
+
+fn syncobj_eventfd(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
+    let (c, _) = parts(st, fd)?;
+    mbz("SYNCOBJ_EVENTFD", b, &[(20, 4, "pad")])?;
+    let (h, flags, point, efd) = (g32(b, 0), g32(b, 4), g64(b, 8), g32(b, 16) as c_int);
+    if flags & !WAIT_AVAILABLE != 0 {
+        return fail(libc::EINVAL, "SYNCOBJ_EVENTFD", format!("flags {flags:#x}"));
+    }
+    let Some(s) = c.syncobjs.get_mut(&h) else {
+        return fail(
+            libc::ENOENT,
+            "SYNCOBJ_EVENTFD",
+            format!("no syncobj handle {h}"),
+        );
+    };
+    // SAFETY: fcntl dup of the caller's fd (EBADF if it is not open).
+    let dup = unsafe { libc::fcntl(efd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        return fail(
+            libc::EBADF,
+            "SYNCOBJ_EVENTFD",
+            format!("fd {efd} is not open"),
+        );
+    }
+    if s.signalled.is_some_and(|sig| point <= sig) {
+        fire_eventfd(dup);
+    } else {
+        s.waiters.push((point, dup));
     }
     Ok(0)
 }
@@ -1165,7 +1239,7 @@ fn syncobj_timeline_signal(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int
                 format!("no syncobj handle {h}"),
             );
         };
-        s.signalled = Some(s.signalled.map_or(p, |old| old.max(p)));
+        s.signal(p);
     }
     Ok(0)
 }
@@ -1180,7 +1254,7 @@ fn syncobj_signal(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
                 format!("no syncobj handle {h}"),
             );
         };
-        s.signalled.get_or_insert(0);
+        s.signal(s.signalled.unwrap_or(0));
     }
     Ok(0)
 }
@@ -1713,7 +1787,7 @@ fn exec_cmd(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
         }
         let so = ctx.syncobj;
         if let Some(s) = c.syncobjs.get_mut(&so) {
-            s.signalled = Some(s.signalled.map_or(seq, |old| old.max(seq)));
+            s.signal(seq);
         }
     }
     log::debug(|| format!("{tag}: {}", ert::state_name(state)));
