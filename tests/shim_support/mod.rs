@@ -28,7 +28,30 @@ pub fn shim_path() -> PathBuf {
         "{} is missing: build it with `cargo build --workspace` (the shim is a cdylib that `cargo test` does not build for this package)",
         so.display()
     );
+    if let Some(src) = newest_shim_source() {
+        let built = std::fs::metadata(&so).and_then(|m| m.modified()).ok();
+        let changed = std::fs::metadata(&src).and_then(|m| m.modified()).ok();
+        if let (Some(built), Some(changed)) = (built, changed) {
+            assert!(
+                changed <= built,
+                "{} is older than {}: rebuild it with `cargo build --workspace`",
+                so.display(),
+                src.display()
+            );
+        }
+    }
     so
+}
+
+/// The most recently modified source file of tools/xdna-shim (None outside a source checkout).
+fn newest_shim_source() -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/xdna-shim/src");
+    std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
 }
 
 /// `target/<profile>/<bin>`.
