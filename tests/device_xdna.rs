@@ -138,6 +138,13 @@ fn child_round_trip() {
     assert_eq!(c2.seq, c1.seq + 1);
     // A buffer passed twice: EXEC args are de-duplicated.
     ctx.run_start_cu(&copy, &[&a, &a], TIMEOUT).unwrap();
+    // An image that is not this context's CU 0 is refused before submission.
+    let other = shim_image(&dev, 1, 0.0);
+    assert!(matches!(
+        ctx.run_start_cu(&other, &[&a, &b], TIMEOUT),
+        Err(DeviceError::Invalid(_))
+    ));
+    drop(other);
     // CONFIG_CU is write-once.
     assert!(matches!(
         ctx.configure_cu(&[(&copy, 0)]),

@@ -28,6 +28,8 @@ pub struct HwContext {
     syncobj: u32,
     ncols: u32,
     cu_configured: bool,
+    /// GEM handles of the configured CUs, in CU-index order.
+    cus: Vec<u32>,
     cmd: Option<Bo>,
 }
 
@@ -120,6 +122,7 @@ impl HwContext {
             syncobj: c.syncobj_handle,
             ncols,
             cu_configured: false,
+            cus: Vec::new(),
             cmd: None,
         })
     }
@@ -181,6 +184,7 @@ impl HwContext {
                 .ioctl_err("DRM_IOCTL_AMDXDNA_CONFIG_HWCTX(CONFIG_CU)", e)
         })?;
         self.cu_configured = true;
+        self.cus = cfg.iter().map(|c| c.cu_bo).collect();
         Ok(())
     }
 
@@ -310,6 +314,14 @@ impl HwContext {
                 "kernel image BO {} is {:?}; it must be a DEV BO",
                 image.handle(),
                 image.kind()
+            )));
+        }
+        if self.cus.first() != Some(&image.handle()) {
+            return Err(DeviceError::Invalid(format!(
+                "hardware context {}: CU 0 is {:?}, not image BO {}; create the context with HwContext::with_image",
+                self.handle,
+                self.cus.first(),
+                image.handle()
             )));
         }
         let addrs: Vec<u64> = buffers.iter().map(|b| b.xdna_addr()).collect();
