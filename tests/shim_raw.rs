@@ -674,3 +674,78 @@ fn child_syncobj_eventfd() {
 fn syncobj_eventfd_fires_on_signal() {
     run_child("child_syncobj_eventfd", &[]).assert_ok_no_leaks();
 }
+
+// ---------------------------------------------------------------------------------------------
+
+const WAIT_CMD_OOT: u64 = 0xC010_6449;
+const WAIT_CMD_UPSTREAM: u64 = 0x4010_6449;
+
+#[test]
+fn child_driver_versions() {
+    if !is_child("child_driver_versions") {
+        return;
+    }
+    let version = std::env::var("XDNA_SHIM_DRIVER_VERSION").unwrap();
+    let d = Raw::open();
+    let mut v = [0u8; 64];
+    d.ioctl(DRM_VERSION, &mut v).unwrap();
+    let s = Setup::new(&d, 4096);
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
+    let mut res = [0u8; 40];
+    let mut arr = vec![0u8; 160];
+    let mut g = [0u8; 24];
+    put32(&mut g, 4, 160);
+    put32(&mut g, 8, 1);
+    put64(&mut g, 16, arr.as_mut_ptr() as u64);
+    let wait = |req: u64, seq: u64| {
+        let mut w = [0u8; 16];
+        put32(&mut w, 0, s.ctx);
+        put64(&mut w, 8, seq);
+        d.ioctl(req, &mut w)
+    };
+    match version.as_str() {
+        "0.0" => {
+            assert_eq!((get32(&v, 0), get32(&v, 4)), (0, 0));
+            assert_eq!(
+                d.ioctl(GET_ARRAY, &mut g),
+                Err(libc::EINVAL),
+                "no GET_ARRAY before 0.1"
+            );
+            assert_eq!(
+                d.get_info(12, &mut res),
+                Err(libc::EOPNOTSUPP),
+                "no RESOURCE_INFO before 0.4"
+            );
+            assert_eq!(wait(WAIT_CMD_UPSTREAM, 0), Err(libc::EINVAL), "no WAIT_CMD");
+        }
+        "0.16" => {
+            d.ioctl(GET_ARRAY, &mut g).unwrap();
+            d.get_info(12, &mut res).unwrap();
+            assert_eq!(
+                wait(WAIT_CMD_UPSTREAM, 0),
+                Err(libc::EOPNOTSUPP),
+                "AIE2 has no WAIT_CMD upstream"
+            );
+        }
+        "1.0" => {
+            assert_eq!((get32(&v, 0), get32(&v, 4)), (1, 0));
+            d.ioctl(GET_ARRAY, &mut g).unwrap();
+            assert_eq!(
+                wait(WAIT_CMD_OOT, 0),
+                Ok(()),
+                "OOT WAIT_CMD on a submitted seq"
+            );
+            assert_eq!(wait(WAIT_CMD_OOT, 1), Err(libc::ETIME), "never submitted");
+        }
+        other => panic!("unexpected version {other}"),
+    }
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn driver_versions_gate_features() {
+    for v in ["0.0", "0.16", "1.0"] {
+        run_child("child_driver_versions", &[("XDNA_SHIM_DRIVER_VERSION", v)]).assert_ok_no_leaks();
+    }
+}

@@ -1300,6 +1300,13 @@ fn create_bo(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
         );
     }
     let h = match ty {
+        BO_SHARE if vaddr != 0 && !feature_level(1) => {
+            return fail(
+                libc::EINVAL,
+                "CREATE_BO",
+                "vaddr must be zero (driver 0.0 has no va_tbl)",
+            );
+        }
         BO_SHARE if vaddr != 0 => {
             let tbl =
                 uaccess::read(vaddr, 8).or_else(|e| fail(e, "CREATE_BO", "va_tbl not readable"))?;
@@ -2114,7 +2121,7 @@ fn get_info(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
         }
         8 => u32s(&mut v, &cfg.fw_version),
         9 => v.extend_from_slice(&[g.power_mode, 0, 0, 0, 0, 0, 0, 0]),
-        12 => {
+        12 if feature_level(4) => {
             for x in [
                 1800u64,
                 50,
@@ -2140,7 +2147,17 @@ fn get_info(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
 /// Size of `amdxdna_drm_hwctx_entry` in the upstream header (with `name[16]`).
 const HWCTX_ENTRY_SIZE: usize = 160;
 
+/// The driver's feature level: DRM minor on the upstream driver; the OOT driver (major 1) has
+/// everything.
+fn feature_level(min_minor: i32) -> bool {
+    let c = config::get();
+    c.driver_major >= 1 || c.driver_minor >= min_minor
+}
+
 fn get_array(st: &mut State, _fd: c_int, b: &mut [u8]) -> Res<c_int> {
+    if !feature_level(1) {
+        return fail(libc::EINVAL, "GET_ARRAY", "no such ioctl before driver 0.1");
+    }
     mbz("GET_ARRAY", b, &[(12, 4, "pad")])?;
     let (param, esize, num, ptr) = (
         g32(b, 0),
