@@ -156,6 +156,15 @@ impl Backing {
             unsafe { real::close(fd) };
             return Err(e);
         }
+        // Like a real dma-buf, an exported BO can't change size under the shim's mapping.
+        // SAFETY: fcntl on the memfd we just created (with MFD_ALLOW_SEALING).
+        unsafe {
+            libc::fcntl(
+                fd,
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
+            )
+        };
         Backing::map(fd, len as usize, 0)
     }
 
