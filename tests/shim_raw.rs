@@ -749,3 +749,45 @@ fn driver_versions_gate_features() {
         run_child("child_driver_versions", &[("XDNA_SHIM_DRIVER_VERSION", v)]).assert_ok_no_leaks();
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_dup_shares_the_drm_file() {
+    if !is_child("child_dup_shares_the_drm_file") {
+        return;
+    }
+    let d = Raw::open();
+    let heap = d.create_bo(BO_DEV_HEAP, HEAP_SIZE).unwrap();
+    // SAFETY: dup/fcntl of our own fd; checked.
+    let (d2, d3) = unsafe {
+        (
+            libc::dup(d.fd),
+            libc::fcntl(d.fd, libc::F_DUPFD_CLOEXEC, 100),
+        )
+    };
+    assert!(d2 >= 0 && d3 >= 100);
+    let a = Raw { fd: d2 };
+    let b = Raw { fd: d3 };
+    // Same DRM file: a handle made through one fd is visible through the others.
+    assert_eq!(a.bo_info(heap).unwrap().2, 0x0400_0000);
+    let m = b.map(heap, HEAP_SIZE as usize).unwrap();
+    drop(d); // the original fd closes: the file lives on through its dups
+    let dev = a
+        .create_bo(BO_DEV, 4096)
+        .expect("heap is mapped (through the dup)");
+    drop(m);
+    for h in [dev, heap] {
+        b.gem_close(h).unwrap();
+    }
+    drop(a);
+    drop(b);
+    println!("child ok");
+}
+
+#[test]
+fn dup_of_the_device_fd_shares_the_drm_file() {
+    let r = run_child("child_dup_shares_the_drm_file", &[]);
+    r.assert_ok_no_leaks();
+    assert_eq!(r.stats.len(), 1, "released once, when the last fd closed");
+}

@@ -159,10 +159,10 @@ impl Backing {
         // Like a real dma-buf, an exported BO can't change size under the shim's mapping.
         // SAFETY: fcntl on the memfd we just created (with MFD_ALLOW_SEALING).
         unsafe {
-            libc::fcntl(
+            real::fcntl(
                 fd,
                 libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
+                (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) as libc::c_ulong,
             )
         };
         Backing::map(fd, len as usize, 0)
@@ -175,7 +175,7 @@ impl Backing {
             libc::F_DUPFD
         };
         // SAFETY: fcntl on an fd we own.
-        let fd = unsafe { libc::fcntl(self.fd, cmd, 0) };
+        let fd = unsafe { real::fcntl(self.fd, cmd, 0) };
         if fd < 0 {
             Err(last_errno())
         } else {
@@ -420,6 +420,8 @@ struct DmaBuf {
 #[derive(Default)]
 struct Globals {
     dmabufs: BTreeMap<c_int, DmaBuf>,
+    /// dup'ed device fds → the fd their client is keyed by.
+    aliases: BTreeMap<c_int, c_int>,
     live_ctx_ids: BTreeSet<u32>,
     next_ctx: u32,
     execs: u64,
@@ -538,10 +540,50 @@ pub fn sysfs_lookup(path: &[u8]) -> Option<&'static str> {
 }
 
 /// `close` of a fake fd: the driver's client cleanup for the device.
+/// `dup` of a fake fd: the new fd refers to the same client (like a dup'ed DRM file) or dma-buf.
+pub fn dup_fd(old: c_int, new: c_int, kind: u8) {
+    let mut st = STATE.lock();
+    let g = st.g();
+    match kind {
+        crate::FD_DEVICE => {
+            let primary = g.aliases.get(&old).copied().unwrap_or(old);
+            g.aliases.insert(new, primary);
+        }
+        crate::FD_DMABUF => {
+            let Some(w) = g.dmabufs.get(&old) else { return };
+            let w = DmaBuf {
+                offset: w.offset,
+                size: w.size,
+            };
+            g.dmabufs.insert(new, w);
+        }
+        _ => return,
+    }
+    crate::set_fd_kind(new, kind);
+}
+
 pub fn release_fd(fd: c_int, kind: u8) {
     let mut st = STATE.lock();
     match kind {
         crate::FD_DEVICE => {
+            // The DRM file lives until its last fd closes.
+            let g = st.g();
+            if g.aliases.remove(&fd).is_some() {
+                return;
+            }
+            let heir = g.aliases.iter().find(|(_, &p)| p == fd).map(|(&a, _)| a);
+            if let Some(heir) = heir {
+                g.aliases.remove(&heir);
+                for p in g.aliases.values_mut() {
+                    if *p == fd {
+                        *p = heir;
+                    }
+                }
+                if let Some(c) = st.clients.remove(&fd) {
+                    st.clients.insert(heir, c);
+                }
+                return;
+            }
             let Some(client) = st.clients.remove(&fd) else {
                 return;
             };
@@ -619,6 +661,7 @@ pub fn mmap(
         }
         crate::FD_DEVICE => {
             inject(st.g(), "MMAP")?;
+            let fd = st.g().aliases.get(&fd).copied().unwrap_or(fd);
             let Some(c) = st.clients.get_mut(&fd) else {
                 return Err(libc::EBADF);
             };
@@ -887,6 +930,7 @@ pub fn ioctl(fd: c_int, kind: u8, req: u64, arg: u64) -> Res<c_int> {
         .or_else(|e| fail(e, def.name, "argument struct not readable"))?;
     buf[..in_size].copy_from_slice(&input);
     let mut st = STATE.lock();
+    let fd = st.g().aliases.get(&fd).copied().unwrap_or(fd);
     inject(st.g(), def.name)?;
     if !st.clients.contains_key(&fd) {
         return Err(libc::EBADF);
@@ -1038,7 +1082,7 @@ fn import(c: &mut Client, g: &Globals, dfd: c_int, what: &str) -> Res<u32> {
         return fail(libc::EINVAL, what, "empty dma-buf");
     }
     // SAFETY: fcntl dup of a caller-provided fd (checked open above).
-    let nfd = unsafe { libc::fcntl(dfd, libc::F_DUPFD_CLOEXEC, 0) };
+    let nfd = unsafe { real::fcntl(dfd, libc::F_DUPFD_CLOEXEC, 0) };
     if nfd < 0 {
         return Err(last_errno());
     }
@@ -1115,7 +1159,7 @@ fn syncobj_eventfd(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
         );
     };
     // SAFETY: fcntl dup of the caller's fd (EBADF if it is not open).
-    let dup = unsafe { libc::fcntl(efd, libc::F_DUPFD_CLOEXEC, 0) };
+    let dup = unsafe { real::fcntl(efd, libc::F_DUPFD_CLOEXEC, 0) };
     if dup < 0 {
         return fail(
             libc::EBADF,
@@ -2278,7 +2322,7 @@ fn udmabuf_ioctl(req: u64, arg: u64) -> Res<c_int> {
         return fail(libc::EINVAL, "UDMABUF_CREATE", format!("flags {flags:#x}"));
     }
     // SAFETY: fcntl on a caller-provided fd.
-    let seals = unsafe { libc::fcntl(memfd, libc::F_GET_SEALS) };
+    let seals = unsafe { real::fcntl(memfd, libc::F_GET_SEALS, 0) };
     if seals < 0 {
         return fail(
             libc::EINVAL,
@@ -2331,7 +2375,7 @@ fn udmabuf_ioctl(req: u64, arg: u64) -> Res<c_int> {
         libc::F_DUPFD
     };
     // SAFETY: fcntl dup of the caller's memfd.
-    let nfd = unsafe { libc::fcntl(memfd, cmd, 0) };
+    let nfd = unsafe { real::fcntl(memfd, cmd, 0) };
     if nfd < 0 {
         return Err(last_errno());
     }

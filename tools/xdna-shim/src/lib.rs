@@ -211,6 +211,70 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     unsafe { real::close(fd) }
 }
 
+/// Marks `new` (a successful dup of `old`) like `old`.
+fn after_dup(old: c_int, new: c_int) {
+    let kind = fd_kind(old);
+    if new >= 0 && kind != FD_NONE {
+        let _ = catch_unwind(AssertUnwindSafe(|| device::dup_fd(old, new, kind)));
+    }
+}
+
+/// `dup2`/`dup3` onto a fake fd close it first.
+fn before_dup_onto(old: c_int, new: c_int) {
+    let kind = fd_kind(new);
+    if new != old && kind != FD_NONE {
+        set_fd_kind(new, FD_NONE);
+        let _ = catch_unwind(AssertUnwindSafe(|| device::release_fd(new, kind)));
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    // SAFETY: forwarding the caller's argument unchanged to the next definition.
+    let r = unsafe { real::dup(fd) };
+    after_dup(fd, r);
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    before_dup_onto(old, new);
+    // SAFETY: forwarding the caller's arguments unchanged to the next definition.
+    let r = unsafe { real::dup2(old, new) };
+    if old != new {
+        after_dup(old, r);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    before_dup_onto(old, new);
+    // SAFETY: forwarding the caller's arguments unchanged to the next definition.
+    let r = unsafe { real::dup3(old, new, flags) };
+    after_dup(old, r);
+    r
+}
+
+fn fcntl_common(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    // SAFETY: forwarding the caller's arguments unchanged to the next definition.
+    let r = unsafe { real::fcntl(fd, cmd, arg) };
+    if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
+        after_dup(fd, r);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    fcntl_common(fd, cmd, arg)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    fcntl_common(fd, cmd, arg)
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: *mut c_void) -> c_int {
     let kind = fd_kind(fd);

@@ -55,10 +55,15 @@ static FSTAT: Sym = Sym::new(b"fstat\0");
 static FSTAT64: Sym = Sym::new(b"fstat64\0");
 static STATX: Sym = Sym::new(b"statx\0");
 static ACCESS: Sym = Sym::new(b"access\0");
+static DUP: Sym = Sym::new(b"dup\0");
+static DUP2: Sym = Sym::new(b"dup2\0");
+static DUP3: Sym = Sym::new(b"dup3\0");
+static FCNTL: Sym = Sym::new(b"fcntl\0");
+static FCNTL64: Sym = Sym::new(b"fcntl64\0");
 
-static ALL: [&Sym; 17] = [
+static ALL: [&Sym; 22] = [
     &OPEN, &OPEN64, &OPENAT, &OPENAT64, &OPEN_2, &OPEN64_2, &CLOSE, &IOCTL, &MMAP, &STAT, &STAT64,
-    &LSTAT, &LSTAT64, &FSTAT, &FSTAT64, &STATX, &ACCESS,
+    &LSTAT, &LSTAT64, &FSTAT, &FSTAT64, &STATX, &ACCESS, &DUP, &DUP2, &DUP3, &FCNTL, &FCNTL64,
 ];
 
 extern "C" fn resolve_all() {
@@ -316,5 +321,63 @@ pub unsafe fn access(path: *const c_char, mode: c_int) -> c_int {
         },
         // SAFETY: raw faccessat with the caller's arguments.
         _ => unsafe { libc::syscall(libc::SYS_faccessat, libc::AT_FDCWD, path, mode) as c_int },
+    }
+}
+
+pub unsafe fn dup(fd: c_int) -> c_int {
+    match DUP.get() {
+        // SAFETY: the address came from dlsym("dup"), whose C type is this signature.
+        a if a != 0 => unsafe {
+            std::mem::transmute::<usize, unsafe extern "C" fn(c_int) -> c_int>(a)(fd)
+        },
+        // SAFETY: raw dup.
+        _ => unsafe { libc::syscall(libc::SYS_dup, fd) as c_int },
+    }
+}
+
+pub unsafe fn dup2(old: c_int, new: c_int) -> c_int {
+    match DUP2.get() {
+        // SAFETY: the address came from dlsym("dup2"), whose C type is this signature.
+        a if a != 0 => unsafe {
+            std::mem::transmute::<usize, unsafe extern "C" fn(c_int, c_int) -> c_int>(a)(old, new)
+        },
+        // SAFETY: raw dup2.
+        _ => unsafe { libc::syscall(libc::SYS_dup2, old, new) as c_int },
+    }
+}
+
+pub unsafe fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    match DUP3.get() {
+        // SAFETY: the address came from dlsym("dup3"), whose C type is this signature.
+        a if a != 0 => unsafe {
+            std::mem::transmute::<usize, unsafe extern "C" fn(c_int, c_int, c_int) -> c_int>(a)(
+                old, new, flags,
+            )
+        },
+        // SAFETY: raw dup3.
+        _ => unsafe { libc::syscall(libc::SYS_dup3, old, new, flags) as c_int },
+    }
+}
+
+/// `fcntl`/`fcntl64` (variadic in C: the third argument is passed like a fixed `unsigned long`
+/// on x86_64).
+pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    match FCNTL64.get() {
+        // SAFETY: the address came from dlsym("fcntl64"), (int, int, ...) in C.
+        a if a != 0 => unsafe {
+            std::mem::transmute::<usize, unsafe extern "C" fn(c_int, c_int, c_ulong) -> c_int>(a)(
+                fd, cmd, arg,
+            )
+        },
+        _ => match FCNTL.get() {
+            // SAFETY: the address came from dlsym("fcntl"), (int, int, ...) in C.
+            a if a != 0 => unsafe {
+                std::mem::transmute::<usize, unsafe extern "C" fn(c_int, c_int, c_ulong) -> c_int>(
+                    a,
+                )(fd, cmd, arg)
+            },
+            // SAFETY: raw fcntl.
+            _ => unsafe { libc::syscall(libc::SYS_fcntl, fd, cmd, arg) as c_int },
+        },
     }
 }
