@@ -99,6 +99,14 @@ impl Bo {
         Self::new_from_inner(&dev.inner, kind, size)
     }
 
+    /// A BO of `kind` holding a copy of `data` (flushed to the device).
+    pub fn with_data(dev: &XdnaDevice, kind: BoKind, data: &[u8]) -> Result<Bo> {
+        let mut bo = Self::new(dev, kind, data.len())?;
+        bo.write(0, data)?;
+        bo.sync(SyncDirection::ToDevice)?;
+        Ok(bo)
+    }
+
     pub(crate) fn new_from_inner(inner: &Arc<Inner>, kind: BoKind, size: usize) -> Result<Bo> {
         let inner = inner.clone();
         if size == 0 {

@@ -47,6 +47,9 @@ impl std::fmt::Debug for HwContext {
 /// the non-chain path accepts).
 const CMD_BO_SIZE: usize = 4096;
 
+/// Required alignment of control code in device memory.
+const CONTROL_CODE_ALIGN: u64 = 16 << 10;
+
 /// Removes repeated handles, keeping first occurrences in order (the driver
 /// rejects duplicates).
 pub(crate) fn dedup_handles(handles: impl IntoIterator<Item = u32>) -> Vec<u32> {
@@ -227,6 +230,14 @@ impl HwContext {
                     Err(e) if retryable(&e) => continue,
                     Err(e) if errno_of(&e) == libc::ETIME => return Err(timed_out(timeout_ms)),
                     Err(e) if is_unsupported(&e) && self.syncobj != 0 => break,
+                    Err(e) if is_unsupported(&e) => {
+                        tracing::debug!("WAIT_CMD: {e}");
+                        return Err(DeviceError::Unsupported {
+                            path: self.dev.path.clone(),
+                            what: "WAIT_CMD (needed: this context has no syncobj)",
+                            version: self.dev.version.to_string(),
+                        });
+                    }
                     Err(e) => return Err(self.dev.ioctl_err("DRM_IOCTL_AMDXDNA_WAIT_CMD", e)),
                 }
             }
@@ -335,14 +346,97 @@ impl HwContext {
         let mut args: Vec<&Bo> = Vec::with_capacity(buffers.len() + 1);
         args.push(image);
         args.extend_from_slice(buffers);
+        self.run_cached(&packet, &args, timeout, &command)
+    }
+
+    /// Runs ERT_START_NPU: `instr` (a DEV BO, 16 KiB-aligned) holds the
+    /// instruction stream, `arg_words` follow `ert_npu_data`, `bos` are all
+    /// buffers the command touches (EXEC args, with `instr`).
+    pub fn run_start_npu(
+        &mut self,
+        instr: &Bo,
+        arg_words: &[u32],
+        bos: &[&Bo],
+        timeout: Option<Duration>,
+    ) -> Result<Completion> {
+        check_control_code(instr)?;
+        let size = u32::try_from(instr.size()).map_err(|_| {
+            DeviceError::Invalid(format!("instruction BO {} is too large", instr.handle()))
+        })?;
+        let packet = ert::start_npu(1, instr.xdna_addr(), size, arg_words)?;
+        let command = format!("START_NPU(instr BO {})", instr.handle());
+        let mut args: Vec<&Bo> = vec![instr];
+        args.extend_from_slice(bos);
+        self.run_cached(&packet, &args, timeout, &command)
+    }
+
+    /// Runs ERT_START_NPU_PREEMPT_ELF (opcode 22), the full-ELF flow: the
+    /// context was created without CONFIG_CU; `instr` (DEV BO, 16 KiB-aligned)
+    /// holds the patched control code; `bos` are every BO it references.
+    pub fn run_preempt_elf(
+        &mut self,
+        instr: &Bo,
+        bos: &[&Bo],
+        timeout: Option<Duration>,
+    ) -> Result<Completion> {
+        check_control_code(instr)?;
+        let size = u32::try_from(instr.size()).map_err(|_| {
+            DeviceError::Invalid(format!("instruction BO {} is too large", instr.handle()))
+        })?;
+        let data = ert::PreemptData {
+            instruction: instr.xdna_addr(),
+            instruction_size: size,
+            ..Default::default()
+        };
+        let packet = ert::start_npu_preempt_elf(&data)?;
+        let command = format!("START_NPU_PREEMPT_ELF(instr BO {})", instr.handle());
+        let mut args: Vec<&Bo> = vec![instr];
+        args.extend_from_slice(bos);
+        self.run_cached(&packet, &args, timeout, &command)
+    }
+
+    /// `run_packet` with this context's cached 4 KiB CMD BO.
+    fn run_cached(
+        &mut self,
+        packet: &[u32],
+        args: &[&Bo],
+        timeout: Option<Duration>,
+        command: &str,
+    ) -> Result<Completion> {
+        if packet.len() * 4 > CMD_BO_SIZE {
+            return Err(DeviceError::Invalid(format!(
+                "{command}: packet of {} words does not fit a {CMD_BO_SIZE}-byte CMD BO",
+                packet.len()
+            )));
+        }
         let mut cmd = match self.cmd.take() {
             Some(c) => c,
             None => Bo::new_from_inner(&self.dev, BoKind::Cmd, CMD_BO_SIZE)?,
         };
-        let r = self.run_packet(&mut cmd, &packet, &args, timeout, &command);
+        let r = self.run_packet(&mut cmd, packet, args, timeout, command);
         self.cmd = Some(cmd);
         r
     }
+}
+
+/// Control code must sit in a DEV BO at a 16 KiB-aligned device address: the
+/// firmware accepts a misaligned one and never completes it (§8).
+fn check_control_code(instr: &Bo) -> Result<()> {
+    if instr.kind() != BoKind::Dev {
+        return Err(DeviceError::Invalid(format!(
+            "instruction BO {} is {:?}; control code must be in a DEV BO",
+            instr.handle(),
+            instr.kind()
+        )));
+    }
+    if instr.xdna_addr() % CONTROL_CODE_ALIGN != 0 {
+        return Err(DeviceError::Invalid(format!(
+            "instruction BO {} at device address {:#x} is not 16 KiB-aligned",
+            instr.handle(),
+            instr.xdna_addr()
+        )));
+    }
+    Ok(())
 }
 
 fn retryable(e: &io::Error) -> bool {

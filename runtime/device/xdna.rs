@@ -728,7 +728,10 @@ impl XdnaDevice {
         Ok(self
             .optional(r, "DRM_IOCTL_AMDXDNA_GET_INFO(QUERY_HW_CONTEXTS)")?
             .map(|v| {
+                // Drivers differ in how they report the filled size; unused
+                // slots stay zeroed (context ids start at 1).
                 v.iter()
+                    .filter(|e| e.context_id != 0)
                     .map(|e| HwContextEntry {
                         context_id: e.context_id,
                         start_col: e.start_col,
