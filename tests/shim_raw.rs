@@ -717,6 +717,16 @@ fn child_driver_versions() {
                 "no RESOURCE_INFO before 0.4"
             );
             assert_eq!(wait(WAIT_CMD_UPSTREAM, 0), Err(libc::EINVAL), "no WAIT_CMD");
+            // The legacy context list instead of GET_ARRAY.
+            let mut list = vec![0u8; 64 * 4];
+            let mut q = [0u8; 16];
+            put32(&mut q, 0, 5);
+            put32(&mut q, 4, list.len() as u32);
+            put64(&mut q, 8, list.as_mut_ptr() as u64);
+            d.ioctl(GET_INFO, &mut q).unwrap();
+            assert_eq!(get32(&q, 4), 64, "one context filled");
+            assert_eq!(get32(&list, 0), s.ctx);
+            assert_eq!(get64(&list, 24), 1, "one submission");
         }
         "0.16" => {
             d.ioctl(GET_ARRAY, &mut g).unwrap();

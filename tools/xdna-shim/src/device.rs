@@ -2164,6 +2164,25 @@ fn get_info(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
             u16s(&mut v, &[1, 0, 2, 16, 4, 0, 0, 0]);
         }
         2 => u32s(&mut v, &[2, 1]),
+        5 => {
+            // Legacy QUERY_HW_CONTEXTS: 64-byte amdxdna_drm_query_hwctx per context, as many
+            // as fit; buffer_size is set to the bytes filled.
+            let pid = std::process::id() as u64;
+            for (&id, ctx) in &c.ctxs {
+                if v.len() + 64 > bsize {
+                    break;
+                }
+                let mut e = [0u8; 64];
+                p32(&mut e, 0, id);
+                p32(&mut e, 8, ctx.num_col);
+                p64(&mut e, 16, pid);
+                p64(&mut e, 24, ctx.submissions);
+                p64(&mut e, 32, ctx.completions);
+                p64(&mut e, 56, ctx.errors);
+                v.extend_from_slice(&e);
+            }
+            p32(b, 4, v.len() as u32);
+        }
         3 => {
             for (name, mhz) in [("MP-NPU Clock", 1800u32), ("H Clock", 1024)] {
                 let mut n = [0u8; 16];
@@ -2191,7 +2210,6 @@ fn get_info(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
             return Err(libc::EOPNOTSUPP);
         }
     }
-    let _ = c;
     let n = bsize.min(v.len());
     uaccess::write(ptr, &v[..n]).or_else(|e| fail(e, "GET_INFO", "buffer not writable"))?;
     Ok(0)
