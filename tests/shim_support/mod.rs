@@ -180,6 +180,9 @@ pub struct Mapped {
 }
 
 impl Mapped {
+    /// The mapping's bytes. Shared device memory, like a `volatile` view: tests write through it
+    /// while the shim (the "device") also reads and writes it.
+    #[allow(clippy::mut_from_ref)]
     pub fn bytes(&self) -> &mut [u8] {
         // SAFETY: a live MAP_SHARED mapping of `len` bytes owned by this test.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
@@ -423,6 +426,7 @@ impl Setup {
     }
 
     /// Host view of a DEV BO's bytes through the heap mapping.
+    #[allow(clippy::mut_from_ref)]
     pub fn dev_bytes(&self, d: &Raw, h: u32) -> &mut [u8] {
         let (_, _, xdna) = d.bo_info(h).unwrap();
         let off = (xdna - 0x0400_0000) as usize;
