@@ -4,8 +4,13 @@
 
 #![allow(dead_code)]
 
+use std::io::Read;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a child may run before it is killed and the test fails.
+const CHILD_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Env var naming the child body to run (the parent sets it; child tests return early without it).
 pub const CHILD_ENV: &str = "XDNA_SHIM_TEST_CHILD";
@@ -105,21 +110,63 @@ pub fn run_child(name: &str, env: &[(&str, &str)]) -> ChildRun {
         std::process::id()
     ));
     let _ = std::fs::remove_file(&stats);
-    let out = Command::new(std::env::current_exe().unwrap())
+    let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", name, "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, name)
         .env("LD_PRELOAD", &shim)
         .env("XDNA_SHIM_STATS", &stats)
         .env_remove("XDNA_SHIM_LOG")
         .envs(env.iter().copied())
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("spawn child");
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut s);
+            }
+            s
+        })
+    };
+    let out_t = drain(
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let err_t = drain(
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    // A deadlock in the shim (e.g. its lock taken on the allocator's mmap path) must fail the
+    // test, not hang it.
+    let deadline = Instant::now() + CHILD_TIMEOUT;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait child") {
+            break Some(st);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stdout = String::from_utf8_lossy(&out_t.join().unwrap_or_default()).into_owned();
+    let stderr = String::from_utf8_lossy(&err_t.join().unwrap_or_default()).into_owned();
+    let Some(status) = status else {
+        panic!("child {name} did not finish within {CHILD_TIMEOUT:?} (deadlock?)\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    };
     let text = std::fs::read_to_string(&stats).unwrap_or_default();
     let _ = std::fs::remove_file(&stats);
     ChildRun {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        ok: status.success(),
+        stdout,
+        stderr,
         stats: text
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())
