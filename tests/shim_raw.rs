@@ -65,6 +65,16 @@ fn child_round_trip() {
 
     // seq counts from 0 per context: the next submission is seq 2; point 3 was never submitted.
     assert_eq!(d.wait(s.syncobj, 3), Err(libc::ETIME));
+    // The legacy 40-byte TIMELINE_WAIT (no deadline_nsec) works too: DRM copies min(user, kernel).
+    let (handles, points) = ([s.syncobj], [1u64]);
+    let mut w = [0u8; 40];
+    put64(&mut w, 0, handles.as_ptr() as u64);
+    put64(&mut w, 8, points.as_ptr() as u64);
+    put64(&mut w, 16, i64::MAX as u64);
+    put32(&mut w, 24, 1);
+    put32(&mut w, 28, 2);
+    d.ioctl(0xC028_64CA, &mut w)
+        .expect("legacy-size SYNCOBJ_TIMELINE_WAIT");
     s.teardown(&d);
     drop(d);
     println!("child ok");
