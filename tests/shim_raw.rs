@@ -811,3 +811,57 @@ fn dup_of_the_device_fd_shares_the_drm_file() {
     r.assert_ok_no_leaks();
     assert_eq!(r.stats.len(), 1, "released once, when the last fd closed");
 }
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_munmap_invalidates_the_device_address() {
+    if !is_child("child_munmap_invalidates_the_device_address") {
+        return;
+    }
+    let d = Raw::open();
+    let mut s = Setup::new(&d, 4096);
+    let stale = s.b_addr;
+    // Unmap b: its device address goes away with the mapping (the driver's MMU notifier).
+    let b_map = std::mem::replace(&mut s.b_map, d.map(s.a, 4096).unwrap());
+    drop(b_map);
+    assert_eq!(
+        d.bo_info(s.b).unwrap().2,
+        !0,
+        "no device address without a mapping"
+    );
+    assert_eq!(
+        s.run(&d, &shim_image(1, 0.0)).unwrap(),
+        5,
+        "stale address: ERROR"
+    );
+    // Map it again: a new address, and commands work with it.
+    s.b_map = d.map(s.b, 4096).unwrap();
+    s.b_addr = d.bo_info(s.b).unwrap().2;
+    assert_eq!(s.b_addr, s.b_map.ptr as u64);
+    put_f32s(s.a_map.bytes(), &[3.0; 4]);
+    assert_eq!(s.run(&d, &shim_image(1, 0.0)).unwrap(), 4);
+    assert_eq!(f32s(s.b_map.bytes(), 4), [3.0; 4]);
+    println!("stale={stale:#x}");
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn munmap_invalidates_the_device_address() {
+    let r = run_child("child_munmap_invalidates_the_device_address", &[]);
+    r.assert_ok_no_leaks();
+    let at = r.stdout.find("stale=").expect("stale line") + "stale=".len();
+    let stale: String = r.stdout[at..]
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    assert!(
+        r.stderr.contains(&format!(
+            "buffer address {stale} (regmap +0x1c) is not inside any argument BO"
+        )),
+        "{}",
+        r.stderr
+    );
+}

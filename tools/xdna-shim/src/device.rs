@@ -106,7 +106,7 @@ impl Drop for Backing {
         // SAFETY: `ptr/len` is the mapping this Backing created and nobody else unmaps it; `fd` is
         // owned by this Backing.
         unsafe {
-            libc::munmap(self.ptr as *mut c_void, self.len);
+            real::munmap(self.ptr as *mut c_void, self.len);
             real::close(self.fd);
         }
     }
@@ -243,14 +243,18 @@ struct Bo {
     size: u64,
     /// Own memory (SHARE, CMD, imported); None for DEV and the heap (memory in `Heap`).
     backing: Option<Backing>,
-    /// VA of the first client mapping (the device address in PASID mode).
+    /// VA of the first client mapping (the device address in PASID mode); when that mapping is
+    /// unmapped, the next live one's (or none).
     va: Option<u64>,
+    /// Base VAs of the client's live mappings.
+    maps: Vec<u64>,
     guarded: bool,
 }
 
 struct Heap {
     backing: Backing,
     va: Option<u64>,
+    maps: Vec<u64>,
     /// offset → (reserved length, references). A DEV BO holds one reference, a context using it
     /// as a CU holds another; context staging reservations hold one.
     allocs: BTreeMap<u64, (u64, u32)>,
@@ -434,6 +438,75 @@ struct State {
     g: Option<Globals>,
 }
 
+thread_local! {
+    /// Set while this thread holds the state lock: `munmap`s it makes then (the allocator's)
+    /// skip BO tracking, so nothing re-enters the lock.
+    static IN_SHIM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// True while the calling thread holds the shim's lock (or its TLS is gone).
+pub fn in_shim() -> bool {
+    IN_SHIM.try_with(|f| f.get()).unwrap_or(true)
+}
+
+/// The state lock, marking this thread as inside the shim while held.
+struct Locked(parking_lot::MutexGuard<'static, State>);
+
+impl std::ops::Deref for Locked {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Locked {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.0
+    }
+}
+
+impl Drop for Locked {
+    fn drop(&mut self) {
+        let _ = IN_SHIM.try_with(|f| f.set(false));
+    }
+}
+
+fn lock() -> Locked {
+    let g = STATE.lock();
+    let _ = IN_SHIM.try_with(|f| f.set(true));
+    Locked(g)
+}
+
+/// The client unmapped the BO mapping based at `base`: its device address goes with it (the
+/// driver's MMU notifier), the next live mapping's VA takes over.
+pub fn unmapped(base: u64) {
+    let mut st = lock();
+    for c in st.clients.values_mut() {
+        for (h, bo) in c.bos.iter_mut() {
+            if let Some(i) = bo.maps.iter().position(|&m| m == base) {
+                bo.maps.remove(i);
+                if bo.va == Some(base) {
+                    bo.va = bo.maps.first().copied();
+                    log::debug(|| {
+                        format!(
+                            "BO {h}: mapping at {base:#x} unmapped; device address now {:?}",
+                            bo.va
+                        )
+                    });
+                }
+            }
+        }
+        if let Some(hp) = c.heap.as_mut() {
+            if let Some(i) = hp.maps.iter().position(|&m| m == base) {
+                hp.maps.remove(i);
+                if hp.va == Some(base) {
+                    hp.va = hp.maps.first().copied();
+                }
+            }
+        }
+    }
+}
+
 static STATE: Mutex<State> = Mutex::new(State {
     clients: BTreeMap::new(),
     g: None,
@@ -484,7 +557,7 @@ fn new_placeholder_fd(name: &str, flags: c_int) -> Res<c_int> {
 }
 
 pub fn open_device(flags: c_int) -> Res<c_int> {
-    let mut st = STATE.lock();
+    let mut st = lock();
     inject(st.g(), "OPEN")?;
     let fd = new_placeholder_fd("xdna-shim-accel0", flags)?;
     st.clients.insert(fd, Client::default());
@@ -542,7 +615,7 @@ pub fn sysfs_lookup(path: &[u8]) -> Option<&'static str> {
 /// `close` of a fake fd: the driver's client cleanup for the device.
 /// `dup` of a fake fd: the new fd refers to the same client (like a dup'ed DRM file) or dma-buf.
 pub fn dup_fd(old: c_int, new: c_int, kind: u8) {
-    let mut st = STATE.lock();
+    let mut st = lock();
     let g = st.g();
     match kind {
         crate::FD_DEVICE => {
@@ -563,7 +636,7 @@ pub fn dup_fd(old: c_int, new: c_int, kind: u8) {
 }
 
 pub fn release_fd(fd: c_int, kind: u8) {
-    let mut st = STATE.lock();
+    let mut st = lock();
     match kind {
         crate::FD_DEVICE => {
             // The DRM file lives until its last fd closes.
@@ -643,7 +716,7 @@ pub fn mmap(
             Ok(p)
         }
     };
-    let mut st = STATE.lock();
+    let mut st = lock();
     match kind {
         crate::FD_DMABUF => {
             let Some(w) = st.g().dmabufs.get(&fd) else {
@@ -700,11 +773,16 @@ pub fn mmap(
             let is_heap = bo.kind == Kind::Heap;
             if let Some(bo) = c.bos.get_mut(&handle) {
                 bo.va.get_or_insert(va);
+                bo.maps.push(va);
             }
             if is_heap {
                 if let Some(h) = c.heap.as_mut() {
                     h.va.get_or_insert(va);
+                    h.maps.push(va);
                 }
+            }
+            if !crate::maps::register(p as u64, len as u64, va) {
+                log::debug(|| "mapping table full: this mapping's munmap is not tracked".into());
             }
             log::debug(|| format!("mmap BO {handle} at {p:p} (+{sub:#x}, {len} bytes)"));
             Ok(p)
@@ -929,7 +1007,7 @@ pub fn ioctl(fd: c_int, kind: u8, req: u64, arg: u64) -> Res<c_int> {
     let input = uaccess::read(arg, in_size)
         .or_else(|e| fail(e, def.name, "argument struct not readable"))?;
     buf[..in_size].copy_from_slice(&input);
-    let mut st = STATE.lock();
+    let mut st = lock();
     let fd = st.g().aliases.get(&fd).copied().unwrap_or(fd);
     inject(st.g(), def.name)?;
     if !st.clients.contains_key(&fd) {
@@ -1095,6 +1173,7 @@ fn import(c: &mut Client, g: &Globals, dfd: c_int, what: &str) -> Res<u32> {
             size,
             backing: Some(backing),
             va: None,
+            maps: Vec::new(),
             guarded: false,
         },
     );
@@ -1396,6 +1475,7 @@ fn create_bo(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
                     size,
                     backing: Some(backing),
                     va: None,
+                    maps: Vec::new(),
                     guarded: true,
                 },
             );
@@ -1418,6 +1498,7 @@ fn create_bo(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
             c.heap = Some(Heap {
                 backing,
                 va: None,
+                maps: Vec::new(),
                 allocs: BTreeMap::new(),
             });
             c.bos.insert(
@@ -1427,6 +1508,7 @@ fn create_bo(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
                     size,
                     backing: None,
                     va: None,
+                    maps: Vec::new(),
                     guarded: false,
                 },
             );
@@ -1462,6 +1544,7 @@ fn create_bo(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
                     size,
                     backing: None,
                     va: None,
+                    maps: Vec::new(),
                     guarded: true,
                 },
             );
@@ -2334,7 +2417,7 @@ fn udmabuf_ioctl(req: u64, arg: u64) -> Res<c_int> {
     let b =
         uaccess::read(arg, 24).or_else(|e| fail(e, "UDMABUF_CREATE", "argument not readable"))?;
     let (memfd, flags, off, size) = (g32(&b, 0) as c_int, g32(&b, 4), g64(&b, 8), g64(&b, 16));
-    let mut st = STATE.lock();
+    let mut st = lock();
     inject(st.g(), "UDMABUF_CREATE")?;
     if flags & !1 != 0 {
         return fail(libc::EINVAL, "UDMABUF_CREATE", format!("flags {flags:#x}"));

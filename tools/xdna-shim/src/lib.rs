@@ -21,6 +21,7 @@ mod device;
 mod ert;
 mod layout;
 mod log;
+mod maps;
 mod real;
 mod uaccess;
 
@@ -335,6 +336,19 @@ pub unsafe extern "C" fn mmap64(
     off: off_t,
 ) -> *mut c_void {
     mmap_common(addr, len, prot, flags, fd, off)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    // SAFETY: forwarding the caller's arguments unchanged to the real munmap.
+    let r = unsafe { real::munmap(addr, len) };
+    // Lock-free unless the range held a tracked BO mapping (and never from inside the shim).
+    if r == 0 && maps::live() > 0 && !device::in_shim() {
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            maps::take_overlapping(addr as u64, len as u64, device::unmapped)
+        }));
+    }
+    r
 }
 
 /// Fills a `struct stat` (same layout as `stat64` on x86_64) for a fake node.

@@ -70,6 +70,7 @@ extern "C" fn resolve_all() {
     for s in ALL.iter() {
         s.resolve();
     }
+    MUNMAP.resolve();
 }
 
 /// Load-time constructor: resolve every symbol before `main`.
@@ -238,9 +239,8 @@ pub unsafe fn mmap(
     // Unresolved (possibly because dlsym is running right now): raw system call, no dlsym here.
     // SAFETY: raw mmap with the caller's arguments.
     let r = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
-    if r < 0 && r > -4096 {
-        // SAFETY: errno slot of this thread.
-        unsafe { *libc::__errno_location() = -r as c_int };
+    // glibc's syscall() returns -1 with errno set on failure (user addresses are never negative).
+    if r == -1 {
         return libc::MAP_FAILED;
     }
     r as *mut c_void
@@ -379,5 +379,23 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
             // SAFETY: raw fcntl.
             _ => unsafe { libc::syscall(libc::SYS_fcntl, fd, cmd, arg) as c_int },
         },
+    }
+}
+
+static MUNMAP: Sym = Sym::new(b"munmap\0");
+
+/// The real `munmap` (resolved lazily; the raw syscall until then).
+pub unsafe fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    match MUNMAP.addr.load(Ordering::Acquire) {
+        // SAFETY: the address came from dlsym("munmap"), whose C type is this signature.
+        a if a != 0 => unsafe {
+            std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_void, size_t) -> c_int>(a)(
+                addr, len,
+            )
+        },
+        // Unresolved (the constructor has not run yet): raw system call; glibc's syscall() sets
+        // errno and returns -1 on failure. No dlsym here: the allocator calls munmap.
+        // SAFETY: raw munmap with the caller's arguments.
+        _ => unsafe { libc::syscall(libc::SYS_munmap, addr, len) as c_int },
     }
 }
