@@ -205,6 +205,12 @@ fn child_ordering() {
         d.bo_info(dev).unwrap().1,
         m.ptr as u64 + (d.bo_info(dev).unwrap().2 - 0x0400_0000)
     );
+    drop(m);
+    assert_eq!(
+        d.create_bo(BO_DEV, 4096),
+        Err(libc::EAGAIN),
+        "heap unmapped again"
+    );
     d.gem_close(dev).unwrap();
     d.gem_close(heap).unwrap();
     println!("child ok");
