@@ -414,3 +414,22 @@ fn xdna_info_prints_the_fake_device() {
     }
     assert!(stdout.contains("8 columns × 6 rows"), "{stdout}");
 }
+
+#[test]
+fn child_dev_forgotten() {
+    if !is_child("child_dev_forgotten") {
+        return;
+    }
+    let dev = XdnaDevice::open(NODE).unwrap();
+    std::mem::forget(dev); // never closed: the shim reports it at exit
+    println!("child ok");
+}
+
+#[test]
+fn a_device_never_closed_is_reported_at_exit() {
+    let r = run_child("child_dev_forgotten", &[]);
+    assert!(r.ok, "{}", r.stderr);
+    assert_eq!(r.stats.len(), 1, "{:?}", r.stats);
+    assert_eq!(r.stats[0]["closed"], false);
+    assert_eq!(r.stats[0]["bos"], 1, "the heap");
+}

@@ -613,6 +613,42 @@ pub fn sysfs_lookup(path: &[u8]) -> Option<&'static str> {
 }
 
 /// `close` of a fake fd: the driver's client cleanup for the device.
+/// Appends one `XDNA_SHIM_STATS` line.
+fn write_stats(fd: c_int, bos: usize, ctxs: usize, syncobjs: usize, execs: u64, closed: bool) {
+    let Some(path) = config::get().stats.as_ref() else {
+        return;
+    };
+    let line = format!(
+        "{{\"pid\":{},\"fd\":{fd},\"bos\":{bos},\"contexts\":{ctxs},\"syncobjs\":{syncobjs},\"execs\":{execs},\"closed\":{closed}}}\n",
+        std::process::id()
+    );
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = f.write_all(line.as_bytes());
+    }
+}
+
+/// At process exit: a stats line (`"closed":false`) for every device fd never closed, so a
+/// runtime that leaks its device is visible too. Skipped if another thread holds the lock.
+pub fn at_exit() {
+    let Some(st) = STATE.try_lock() else {
+        return;
+    };
+    let execs = st.g.as_ref().map_or(0, |g| g.execs);
+    let open: Vec<(c_int, usize, usize, usize)> = st
+        .clients
+        .iter()
+        .map(|(&fd, c)| (fd, c.bos.len(), c.ctxs.len(), c.syncobjs.len()))
+        .collect();
+    drop(st);
+    for (fd, bos, ctxs, syncobjs) in open {
+        write_stats(fd, bos, ctxs, syncobjs, execs, false);
+    }
+}
+
 /// `dup` of a fake fd: the new fd refers to the same client (like a dup'ed DRM file) or dma-buf.
 pub fn dup_fd(old: c_int, new: c_int, kind: u8) {
     let mut st = lock();
@@ -672,19 +708,7 @@ pub fn release_fd(fd: c_int, kind: u8) {
             if bos + ctxs + syncobjs > 0 {
                 log::log(&format!("close fd {fd}: releasing {bos} BOs, {ctxs} contexts, {syncobjs} syncobjs still alive"));
             }
-            if let Some(path) = config::get().stats.as_ref() {
-                let line = format!(
-                    "{{\"pid\":{},\"fd\":{fd},\"bos\":{bos},\"contexts\":{ctxs},\"syncobjs\":{syncobjs},\"execs\":{execs}}}\n",
-                    std::process::id()
-                );
-                if let Ok(mut f) = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)
-                {
-                    let _ = f.write_all(line.as_bytes());
-                }
-            }
+            write_stats(fd, bos, ctxs, syncobjs, execs, true);
         }
         crate::FD_DMABUF => {
             st.g().dmabufs.remove(&fd);

@@ -31,6 +31,15 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use libc::{c_char, c_int, c_uint, c_ulong, c_void, mode_t, off_t, size_t};
 
+extern "C" fn shim_fini() {
+    let _ = catch_unwind(device::at_exit);
+}
+
+/// Unload-time destructor (runs at `exit`): stats for device fds still open.
+#[used]
+#[link_section = ".fini_array"]
+static FINI: extern "C" fn() = shim_fini;
+
 /// Kinds of fd the shim owns (stored in [`FAKE_FDS`]).
 pub(crate) const FD_NONE: u8 = 0;
 /// The fake accel device node.
