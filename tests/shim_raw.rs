@@ -871,3 +871,39 @@ fn munmap_invalidates_the_device_address() {
         r.stderr
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_aliasing_buffers() {
+    if !is_child("child_aliasing_buffers") {
+        return;
+    }
+    let d = Raw::open();
+    let s = Setup::new(&d, 4096);
+    let a = s.a_map.bytes();
+    for (i, x) in a.iter_mut().enumerate() {
+        *x = (i % 256) as u8;
+    }
+    // Both buffers inside BO a: copy a[0..2048] → a[2048..4096] (buffer 1 is the shorter).
+    s.dev_bytes(&d, s.instr)[..16].copy_from_slice(&shim_image(1, 0.0));
+    write_start_cu(
+        s.cmd_map.bytes(),
+        s.instr_addr,
+        4,
+        &[s.a_addr, s.a_addr + 2048],
+    );
+    let seq = d.exec(s.ctx, s.cmd, &[s.instr, s.a]).unwrap();
+    d.wait(s.syncobj, seq).unwrap();
+    assert_eq!(cmd_state(s.cmd_map.bytes()), 4);
+    let a = s.a_map.bytes();
+    assert!((0..2048).all(|i| a[i] == (i % 256) as u8), "source intact");
+    assert!((0..2048).all(|i| a[2048 + i] == (i % 256) as u8), "copied");
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn aliasing_buffers_run_on_copies() {
+    run_child("child_aliasing_buffers", &[]).assert_ok_no_leaks();
+}

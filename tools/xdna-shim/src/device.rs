@@ -14,7 +14,7 @@ use libc::{c_int, c_void, size_t};
 use parking_lot::Mutex;
 
 use crate::config::{self, ERT_ABORT, ERT_COMPLETED, ERT_ERROR, ERT_TIMEOUT};
-use crate::ert::{self, ExecFault, Header};
+use crate::ert::{self, Header};
 use crate::{log, real, uaccess};
 
 type Res<T> = Result<T, c_int>;
@@ -2175,25 +2175,42 @@ fn run_image(
     }
     // SAFETY: [iptr, iptr+ilen) lies inside BO `ih` (resolve + check above).
     let image = unsafe { std::slice::from_raw_parts(iptr as *const u8, ilen as usize) }.to_vec();
-    // Owned copies: arguments may alias (two addresses inside one BO).
-    // SAFETY: each (ptr, len) lies inside its BO (from resolve).
-    let mut owned: Vec<Vec<u8>> = bufs
-        .iter()
-        .map(|&(_, p, l)| {
-            unsafe { std::slice::from_raw_parts(p as *const u8, l as usize) }.to_vec()
-        })
-        .collect();
-    let mut refs: Vec<&mut [u8]> = owned.iter_mut().map(|v| v.as_mut_slice()).collect();
-    match ert::execute(&image, &mut refs) {
-        Ok(()) => {
+    let disjoint = bufs.iter().enumerate().all(|(i, &(_, p, l))| {
+        bufs[i + 1..]
+            .iter()
+            .all(|&(_, q, m)| p as u64 + l <= q as u64 || q as u64 + m <= p as u64)
+    });
+    let result = if disjoint {
+        // Disjoint ranges of the shim's own mappings: the executor works on them in place
+        // (no copy of large weight buffers per command).
+        let mut refs: Vec<&mut [u8]> = bufs
+            .iter()
+            // SAFETY: each (ptr, len) lies inside its BO's mapping (from resolve), the mappings
+            // stay alive while the state lock is held, and the ranges are pairwise disjoint, so
+            // no two of these &mut slices alias.
+            .map(|&(_, p, l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l as usize) })
+            .collect();
+        ert::execute(&image, &mut refs)
+    } else {
+        // Aliasing arguments (two addresses inside one BO): run on copies, write back in order.
+        let mut owned: Vec<Vec<u8>> = bufs
+            .iter()
+            // SAFETY: each (ptr, len) lies inside its BO (from resolve).
+            .map(|&(_, p, l)| {
+                unsafe { std::slice::from_raw_parts(p as *const u8, l as usize) }.to_vec()
+            })
+            .collect();
+        let mut refs: Vec<&mut [u8]> = owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+        let r = ert::execute(&image, &mut refs);
+        if r.is_ok() {
             for (&(_, p, l), v) in bufs.iter().zip(&owned) {
                 // SAFETY: writing back exactly the range read above.
                 unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p as *mut u8, l as usize) };
             }
-            Ok(())
         }
-        Err(e @ ExecFault::Unsupported(_)) | Err(e @ ExecFault::Failed(_)) => error(e.to_string()),
-    }
+        r
+    };
+    result.or_else(|e| error(e.to_string()))
 }
 
 /// Checks (and restores) the guard words of the argument BOs, the command BO and every DEV
