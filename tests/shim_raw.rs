@@ -907,3 +907,92 @@ fn child_aliasing_buffers() {
 fn aliasing_buffers_run_on_copies() {
     run_child("child_aliasing_buffers", &[]).assert_ok_no_leaks();
 }
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn child_user_pointer_bo() {
+    if !is_child("child_user_pointer_bo") {
+        return;
+    }
+    let d = Raw::open();
+    let s = Setup::new(&d, 8192);
+    // Two page-sized, contiguous entries of an anonymous mapping.
+    // SAFETY: anonymous mapping owned by this test; checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    } as *mut u8;
+    assert_ne!(p as *mut libc::c_void, libc::MAP_FAILED);
+    // SAFETY: p maps 8192 writable bytes.
+    let user = unsafe { std::slice::from_raw_parts_mut(p, 8192) };
+    put_f32s(user, &[1.5; 2048]);
+    let mut tbl = [0u8; 8 + 32];
+    put32(&mut tbl, 0, u32::MAX); // dmabuf_fd -1
+    put32(&mut tbl, 4, 2);
+    put64(&mut tbl, 8, p as u64);
+    put64(&mut tbl, 16, 4096);
+    put64(&mut tbl, 24, p as u64 + 4096);
+    put64(&mut tbl, 32, 4096);
+    let mut c = [0u8; 32];
+    put64(&mut c, 8, tbl.as_ptr() as u64);
+    put32(&mut c, 24, BO_SHARE);
+    d.ioctl(CREATE_BO, &mut c).expect("user-pointer BO");
+    let u = get32(&c, 28);
+    let (off, _, addr) = d.bo_info(u).unwrap();
+    assert_eq!(
+        (off, addr),
+        (!0, p as u64),
+        "no map offset; device address = the VA"
+    );
+    assert_eq!(
+        d.map(u, 4096).err(),
+        Some(libc::EINVAL),
+        "not mmap-able through the device"
+    );
+    // axpy: b = 2·user + b, then user = copy of b (the device writes client memory).
+    s.dev_bytes(&d, s.instr)[..16].copy_from_slice(&shim_image(2, 2.0));
+    write_start_cu(s.cmd_map.bytes(), s.instr_addr, 4, &[addr, s.b_addr]);
+    let seq = d.exec(s.ctx, s.cmd, &[s.instr, u, s.b]).unwrap();
+    d.wait(s.syncobj, seq).unwrap();
+    assert_eq!(cmd_state(s.cmd_map.bytes()), 4);
+    assert_eq!(f32s(s.b_map.bytes(), 2048), vec![3.0; 2048]);
+    s.dev_bytes(&d, s.instr)[..16].copy_from_slice(&shim_image(1, 0.0));
+    write_start_cu(s.cmd_map.bytes(), s.instr_addr, 4, &[s.b_addr, addr]);
+    let seq = d.exec(s.ctx, s.cmd, &[s.instr, u, s.b]).unwrap();
+    d.wait(s.syncobj, seq).unwrap();
+    assert_eq!(cmd_state(s.cmd_map.bytes()), 4);
+    assert_eq!(f32s(user, 2048), vec![3.0; 2048]);
+    // Non-contiguous entries are refused.
+    put64(&mut tbl, 24, p as u64 + 8192);
+    let mut c = [0u8; 32];
+    put64(&mut c, 8, tbl.as_ptr() as u64);
+    put32(&mut c, 24, BO_SHARE);
+    assert_eq!(d.ioctl(CREATE_BO, &mut c), Err(libc::EINVAL));
+    // Unmapped client memory: the command fails, the shim does not crash.
+    // SAFETY: unmapping our own mapping (the BO now points at nothing).
+    unsafe { libc::munmap(p.cast(), 8192) };
+    let seq = d.exec(s.ctx, s.cmd, &[s.instr, u, s.b]).unwrap();
+    d.wait(s.syncobj, seq).unwrap();
+    assert_eq!(cmd_state(s.cmd_map.bytes()), 5);
+    d.gem_close(u).unwrap();
+    s.teardown(&d);
+    println!("child ok");
+}
+
+#[test]
+fn user_pointer_bos_use_client_memory() {
+    let r = run_child("child_user_pointer_bo", &[]);
+    r.assert_ok_no_leaks();
+    assert!(
+        r.stderr.contains("its memory is no longer mapped"),
+        "{}",
+        r.stderr
+    );
+}

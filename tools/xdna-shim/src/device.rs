@@ -221,9 +221,13 @@ fn check_guard(ptr: usize, at: u64) -> Option<u64> {
 enum Kind {
     Share,
     Heap,
-    Dev { off: u64 },
+    Dev {
+        off: u64,
+    },
     Cmd,
     Imported,
+    /// A user-pointer BO (va_tbl with dmabuf_fd -1): the client's own memory at `va`.
+    UserPtr,
 }
 
 impl Kind {
@@ -234,6 +238,7 @@ impl Kind {
             Kind::Dev { .. } => "DEV",
             Kind::Cmd => "CMD",
             Kind::Imported => "SHARE(imported)",
+            Kind::UserPtr => "SHARE(user pointer)",
         }
     }
 }
@@ -382,6 +387,7 @@ impl Client {
         match bo.kind {
             Kind::Dev { off } => self.heap.as_ref().map(|h| h.backing.ptr + off as usize),
             Kind::Heap => self.heap.as_ref().map(|h| h.backing.ptr),
+            Kind::UserPtr => bo.va.map(|v| v as usize),
             _ => bo.backing.as_ref().map(|b| b.ptr),
         }
     }
@@ -397,12 +403,19 @@ impl Client {
 
     /// Resolves a device address to (BO handle, shim pointer, bytes to the end of the BO) among
     /// the command's argument BOs.
-    fn resolve(&self, args: &[u32], addr: u64) -> Option<(u32, usize, u64)> {
+    /// The last field is true for user-pointer BOs, whose memory (the client's) must only be
+    /// touched through `uaccess`.
+    fn resolve(&self, args: &[u32], addr: u64) -> Option<Resolved> {
         for &h in args {
             let bo = self.bos.get(&h)?;
             if let (Some((base, size)), Some(ptr)) = (self.dev_range(bo), self.mem(bo)) {
                 if addr >= base && addr < base + size {
-                    return Some((h, ptr + (addr - base) as usize, size - (addr - base)));
+                    return Some((
+                        h,
+                        ptr + (addr - base) as usize,
+                        size - (addr - base),
+                        bo.kind == Kind::UserPtr,
+                    ));
                 }
             }
         }
@@ -415,6 +428,9 @@ impl Client {
         }
     }
 }
+
+/// (BO handle, pointer, bytes to the end of the BO, user-pointer BO).
+type Resolved = (u32, usize, u64, bool);
 
 struct DmaBuf {
     offset: u64,
@@ -774,6 +790,13 @@ pub fn mmap(
             if matches!(bo.kind, Kind::Dev { .. }) {
                 return fail(libc::EINVAL, "MMAP", format!("BO {handle} is a DEV BO: it has no map_offset; access it through the heap mapping"));
             }
+            if bo.kind == Kind::UserPtr {
+                return fail(
+                    libc::EINVAL,
+                    "MMAP",
+                    format!("BO {handle} is a user-pointer BO: use the memory it was created from"),
+                );
+            }
             if flags & libc::MAP_SHARED == 0 {
                 return fail(libc::EINVAL, "MMAP", "BO mappings must be MAP_SHARED");
             }
@@ -1131,11 +1154,14 @@ fn prime_handle_to_fd(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
         );
     };
     let backing = match (bo.kind, &bo.backing, &c.heap) {
-        (Kind::Dev { .. }, _, _) => {
+        (Kind::Dev { .. } | Kind::UserPtr, _, _) => {
             return fail(
                 libc::EOPNOTSUPP,
                 "PRIME_HANDLE_TO_FD",
-                format!("BO {h} is a DEV BO: DEV BOs cannot be exported"),
+                format!(
+                    "BO {h} is a {} BO, which cannot be exported",
+                    bo.kind.name()
+                ),
             )
         }
         (_, Some(bk), _) => bk,
@@ -1433,6 +1459,58 @@ fn syncobj_reset(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
 // ---------------------------------------------------------------------------------------------
 // amdxdna: BOs
 
+/// CREATE_BO SHARE with va_tbl {dmabuf_fd -1, entries}: a BO over the client's own pages. Entries
+/// must be page-aligned, non-empty and (PASID mode) form one contiguous VA range; the device
+/// address is the first entry's VA.
+fn user_ptr_bo(c: &mut Client, tbl: u64, n: u32, size: u64) -> Res<u32> {
+    const W: &str = "CREATE_BO(user pointer)";
+    if n == 0 || n > 1024 {
+        return fail(libc::EINVAL, W, format!("{n} va_tbl entries (1..=1024)"));
+    }
+    let raw = uaccess::read(tbl + 8, n as usize * 16)
+        .or_else(|e| fail(e, W, "va_tbl entries not readable"))?;
+    let first = g64(&raw, 0);
+    let mut total = 0u64;
+    for i in 0..n as usize {
+        let (va, len) = (g64(&raw, 16 * i), g64(&raw, 16 * i + 8));
+        if len == 0 || !va.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) {
+            return fail(
+                libc::EINVAL,
+                W,
+                format!("entry {i} ({va:#x}, {len:#x}) must be page-aligned and non-empty"),
+            );
+        }
+        if va != first + total {
+            return fail(libc::EINVAL, W, format!("entry {i} at {va:#x} does not continue the range (PASID mode needs one contiguous VA range)"));
+        }
+        total += len;
+    }
+    if size != 0 && size != total {
+        return fail(
+            libc::EINVAL,
+            W,
+            format!("size {size} != the entries' {total} bytes (pass 0)"),
+        );
+    }
+    // The driver pins the pages (EFAULT if they are not mapped).
+    uaccess::read(first, 1)
+        .and_then(|_| uaccess::read(first + total - 1, 1))
+        .or_else(|e| fail(e, W, format!("range {first:#x}+{total:#x} is not mapped")))?;
+    let h = c.new_handle();
+    c.bos.insert(
+        h,
+        Bo {
+            kind: Kind::UserPtr,
+            size: total,
+            backing: None,
+            va: Some(first),
+            maps: Vec::new(),
+            guarded: false,
+        },
+    );
+    Ok(h)
+}
+
 fn create_bo(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
     let (c, g) = parts(st, fd)?;
     let (flags, vaddr, size, ty) = (g64(b, 0), g64(b, 8), g64(b, 16), g32(b, 24));
@@ -1470,11 +1548,7 @@ fn create_bo(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
             if dfd >= 0 && n == 0 {
                 import(c, g, dfd, "CREATE_BO(va_tbl)")?
             } else if dfd == -1 {
-                return fail(
-                    libc::EOPNOTSUPP,
-                    "CREATE_BO",
-                    "user-pointer BOs (va_tbl with dmabuf_fd -1) are not emulated by the shim",
-                );
+                user_ptr_bo(c, vaddr, n, size)?
             } else {
                 return fail(
                     libc::EINVAL,
@@ -1600,6 +1674,7 @@ fn get_bo_info(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
             DEVM_BASE + off,
         ),
         Kind::Heap => ((h as u64) << 32, heap_va.unwrap_or(INVALID), DEVM_BASE),
+        Kind::UserPtr => (INVALID, bo.va.unwrap_or(INVALID), bo.va.unwrap_or(INVALID)),
         _ => (
             (h as u64) << 32,
             bo.va.unwrap_or(INVALID),
@@ -2043,7 +2118,15 @@ fn run_packet(c: &Client, h: u32, args: &[u32], cus_len: usize, depth: u32) -> R
                 let Some(sbo) = c.bos.get(&sub_h) else {
                     return abort(format!("chain slot {i}: no command BO {sub}"));
                 };
-                let sptr = c.mem(sbo).unwrap_or(0);
+                if !matches!(sbo.kind, Kind::Cmd | Kind::Share) {
+                    return abort(format!(
+                        "chain slot {i}: BO {sub_h} is {}, not a command BO",
+                        sbo.kind.name()
+                    ));
+                }
+                let Some(sptr) = c.mem(sbo) else {
+                    return abort(format!("chain slot {i}: BO {sub_h} has no memory"));
+                };
                 // SAFETY: CMD BOs are at least 4 bytes.
                 let op =
                     Header::parse(unsafe { std::ptr::read_volatile(sptr as *const u32) }).opcode;
@@ -2163,9 +2246,9 @@ fn run_image(
     args: &[u32],
     instr: u64,
     ilen: u64,
-    bufs: Vec<(u32, usize, u64)>,
+    bufs: Vec<Resolved>,
 ) -> Result<(), RunErr> {
-    let Some((ih, iptr, avail)) = c.resolve(args, instr) else {
+    let Some((ih, iptr, avail, iuser)) = c.resolve(args, instr) else {
         return error(format!("instruction address {instr:#x} is not inside any argument BO (list the instruction DEV BO in EXEC_CMD args)"));
     };
     if ilen == 0 || ilen > avail {
@@ -2173,14 +2256,20 @@ fn run_image(
             "instruction stream of {ilen} bytes at {instr:#x} exceeds BO {ih} ({avail} bytes left)"
         ));
     }
-    // SAFETY: [iptr, iptr+ilen) lies inside BO `ih` (resolve + check above).
-    let image = unsafe { std::slice::from_raw_parts(iptr as *const u8, ilen as usize) }.to_vec();
-    let disjoint = bufs.iter().enumerate().all(|(i, &(_, p, l))| {
+    let unreadable = |h: u32| format!("user-pointer BO {h}: its memory is no longer mapped");
+    let image = if iuser {
+        uaccess::read(iptr as u64, ilen as usize).map_err(|_| (ERT_ERROR, unreadable(ih)))?
+    } else {
+        // SAFETY: [iptr, iptr+ilen) lies inside BO `ih`'s shim mapping (resolve + check above).
+        unsafe { std::slice::from_raw_parts(iptr as *const u8, ilen as usize) }.to_vec()
+    };
+    let disjoint = bufs.iter().enumerate().all(|(i, &(_, p, l, _))| {
         bufs[i + 1..]
             .iter()
-            .all(|&(_, q, m)| p as u64 + l <= q as u64 || q as u64 + m <= p as u64)
+            .all(|&(_, q, m, _)| p as u64 + l <= q as u64 || q as u64 + m <= p as u64)
     });
-    let result = if disjoint {
+    let any_user = bufs.iter().any(|b| b.3);
+    let result = if disjoint && !any_user {
         // Disjoint ranges of the shim's own mappings: the executor works on them in place
         // (no copy of large weight buffers per command).
         let mut refs: Vec<&mut [u8]> = bufs
@@ -2188,24 +2277,33 @@ fn run_image(
             // SAFETY: each (ptr, len) lies inside its BO's mapping (from resolve), the mappings
             // stay alive while the state lock is held, and the ranges are pairwise disjoint, so
             // no two of these &mut slices alias.
-            .map(|&(_, p, l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l as usize) })
+            .map(|&(_, p, l, _)| unsafe {
+                std::slice::from_raw_parts_mut(p as *mut u8, l as usize)
+            })
             .collect();
         ert::execute(&image, &mut refs)
     } else {
-        // Aliasing arguments (two addresses inside one BO): run on copies, write back in order.
-        let mut owned: Vec<Vec<u8>> = bufs
-            .iter()
-            // SAFETY: each (ptr, len) lies inside its BO (from resolve).
-            .map(|&(_, p, l)| {
+        // Aliasing arguments (two addresses inside one BO) or client memory (user-pointer BOs):
+        // run on copies, written back in order.
+        let mut owned: Vec<Vec<u8>> = Vec::with_capacity(bufs.len());
+        for &(h, p, l, user) in &bufs {
+            owned.push(if user {
+                uaccess::read(p as u64, l as usize).map_err(|_| (ERT_ERROR, unreadable(h)))?
+            } else {
+                // SAFETY: (ptr, len) lies inside BO `h`'s shim mapping (from resolve).
                 unsafe { std::slice::from_raw_parts(p as *const u8, l as usize) }.to_vec()
-            })
-            .collect();
+            });
+        }
         let mut refs: Vec<&mut [u8]> = owned.iter_mut().map(|v| v.as_mut_slice()).collect();
         let r = ert::execute(&image, &mut refs);
         if r.is_ok() {
-            for (&(_, p, l), v) in bufs.iter().zip(&owned) {
-                // SAFETY: writing back exactly the range read above.
-                unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p as *mut u8, l as usize) };
+            for (&(h, p, l, user), v) in bufs.iter().zip(&owned) {
+                if user {
+                    uaccess::write(p as u64, v).map_err(|_| (ERT_ERROR, unreadable(h)))?;
+                } else {
+                    // SAFETY: writing back exactly the range read above.
+                    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p as *mut u8, l as usize) };
+                }
             }
         }
         r
