@@ -461,6 +461,35 @@ fn child_dmabuf() {
         );
         let dmabuf = libc::ioctl(u, UDMABUF_CREATE as libc::c_ulong, c.as_mut_ptr());
         assert!(dmabuf >= 0, "udmabuf create");
+        // UDMABUF_CREATE_LIST: two contiguous ranges of the memfd make one 8 KiB dma-buf ...
+        let mut l = [0u8; 8 + 48];
+        put32(&mut l, 0, 1);
+        put32(&mut l, 4, 2);
+        for (i, off) in [0u64, 4096].into_iter().enumerate() {
+            put32(&mut l, 8 + 24 * i, memfd as u32);
+            put64(&mut l, 8 + 24 * i + 8, off);
+            put64(&mut l, 8 + 24 * i + 16, 4096);
+        }
+        let lfd = libc::ioctl(u, 0x4008_7543 as libc::c_ulong, l.as_mut_ptr());
+        assert!(lfd >= 0, "udmabuf create list");
+        let w = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            lfd,
+            0,
+        );
+        assert_ne!(w, libc::MAP_FAILED);
+        assert_eq!(*(w as *const u8).add(4097), (4097 % 251) as u8);
+        libc::munmap(w, 8192);
+        libc::close(lfd);
+        // ... a gap between the ranges is beyond what the shim emulates.
+        put64(&mut l, 8 + 24 + 8, 0);
+        assert_eq!(
+            libc::ioctl(u, 0x4008_7543 as libc::c_ulong, l.as_mut_ptr()),
+            -1
+        );
         libc::close(u);
         (memfd, dmabuf)
     };

@@ -2546,67 +2546,111 @@ fn set_state(st: &mut State, _fd: c_int, b: &mut [u8]) -> Res<c_int> {
 
 fn udmabuf_ioctl(req: u64, arg: u64) -> Res<c_int> {
     const CREATE: u64 = 0x4018_7542;
-    if req != CREATE {
-        return fail(
-            libc::ENOTTY,
-            "UDMABUF",
-            format!("request {req:#x} not emulated (only UDMABUF_CREATE)"),
-        );
-    }
-    let b =
-        uaccess::read(arg, 24).or_else(|e| fail(e, "UDMABUF_CREATE", "argument not readable"))?;
-    let (memfd, flags, off, size) = (g32(&b, 0) as c_int, g32(&b, 4), g64(&b, 8), g64(&b, 16));
+    const CREATE_LIST: u64 = 0x4008_7543;
+    // (memfd, offset, size) ranges and flags.
+    let (name, flags, items): (&str, u32, Vec<(c_int, u64, u64)>) = match req {
+        CREATE => {
+            let b = uaccess::read(arg, 24)
+                .or_else(|e| fail(e, "UDMABUF_CREATE", "argument not readable"))?;
+            (
+                "UDMABUF_CREATE",
+                g32(&b, 4),
+                vec![(g32(&b, 0) as c_int, g64(&b, 8), g64(&b, 16))],
+            )
+        }
+        CREATE_LIST => {
+            const W: &str = "UDMABUF_CREATE_LIST";
+            let h = uaccess::read(arg, 8).or_else(|e| fail(e, W, "argument not readable"))?;
+            let count = g32(&h, 4) as usize;
+            if count == 0 || count > 1024 {
+                return fail(
+                    libc::EINVAL,
+                    W,
+                    format!("count {count} (1..=1024, list_limit)"),
+                );
+            }
+            let raw =
+                uaccess::read(arg + 8, count * 24).or_else(|e| fail(e, W, "list not readable"))?;
+            let items = (0..count)
+                .map(|i| {
+                    (
+                        g32(&raw, 24 * i) as c_int,
+                        g64(&raw, 24 * i + 8),
+                        g64(&raw, 24 * i + 16),
+                    )
+                })
+                .collect();
+            (W, g32(&h, 0), items)
+        }
+        _ => {
+            return fail(
+                libc::ENOTTY,
+                "UDMABUF",
+                format!("request {req:#x} not emulated (UDMABUF_CREATE, UDMABUF_CREATE_LIST)"),
+            )
+        }
+    };
     let mut st = lock();
     inject(st.g(), "UDMABUF_CREATE")?;
     if flags & !1 != 0 {
-        return fail(libc::EINVAL, "UDMABUF_CREATE", format!("flags {flags:#x}"));
+        return fail(libc::EINVAL, name, format!("flags {flags:#x}"));
     }
-    // SAFETY: fcntl on a caller-provided fd.
-    let seals = unsafe { real::fcntl(memfd, libc::F_GET_SEALS, 0) };
-    if seals < 0 {
-        return fail(
-            libc::EINVAL,
-            "UDMABUF_CREATE",
-            format!("fd {memfd} is not a memfd"),
-        );
-    }
-    if seals & libc::F_SEAL_SHRINK == 0 {
-        return fail(
-            libc::EINVAL,
-            "UDMABUF_CREATE",
-            "memfd must be sealed with F_SEAL_SHRINK",
-        );
-    }
-    if seals & (libc::F_SEAL_WRITE | libc::F_SEAL_FUTURE_WRITE) != 0 {
-        return fail(
-            libc::EINVAL,
-            "UDMABUF_CREATE",
-            "memfd must not be sealed with F_SEAL_WRITE/F_SEAL_FUTURE_WRITE",
-        );
-    }
-    if size == 0 || off % PAGE != 0 || size % PAGE != 0 {
-        return fail(
-            libc::EINVAL,
-            "UDMABUF_CREATE",
-            format!("offset {off:#x} / size {size:#x} must be page-aligned and non-zero"),
-        );
+    let mut total = 0u64;
+    let mut file: Option<(u64, u64)> = None; // (st_dev, st_ino) of the first memfd
+    for &(memfd, off, size) in &items {
+        // SAFETY: fcntl on a caller-provided fd.
+        let seals = unsafe { real::fcntl(memfd, libc::F_GET_SEALS, 0) };
+        if seals < 0 {
+            return fail(libc::EINVAL, name, format!("fd {memfd} is not a memfd"));
+        }
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            return fail(
+                libc::EINVAL,
+                name,
+                "memfd must be sealed with F_SEAL_SHRINK",
+            );
+        }
+        if seals & (libc::F_SEAL_WRITE | libc::F_SEAL_FUTURE_WRITE) != 0 {
+            return fail(
+                libc::EINVAL,
+                name,
+                "memfd must not be sealed with F_SEAL_WRITE/F_SEAL_FUTURE_WRITE",
+            );
+        }
+        if size == 0 || !off.is_multiple_of(PAGE) || !size.is_multiple_of(PAGE) {
+            return fail(
+                libc::EINVAL,
+                name,
+                format!("offset {off:#x} / size {size:#x} must be page-aligned and non-zero"),
+            );
+        }
+        // SAFETY: an all-zero struct stat is valid; real fstat fills it.
+        let mut s: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: real fstat into a live local.
+        if unsafe { real::fstat(memfd, &mut s) } != 0 || off + size > s.st_size as u64 {
+            return fail(
+                libc::EINVAL,
+                name,
+                format!("range {off:#x}+{size:#x} outside the memfd"),
+            );
+        }
+        let id = (s.st_dev, s.st_ino);
+        let (first_fd, first_off, _) = items[0];
+        if *file.get_or_insert(id) != id || off != first_off + total {
+            return fail(
+                libc::EOPNOTSUPP,
+                name,
+                format!("list item {memfd}@{off:#x}: the shim only emulates one contiguous range of one memfd (first: fd {first_fd})"),
+            );
+        }
+        total += size;
     }
     let limit = config::get().udmabuf_limit;
-    if size > limit {
+    if total > limit {
         return fail(
             libc::E2BIG,
-            "UDMABUF_CREATE",
-            format!("size {size} exceeds size_limit_mb ({} MiB)", limit >> 20),
-        );
-    }
-    // SAFETY: an all-zero struct stat is valid; real fstat fills it.
-    let mut s: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: real fstat into a live local.
-    if unsafe { real::fstat(memfd, &mut s) } != 0 || off + size > s.st_size as u64 {
-        return fail(
-            libc::EINVAL,
-            "UDMABUF_CREATE",
-            format!("range {off:#x}+{size:#x} outside the memfd"),
+            name,
+            format!("size {total} exceeds size_limit_mb ({} MiB)", limit >> 20),
         );
     }
     let cmd = if flags & 1 != 0 {
@@ -2614,12 +2658,19 @@ fn udmabuf_ioctl(req: u64, arg: u64) -> Res<c_int> {
     } else {
         libc::F_DUPFD
     };
+    let (memfd, off, _) = items[0];
     // SAFETY: fcntl dup of the caller's memfd.
     let nfd = unsafe { real::fcntl(memfd, cmd, 0) };
     if nfd < 0 {
         return Err(last_errno());
     }
-    st.g().dmabufs.insert(nfd, DmaBuf { offset: off, size });
+    st.g().dmabufs.insert(
+        nfd,
+        DmaBuf {
+            offset: off,
+            size: total,
+        },
+    );
     crate::set_fd_kind(nfd, crate::FD_DMABUF);
     Ok(nfd)
 }
