@@ -341,8 +341,6 @@ fn guard_overrun_fails_the_command_and_names_the_bo() {
 }
 
 #[test]
-#[ignore = "device layer: XdnaDevice::open does not GEM_CLOSE the heap when a later open step fails \
-            (harmless, the fd close frees it, but the shim counts it alive at close)"]
 fn open_failure_after_the_heap_leaves_nothing_alive() {
     let r = run_child(
         "child_dev_ioctl_fault",

@@ -509,17 +509,23 @@ impl XdnaDevice {
         let sysfs = SysfsInfo::read(&path);
 
         // The heap comes first: contexts and DEV BOs need it mapped.
-        let heap = Heap::create(fd.as_fd(), &path)?;
+        let mut heap = Heap::create(fd.as_fd(), &path)?;
 
         let meta: ffi::amdxdna_drm_query_aie_metadata =
-            uapi::get_info(fd.as_fd(), ffi::DRM_AMDXDNA_QUERY_AIE_METADATA).map_err(|source| {
-                DeviceError::Ioctl {
-                    path: path.clone(),
-                    ioctl: "DRM_IOCTL_AMDXDNA_GET_INFO(QUERY_AIE_METADATA)",
-                    source,
-                    hint: String::new(),
+            match uapi::get_info(fd.as_fd(), ffi::DRM_AMDXDNA_QUERY_AIE_METADATA) {
+                Ok(meta) => meta,
+                Err(source) => {
+                    // Nothing owns the heap yet: release it here, not at fd close.
+                    heap.unmap();
+                    let _ = uapi::gem_close(fd.as_fd(), heap.handle);
+                    return Err(DeviceError::Ioctl {
+                        path: path.clone(),
+                        ioctl: "DRM_IOCTL_AMDXDNA_GET_INFO(QUERY_AIE_METADATA)",
+                        source,
+                        hint: String::new(),
+                    });
                 }
-            })?;
+            };
         let aie = AieMetadata {
             cols: meta.cols.into(),
             rows: meta.rows.into(),
