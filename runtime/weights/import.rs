@@ -197,43 +197,42 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>
                 t.shape[0] as usize,
             ))
         };
-    let matrix = |out: &str,
-                  parts: Vec<(String, Option<usize>)>|
-     -> Result<Planned, WeightsError> {
-        let mut ps = Vec::new();
-        let mut fmt = None;
-        let mut cols = None;
-        for (n, h) in parts {
-            let (pt, f1, c) = part(n, h)?;
-            if fmt.is_some_and(|x| x != f1) || cols.is_some_and(|x| x != c) {
-                return Err(WeightsError::tensor(
-                    f.path(),
-                    &pt.tensor,
-                    format!(
+    let matrix =
+        |out: &str, parts: Vec<(String, Option<usize>)>| -> Result<Planned, WeightsError> {
+            let mut ps = Vec::new();
+            let mut fmt = None;
+            let mut cols = None;
+            for (n, h) in parts {
+                let (pt, f1, c) = part(n, h)?;
+                if fmt.is_some_and(|x| x != f1) || cols.is_some_and(|x| x != c) {
+                    return Err(WeightsError::tensor(
+                        f.path(),
+                        &pt.tensor,
+                        format!(
                         "cannot fuse into {out}: type or column count differs from its siblings"
                     ),
+                    ));
+                }
+                fmt = Some(f1);
+                cols = Some(c);
+                ps.push(pt);
+            }
+            let rows: usize = ps.iter().map(|p| p.rows).sum();
+            if rows % tiles::TILE_ROWS != 0 {
+                return Err(WeightsError::tensor(
+                    f.path(),
+                    out,
+                    format!("{rows} rows is not a multiple of {}", tiles::TILE_ROWS),
                 ));
             }
-            fmt = Some(f1);
-            cols = Some(c);
-            ps.push(pt);
-        }
-        let rows: usize = ps.iter().map(|p| p.rows).sum();
-        if rows % tiles::TILE_ROWS != 0 {
-            return Err(WeightsError::tensor(
-                f.path(),
-                out,
-                format!("{rows} rows is not a multiple of {}", tiles::TILE_ROWS),
-            ));
-        }
-        Ok(Planned::Matrix {
-            name: out.to_string(),
-            format: fmt.unwrap_or(q41),
-            parts: ps,
-            rows,
-            cols: cols.unwrap_or(0),
-        })
-    };
+            Ok(Planned::Matrix {
+                name: out.to_string(),
+                format: fmt.unwrap_or(q41),
+                parts: ps,
+                rows,
+                cols: cols.unwrap_or(0),
+            })
+        };
     let vector = |out: String, src: String| -> Result<Planned, WeightsError> {
         let t = f.require_tensor(&src)?;
         if !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {

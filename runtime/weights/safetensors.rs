@@ -299,12 +299,14 @@ impl SafeTensors {
         let scale = match metadata.get("xdna.scale_type").map(String::as_str) {
             None | Some("bf16") => ScaleType::Bf16,
             Some("f16") => ScaleType::F16,
-            Some(other) => return Err(WeightsError::invalid(
-                path,
-                format!(
+            Some(other) => {
+                return Err(WeightsError::invalid(
+                    path,
+                    format!(
                     "__metadata__ \"xdna.scale_type\" = {other:?}, expected \"f16\" or \"bf16\""
                 ),
-            )),
+                ))
+            }
         };
         let mut st = SafeTensors {
             path: path.to_path_buf(),
