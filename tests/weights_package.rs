@@ -229,6 +229,7 @@ fn tiny_tokenizer(dir: &Path) -> Tokenizer {
 }
 
 #[test]
+#[allow(clippy::needless_range_loop)] // (tile, group, row) indices mirror the tile layout
 fn flm_style_package_loads_unfused() {
     let dir = scratch("flm");
     let (hidden, layers, heads, kv, hd, vocab) =

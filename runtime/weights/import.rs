@@ -6,10 +6,10 @@
 //!   - `model.layers.{i}.self_attn.o_proj.weight`, `…mlp.down_proj.weight` (q4_1 tiles);
 //!   - `model.layers.{i}.mlp.gate_up_proj.weight`: rows of gate, then up (q4_1 tiles);
 //!   - `model.embed_tokens.weight` (Q8 tiles from GGUF Q8_0, or q4_1 from Q4_1) — also the
-//!     lm_head when tied; `lm_head.weight` when the GGUF has `output.weight`.
-//!   Tiles are plain column-major ("1.0.3") with f16 scales by default (bit-exact to GGUF);
-//!   Llama's Q/K rotary row interleave is undone (per head, rows `(p, 2)` → `(2, p)`);
-//!   K is zero-padded to a multiple of 256.
+//!     lm_head when tied; `lm_head.weight` when the GGUF has `output.weight`;
+//!   - tiles are plain column-major ("1.0.3") with f16 scales by default (bit-exact to GGUF);
+//!     Llama's Q/K rotary row interleave is undone (per head, rows `(p, 2)` → `(2, p)`);
+//!     K is zero-padded to a multiple of 256.
 //! - `config.json`, `tokenizer.json`, `tokenizer_config.json` (HF formats).
 //!
 //! Memory stays bounded: one row block of one matrix (plus the mmapped GGUF) at a time.
