@@ -604,6 +604,23 @@ impl GgufFile {
 
 type Header = (u32, Vec<(String, Value)>, Vec<TensorInfo>, u64, usize);
 
+/// Parse a GGUF image held in memory and decode every decodable tensor, discarding the results.
+/// For fuzzing and tests: exercises every check [`GgufFile::open`] makes, without a file.
+pub fn check_bytes(buf: &[u8]) -> Result<(), WeightsError> {
+    let path = Path::new("<memory>");
+    let (_, _, tensors, _, data_offset) = parse_header(path, buf)?;
+    for t in &tensors {
+        if !t.ggml_type.can_decode() {
+            continue;
+        }
+        let start = data_offset + t.offset as usize;
+        let mut out = vec![0f32; t.elements() as usize];
+        decode_f32(t.ggml_type, &buf[start..start + t.size], &mut out)
+            .map_err(|e| WeightsError::tensor(path, &t.name, e))?;
+    }
+    Ok(())
+}
+
 fn parse_header(path: &Path, buf: &[u8]) -> Result<Header, WeightsError> {
     let mut c = Cursor { buf, pos: 0, path };
     let magic = c.u32("magic")?;
