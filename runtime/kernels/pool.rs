@@ -6,9 +6,14 @@
 //! inside an operation is claimed by the job itself (see [`ChunkCounter`]), in contiguous chunks, so
 //! each core streams a contiguous stretch of weights for the hardware prefetcher.
 //!
+//! Jobs must claim work dynamically: a worker that has not *entered* an operation by the time the
+//! caller has finished it is shut out (the entry gate closes), so on an oversubscribed machine a
+//! descheduled worker costs nothing instead of a scheduler time slice per operation. A job is
+//! therefore called by *at most* every pool thread, and by the caller always.
+//!
 //! One global pool ([`Pool::global`]) sized to the available cores, or `XDNA_THREADS`.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Condvar, Mutex};
@@ -16,6 +21,10 @@ use parking_lot::{Condvar, Mutex};
 /// How many times a waiting thread polls before it parks / yields. About 10-50 µs: long enough to
 /// cover the gap between two GEMMs of a decode step, short enough not to starve other processes.
 const SPIN_LIMIT: u32 = 20_000;
+/// Gate bit: workers may still enter the current operation.
+const GATE_OPEN: u64 = 1 << 31;
+/// Gate bits counting the workers inside the current operation.
+const GATE_INSIDE: u64 = GATE_OPEN - 1;
 
 /// A job: called once per participating thread with (thread index, thread count).
 type Job<'a> = dyn Fn(usize, usize) + Sync + 'a;
@@ -23,8 +32,8 @@ type Job<'a> = dyn Fn(usize, usize) + Sync + 'a;
 struct Shared {
     /// Bumped once per operation; workers run the job when they see a new value.
     generation: AtomicUsize,
-    /// Workers still running the current job.
-    remaining: AtomicUsize,
+    /// Entry gate of the current operation: `generation << 32 | OPEN | workers inside`.
+    gate: AtomicU64,
     /// Workers parked (or about to park) on `wake`.
     sleepers: AtomicUsize,
     /// The current job, type-erased to `'static` (see the SAFETY note in `Pool::run`).
@@ -53,7 +62,7 @@ impl Pool {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
             generation: AtomicUsize::new(0),
-            remaining: AtomicUsize::new(0),
+            gate: AtomicU64::new(0),
             sleepers: AtomicUsize::new(0),
             job: Mutex::new(None),
             active_threads: AtomicUsize::new(threads),
@@ -107,24 +116,31 @@ impl Pool {
             job(0, 1);
             return;
         };
-        let workers = self.threads - 1;
         // SAFETY: the `'static` lifetime is a lie told only to store the reference in `Shared`.
-        // It is sound because this function does not return (nor unwind past the wait below) until
-        // `remaining` is 0, i.e. every worker has finished calling the job and dropped its copy of
-        // the reference, and the slot is cleared before returning.
+        // It is sound because this function does not return (nor unwind past the wait below)
+        // before the entry gate is closed and no worker is inside, i.e. every worker that got the
+        // reference has finished calling the job, and the slot is cleared before returning.
         let erased: &'static Job<'static> =
             unsafe { std::mem::transmute::<&Job<'_>, &'static Job<'static>>(job) };
         *self.shared.job.lock() = Some(erased);
-        self.shared.remaining.store(workers, Ordering::SeqCst);
-        self.shared.generation.fetch_add(1, Ordering::SeqCst);
+        let generation = self
+            .shared
+            .generation
+            .load(Ordering::SeqCst)
+            .wrapping_add(1);
+        let tag = (generation as u64 & 0xFFFF_FFFF) << 32;
+        self.shared.gate.store(tag | GATE_OPEN, Ordering::SeqCst);
+        self.shared.generation.store(generation, Ordering::SeqCst);
         if self.shared.sleepers.load(Ordering::SeqCst) > 0 {
             let _guard = self.shared.sleep_lock.lock();
             self.shared.wake.notify_all();
         }
         let caller =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(0, self.threads)));
+        // Close the gate: a worker that has not entered yet will skip this operation.
+        self.shared.gate.fetch_and(!GATE_OPEN, Ordering::SeqCst);
         let mut spins = 0u32;
-        while self.shared.remaining.load(Ordering::Acquire) != 0 {
+        while self.shared.gate.load(Ordering::Acquire) & GATE_INSIDE != 0 {
             if spins < SPIN_LIMIT {
                 spins += 1;
                 std::hint::spin_loop();
@@ -197,6 +213,18 @@ fn worker_loop(shared: &Shared, index: usize) {
         if shared.shutdown.load(Ordering::SeqCst) {
             return;
         }
+        // Enter the operation if its gate is still open for this generation.
+        let tag = (generation as u64 & 0xFFFF_FFFF) << 32;
+        let entered = shared
+            .gate
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |gate| {
+                (gate & !(GATE_OPEN | GATE_INSIDE) == tag && gate & GATE_OPEN != 0)
+                    .then_some(gate + 1)
+            })
+            .is_ok();
+        if !entered {
+            continue;
+        }
         let job = *shared.job.lock();
         if let Some(job) = job {
             let threads = shared.active_threads.load(Ordering::Relaxed);
@@ -206,7 +234,7 @@ fn worker_loop(shared: &Shared, index: usize) {
                 shared.panicked.store(true, Ordering::SeqCst);
             }
         }
-        shared.remaining.fetch_sub(1, Ordering::AcqRel);
+        shared.gate.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -269,7 +297,9 @@ mod tests {
                 assert_eq!((index, threads), (0, 1));
             });
         });
-        assert_eq!(hits.load(Ordering::Relaxed), pool.threads());
+        // The caller always runs the job; a worker only if it entered before the caller finished.
+        let hits = hits.load(Ordering::Relaxed);
+        assert!((1..=pool.threads()).contains(&hits));
     }
 
     #[test]
@@ -282,12 +312,20 @@ mod tests {
                 }
             })
         }));
+        // The worker may have been shut out; if it ran, its panic reached the caller.
+        let _ = result;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&|_, _| panic!("boom"))
+        }));
         assert!(result.is_err());
         // The pool still works afterwards.
-        let hits = AtomicUsize::new(0);
+        let counter = ChunkCounter::new(1000, 2, 4);
+        let done = AtomicUsize::new(0);
         pool.run(&|_, _| {
-            hits.fetch_add(1, Ordering::Relaxed);
+            while let Some(r) = counter.claim() {
+                done.fetch_add(r.len(), Ordering::Relaxed);
+            }
         });
-        assert_eq!(hits.load(Ordering::Relaxed), 2);
+        assert_eq!(done.load(Ordering::Relaxed), 1000);
     }
 }
