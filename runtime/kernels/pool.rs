@@ -149,10 +149,11 @@ impl Pool {
             }
         }
         *self.shared.job.lock() = None;
+        let worker_panicked = self.shared.panicked.swap(false, Ordering::SeqCst);
         if let Err(payload) = caller {
             std::panic::resume_unwind(payload);
         }
-        if self.shared.panicked.swap(false, Ordering::SeqCst) {
+        if worker_panicked {
             panic!("a worker thread panicked while running a pool job");
         }
     }
