@@ -46,7 +46,6 @@ const QKV: usize = (9 + 2 * 3) * 64;
 const VOCAB: usize = 49152;
 
 struct Matrix {
-    name: &'static str,
     format: WeightFormat,
     rows: usize,
     cols: usize,
@@ -108,7 +107,6 @@ fn synthetic(
         }
     }
     Ok(Matrix {
-        name,
         format,
         rows,
         cols,
@@ -281,6 +279,5 @@ pub fn run(args: Args) -> xdna::Result<()> {
         "M=1: {:.0}% of measured read bandwidth",
         fraction_m1 * 100.0
     );
-    let _ = matrices.iter().map(|m| m.name).count();
     Ok(())
 }
