@@ -394,3 +394,36 @@ fn bad_shapes_are_typed_errors() {
         Err(KernelError::Shape { .. })
     ));
 }
+
+#[test]
+fn execute_runs_a_descriptor_over_byte_buffers() {
+    let format = WeightFormat::Q41 {
+        scale: ScaleType::F16,
+        order: TileOrder::ColumnMajor,
+    };
+    let (n, k, m) = (64, 300, 3);
+    let mut rng = Rng(9);
+    let data = encode(format, &rng.vec(n * k, 1.0), n, k);
+    let x = rng.vec(m * k, 1.0);
+    let desc = xdna::kernels::KernelDesc::gemm(format, 16, k as u32, n as u32);
+    let x_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut y_bytes = vec![0u8; 4 * m * n + 1];
+    // Unaligned output on purpose (offset 1): still correct.
+    xdna::kernels::execute(&desc, &data, &x_bytes, &mut y_bytes[1..]).expect("execute");
+    let w = WeightMatrix::new(format, n, k, &data).expect("valid");
+    let mut want = vec![0f32; m * n];
+    HostExecutor::global()
+        .gemm(&w, &x, m, &mut want)
+        .expect("gemm");
+    let got: Vec<f32> = y_bytes[1..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(got, want);
+    let too_many = vec![0u8; 4 * 17 * k];
+    let mut y = vec![0u8; 4 * 17 * n];
+    assert!(matches!(
+        xdna::kernels::execute(&desc, &data, &too_many, &mut y),
+        Err(KernelError::Shape { .. })
+    ));
+}

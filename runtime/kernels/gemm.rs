@@ -455,3 +455,68 @@ fn scalar_tiled_block(
         }
     }
 }
+
+/// Run a kernel descriptor on the host over raw argument buffers (what a device backend or the
+/// shim's EXEC path holds): `weight` is the tile grid, `x` is `m × K` little-endian f32, `y`
+/// receives `m × N` f32. `m` follows from `x.len()` and must fit the descriptor's row family.
+pub fn execute(
+    desc: &super::KernelDesc,
+    weight: &[u8],
+    x: &[u8],
+    y: &mut [u8],
+) -> Result<(), KernelError> {
+    if desc.op != "gemm" {
+        return Err(KernelError::Unsupported(format!(
+            "host executor has no op {:?}",
+            desc.op
+        )));
+    }
+    let (k, n) = (desc.k as usize, desc.n as usize);
+    let w = WeightMatrix::new(desc.wfmt, n, k, weight)?;
+    let row_bytes = 4 * k;
+    if row_bytes == 0 || x.len() % row_bytes != 0 {
+        return Err(KernelError::Shape {
+            what: "x bytes (m × K × 4)",
+            expected: x.len().div_ceil(row_bytes.max(1)) * row_bytes,
+            got: x.len(),
+        });
+    }
+    let m = x.len() / row_bytes;
+    if m > desc.family as usize {
+        return Err(KernelError::Shape {
+            what: "activation rows (≤ row family)",
+            expected: desc.family as usize,
+            got: m,
+        });
+    }
+    if y.len() != 4 * m * n {
+        return Err(KernelError::Shape {
+            what: "y bytes (m × N × 4)",
+            expected: 4 * m * n,
+            got: y.len(),
+        });
+    }
+    // Argument buffers are normally 4-byte aligned (BO mappings); copy only if one is not.
+    let x_owned;
+    let x_f32: &[f32] = match bytemuck::try_cast_slice(x) {
+        Ok(v) => v,
+        Err(_) => {
+            x_owned = x
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect::<Vec<f32>>();
+            &x_owned
+        }
+    };
+    match bytemuck::try_cast_slice_mut::<u8, f32>(y) {
+        Ok(y_f32) => HostExecutor::global().gemm(&w, x_f32, m, y_f32),
+        Err(_) => {
+            let mut y_f32 = vec![0f32; m * n];
+            HostExecutor::global().gemm(&w, x_f32, m, &mut y_f32)?;
+            for (dst, v) in y.chunks_exact_mut(4).zip(&y_f32) {
+                dst.copy_from_slice(&v.to_le_bytes());
+            }
+            Ok(())
+        }
+    }
+}

@@ -40,7 +40,7 @@ pub mod set;
 use std::path::PathBuf;
 
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
-pub use gemm::{HostExecutor, WeightMatrix};
+pub use gemm::{execute, HostExecutor, WeightMatrix};
 pub use set::{family_for_rows, KernelKey, KernelNeed, KernelSet};
 
 use crate::tiles::TileError;
