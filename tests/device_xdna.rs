@@ -34,7 +34,13 @@ fn run_child(name: &str, env: &[(&str, &str)]) -> (bool, String, Vec<String>) {
     let Some(so) = shim() else {
         panic!("{name}: libxdna_shim.so is not built next to the test binary; run `cargo build --workspace` first");
     };
-    let stats = std::env::temp_dir().join(format!("xdna-dev-{name}-{}.jsonl", std::process::id()));
+    // Unique per run: several parent tests may run the same child body concurrently.
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stats = std::env::temp_dir().join(format!(
+        "xdna-dev-{name}-{}-{run}.jsonl",
+        std::process::id()
+    ));
     let _ = std::fs::remove_file(&stats);
     let exe = std::env::current_exe().expect("current test executable");
     let mut cmd = Command::new(exe);

@@ -105,8 +105,11 @@ impl ChildRun {
 /// Re-executes this test binary running only `name`, with the shim preloaded and `env` set.
 pub fn run_child(name: &str, env: &[(&str, &str)]) -> ChildRun {
     let shim = shim_path();
+    // Unique per run: several parent tests may run the same child body concurrently.
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let stats = std::env::temp_dir().join(format!(
-        "xdna-shim-stats-{}-{name}.jsonl",
+        "xdna-shim-stats-{}-{run}-{name}.jsonl",
         std::process::id()
     ));
     let _ = std::fs::remove_file(&stats);
