@@ -346,6 +346,27 @@ mod imp {
 
     // ---- 4-bit block kernel -----------------------------------------------------------------------
 
+    /// One group's i16 dot sums (four slot vectors) for two activation rows `a` and `b`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_two_rows(
+        unpacked: &[[__m256i; 4]; 8],
+        a: *const i8,
+        b: *const i8,
+    ) -> ([__m256i; 4], [__m256i; 4]) {
+        let mut sa = [_mm256_setzero_si256(); 4];
+        let mut sb = [_mm256_setzero_si256(); 4];
+        for (quad, w) in unpacked.iter().enumerate() {
+            // SAFETY: both activation groups hold 32 codes (caller contract).
+            let (xa, xb) = unsafe { (broadcast4(a.add(quad * 4)), broadcast4(b.add(quad * 4))) };
+            for j in 0..4 {
+                sa[j] = _mm256_add_epi16(sa[j], _mm256_maddubs_epi16(w[j], xa));
+                sb[j] = _mm256_add_epi16(sb[j], _mm256_maddubs_epi16(w[j], xb));
+            }
+        }
+        (sa, sb)
+    }
+
     /// One 32-row block of a 4-bit tiled matrix times activation rows `rows` of `act`:
     /// `out[(i - rows.start) * 32 + r]` for every activation row i. `block` is the row block's tiles
     /// (`ceil(K / 256)` of them); only groups holding real columns (< `act.cols`) are read.
@@ -408,25 +429,35 @@ mod imp {
                 // SAFETY: as above.
                 *slot = unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
             }
-            for i in 0..m {
+            // Two activation rows per pass: each unpacked weight vector is loaded once for both.
+            let mut i = 0;
+            while i < m {
+                let pair = i + 1 < m;
                 let row = rows.start + i;
-                // SAFETY: row < act.rows and gg < groups: 32 codes readable.
-                let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
-                let mut sum16 = [_mm256_setzero_si256(); 4];
-                for (quad, w) in unpacked.iter().enumerate() {
-                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                    for j in 0..4 {
-                        sum16[j] = _mm256_add_epi16(sum16[j], _mm256_maddubs_epi16(w[j], x4));
-                    }
+                let next = if pair { row + 1 } else { row };
+                // SAFETY: row, next < act.rows and gg < groups: 32 codes readable in each.
+                let (a, b) = unsafe {
+                    (
+                        act.codes.as_ptr().add(row * act.cols + gg * GROUP),
+                        act.codes.as_ptr().add(next * act.cols + gg * GROUP),
+                    )
+                };
+                let (sums_a, sums_b) = unsafe { q4_two_rows(&unpacked, a, b) };
+                for (offset, sum16) in [(0, sums_a), (1, sums_b)]
+                    .into_iter()
+                    .take(1 + pair as usize)
+                {
+                    let r = row + offset;
+                    let scale_a = _mm256_set1_ps(act.scales[r * groups_total + gg]);
+                    let sum_a = _mm256_set1_ps(act.sums[r * groups_total + gg]);
+                    let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    accumulate_in_memory(acc_mem, |j, acc| {
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
+                        let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc);
+                        _mm256_fmadd_ps(mins[j], sum_a, acc)
+                    });
                 }
-                let scale_a = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-                let sum_a = _mm256_set1_ps(act.sums[row * groups_total + gg]);
-                let acc_mem = &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS];
-                accumulate_in_memory(acc_mem, |j, acc| {
-                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
-                    let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc);
-                    _mm256_fmadd_ps(mins[j], sum_a, acc)
-                });
+                i += 2;
             }
         }
         if m == 1 {
