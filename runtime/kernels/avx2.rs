@@ -344,6 +344,73 @@ mod imp {
         }
     }
 
+    // ---- software prefetch ---------------------------------------------------------------------------
+
+    /// Groups to prefetch ahead: ~6 × 640 B covers DRAM latency at one core's M = 1 compute rate.
+    const PREFETCH_AHEAD: usize = 6;
+
+    /// Lines holding group `ahead` of this block (or, past its end, of the next block, which
+    /// follows contiguously). The hardware prefetcher alone stalls on the tile layout: per group it
+    /// reads three separate places in the tile, and the padding past K is skipped.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_group(
+        block: &[u8],
+        groups_total: usize,
+        groups_per_tile: usize,
+        tile_bytes: usize,
+        lines: impl Fn(*const u8, usize) -> [(usize, usize); 3],
+        ahead: usize,
+    ) {
+        let (base, gg) = if ahead < groups_total {
+            (block.as_ptr(), ahead)
+        } else {
+            (
+                block.as_ptr().wrapping_add(block.len()),
+                ahead - groups_total,
+            )
+        };
+        let tile = base.wrapping_add(gg / groups_per_tile * tile_bytes);
+        for (offset, count) in lines(tile, gg % groups_per_tile) {
+            for line in 0..count {
+                // A prefetch is only a hint: it never faults, even past the end of the matrix
+                // (hence `wrapping_add`, and no dereference).
+                _mm_prefetch::<_MM_HINT_T0>(tile.wrapping_add(offset + 64 * line) as *const i8);
+            }
+        }
+    }
+
+    /// (offset, lines) of a 4-bit group's scales, mins and codes.
+    fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
+        let (scales, mins) = match layout.scales {
+            Q4Scales::Q4K => (g * 32, 256 + g * 32),
+            _ => (g * 64, 512 + g * 64),
+        };
+        if layout.column_major {
+            [(scales, 1), (mins, 1), (layout.codes + g * 512, 8)]
+        } else {
+            // Two planes of 4 lines; the second plane's lines take the mins slot's neighbour.
+            [
+                (scales, 1),
+                (layout.codes + g * 256, 4),
+                (layout.codes + 2048 + g * 256, 4),
+            ]
+        }
+    }
+
+    /// (offset, lines) of an 8-bit group's scales and codes.
+    fn q8_group_lines(layout: Q8Layout, g: usize) -> [(usize, usize); 3] {
+        if layout.column_major {
+            [(g * 64, 1), (layout.codes + g * 1024, 16), (0, 0)]
+        } else {
+            [
+                (g * 64, 1),
+                (layout.codes + g * 512, 8),
+                (layout.codes + layout.plane + g * 512, 8),
+            ]
+        }
+    }
+
     // ---- 4-bit block kernel -----------------------------------------------------------------------
 
     /// One group's i16 dot sums (four slot vectors) for two activation rows `a` and `b`.
@@ -395,6 +462,25 @@ mod imp {
         let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / 8, gg % 8);
+            prefetch_group(
+                block,
+                groups_total,
+                8,
+                layout.tile_bytes,
+                |_, g| q4_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            );
+            if !layout.column_major {
+                // The 16-row-lane order's mins live apart from its scales.
+                prefetch_group(
+                    block,
+                    groups_total,
+                    8,
+                    layout.tile_bytes,
+                    |_, g| [(512 + g * 64, 1), (0, 0), (0, 0)],
+                    gg + PREFETCH_AHEAD,
+                );
+            }
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
@@ -537,6 +623,14 @@ mod imp {
         let mut unpacked = [[[_mm256_setzero_si256(); 4]; 2]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / groups_per_tile, gg % groups_per_tile);
+            prefetch_group(
+                block,
+                groups_total,
+                groups_per_tile,
+                layout.tile_bytes,
+                |_, g| q8_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            );
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
