@@ -659,21 +659,40 @@ mod imp {
                 let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
                 *slot = [w, w.map(|v| _mm256_sign_epi8(v, v))];
             }
-            for i in 0..m {
+            // Two activation rows per pass: each unpacked weight vector is loaded once for both.
+            let mut i = 0;
+            while i < m {
+                let pair = i + 1 < m;
                 let row = rows.start + i;
-                // SAFETY: row < act.rows and gg < groups: 32 codes readable.
-                let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
-                let mut sum32 = [_mm256_setzero_si256(); 4];
+                let next = if pair { row + 1 } else { row };
+                // SAFETY: row, next < act.rows and gg < groups: 32 codes readable in each.
+                let (a, b) = unsafe {
+                    (
+                        act.codes.as_ptr().add(row * act.cols + gg * GROUP),
+                        act.codes.as_ptr().add(next * act.cols + gg * GROUP),
+                    )
+                };
+                let mut sums_a = [_mm256_setzero_si256(); 4];
+                let mut sums_b = [_mm256_setzero_si256(); 4];
                 for (quad, [w, magnitude]) in unpacked.iter().enumerate() {
-                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                    q8_quad_dot(w, magnitude, x4, &mut sum32);
+                    // SAFETY: both activation groups hold 32 codes.
+                    let (xa, xb) =
+                        unsafe { (broadcast4(a.add(quad * 4)), broadcast4(b.add(quad * 4))) };
+                    q8_quad_dot(w, magnitude, xa, &mut sums_a);
+                    q8_quad_dot(w, magnitude, xb, &mut sums_b);
                 }
-                let scale_a = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-                let acc_mem = &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS];
-                accumulate_in_memory(acc_mem, |j, acc| {
-                    let dot = _mm256_cvtepi32_ps(sum32[j]);
-                    _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc)
-                });
+                for (offset, sum32) in [(0, sums_a), (1, sums_b)]
+                    .into_iter()
+                    .take(1 + pair as usize)
+                {
+                    let scale_a = _mm256_set1_ps(act.scales[(row + offset) * groups_total + gg]);
+                    let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    accumulate_in_memory(acc_mem, |j, acc| {
+                        let dot = _mm256_cvtepi32_ps(sum32[j]);
+                        _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc)
+                    });
+                }
+                i += 2;
             }
         }
         if m == 1 {
