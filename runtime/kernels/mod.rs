@@ -35,6 +35,7 @@ pub mod gemm;
 pub mod pool;
 pub mod quant;
 pub mod reference;
+pub mod resident;
 pub mod set;
 
 use std::path::PathBuf;
