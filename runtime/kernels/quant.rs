@@ -35,11 +35,10 @@ impl QuantizedRows {
         let groups = cols / GROUP;
         self.rows = rows;
         self.cols = cols;
-        self.codes.clear();
+        // Every element below is overwritten (codes past K included), so keep old contents
+        // instead of zero-filling on every call.
         self.codes.resize(rows * cols, 0);
-        self.scales.clear();
         self.scales.resize(rows * groups, 0.0);
-        self.sums.clear();
         self.sums.resize(rows * groups, 0.0);
         for row in 0..rows {
             let src = &x[row * k..(row + 1) * k];
