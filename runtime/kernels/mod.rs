@@ -42,7 +42,7 @@ use std::path::PathBuf;
 
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
 pub use gemm::{execute, HostExecutor, WeightMatrix};
-pub use set::{family_for_rows, KernelKey, KernelNeed, KernelSet};
+pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};
 
 use crate::tiles::TileError;
 
