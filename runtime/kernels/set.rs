@@ -69,9 +69,8 @@ pub fn family_for_rows(rows: usize) -> u32 {
     }
 }
 
-/// How a pass of `rows` activation rows runs: one pass of ≤ 16 rows on `m16`, otherwise chunks of
-/// ≤ 128 rows on `m128` (the last chunk may be short, and then still uses `m128` unless it is the
-/// only one and ≤ 16 rows). Yields (family, row range).
+/// How `rows` activation rows run: ≤ 16 rows as one `m16` pass, otherwise `m128` passes of up to
+/// 128 rows each (the last may be shorter). Yields (family, row range).
 pub fn row_passes(rows: usize) -> impl Iterator<Item = (u32, std::ops::Range<usize>)> {
     let family = family_for_rows(rows);
     let chunk = if family == 16 { 16 } else { 128 };
