@@ -19,6 +19,7 @@
 mod config;
 mod device;
 mod ert;
+mod kexec;
 mod layout;
 mod log;
 mod maps;
