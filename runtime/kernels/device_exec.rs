@@ -338,9 +338,8 @@ impl DeviceExecutor {
         let idx = self.resident(st, key, path)?;
         st.residents[idx].last_used = st.tick;
         let wkey = weight_key(w.data);
-        if !st.weights.contains_key(&wkey) {
-            let wb = self.upload_weights(w.data).map_err(|e| dev_err(path, e))?;
-            st.weights.insert(wkey, wb);
+        if let std::collections::hash_map::Entry::Vacant(slot) = st.weights.entry(wkey) {
+            slot.insert(self.upload_weights(w.data).map_err(|e| dev_err(path, e))?);
         }
         let x_bytes: &[u8] = bytemuck::cast_slice(x);
         let y_len = std::mem::size_of_val(y);
