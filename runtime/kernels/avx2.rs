@@ -344,7 +344,95 @@ mod imp {
         }
     }
 
+    // ---- software prefetch ---------------------------------------------------------------------------
+
+    /// Groups to prefetch ahead: ~6 × 640 B covers DRAM latency at one core's M = 1 compute rate.
+    const PREFETCH_AHEAD: usize = 6;
+
+    /// Lines holding group `ahead` of this block (or, past its end, of the next block, which
+    /// follows contiguously). The hardware prefetcher alone stalls on the tile layout: per group it
+    /// reads three separate places in the tile, and the padding past K is skipped.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_group(
+        block: &[u8],
+        groups_total: usize,
+        groups_per_tile: usize,
+        tile_bytes: usize,
+        lines: impl Fn(*const u8, usize) -> [(usize, usize); 3],
+        ahead: usize,
+    ) {
+        let (base, gg) = if ahead < groups_total {
+            (block.as_ptr(), ahead)
+        } else {
+            (
+                block.as_ptr().wrapping_add(block.len()),
+                ahead - groups_total,
+            )
+        };
+        let tile = base.wrapping_add(gg / groups_per_tile * tile_bytes);
+        for (offset, count) in lines(tile, gg % groups_per_tile) {
+            for line in 0..count {
+                // A prefetch is only a hint: it never faults, even past the end of the matrix
+                // (hence `wrapping_add`, and no dereference).
+                _mm_prefetch::<_MM_HINT_T0>(tile.wrapping_add(offset + 64 * line) as *const i8);
+            }
+        }
+    }
+
+    /// (offset, lines) of a 4-bit group's scales, mins and codes.
+    fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
+        let (scales, mins) = match layout.scales {
+            Q4Scales::Q4K => (g * 32, 256 + g * 32),
+            _ => (g * 64, 512 + g * 64),
+        };
+        if layout.column_major {
+            [(scales, 1), (mins, 1), (layout.codes + g * 512, 8)]
+        } else {
+            // Two planes of 4 lines; the second plane's lines take the mins slot's neighbour.
+            [
+                (scales, 1),
+                (layout.codes + g * 256, 4),
+                (layout.codes + 2048 + g * 256, 4),
+            ]
+        }
+    }
+
+    /// (offset, lines) of an 8-bit group's scales and codes.
+    fn q8_group_lines(layout: Q8Layout, g: usize) -> [(usize, usize); 3] {
+        if layout.column_major {
+            [(g * 64, 1), (layout.codes + g * 1024, 16), (0, 0)]
+        } else {
+            [
+                (g * 64, 1),
+                (layout.codes + g * 512, 8),
+                (layout.codes + layout.plane + g * 512, 8),
+            ]
+        }
+    }
+
     // ---- 4-bit block kernel -----------------------------------------------------------------------
+
+    /// One group's i16 dot sums (four slot vectors) for two activation rows `a` and `b`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_two_rows(
+        unpacked: &[[__m256i; 4]; 8],
+        a: *const i8,
+        b: *const i8,
+    ) -> ([__m256i; 4], [__m256i; 4]) {
+        let mut sa = [_mm256_setzero_si256(); 4];
+        let mut sb = [_mm256_setzero_si256(); 4];
+        for (quad, w) in unpacked.iter().enumerate() {
+            // SAFETY: both activation groups hold 32 codes (caller contract).
+            let (xa, xb) = unsafe { (broadcast4(a.add(quad * 4)), broadcast4(b.add(quad * 4))) };
+            for j in 0..4 {
+                sa[j] = _mm256_add_epi16(sa[j], _mm256_maddubs_epi16(w[j], xa));
+                sb[j] = _mm256_add_epi16(sb[j], _mm256_maddubs_epi16(w[j], xb));
+            }
+        }
+        (sa, sb)
+    }
 
     /// One 32-row block of a 4-bit tiled matrix times activation rows `rows` of `act`:
     /// `out[(i - rows.start) * 32 + r]` for every activation row i. `block` is the row block's tiles
@@ -374,6 +462,25 @@ mod imp {
         let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / 8, gg % 8);
+            prefetch_group(
+                block,
+                groups_total,
+                8,
+                layout.tile_bytes,
+                |_, g| q4_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            );
+            if !layout.column_major {
+                // The 16-row-lane order's mins live apart from its scales.
+                prefetch_group(
+                    block,
+                    groups_total,
+                    8,
+                    layout.tile_bytes,
+                    |_, g| [(512 + g * 64, 1), (0, 0), (0, 0)],
+                    gg + PREFETCH_AHEAD,
+                );
+            }
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
@@ -408,25 +515,35 @@ mod imp {
                 // SAFETY: as above.
                 *slot = unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
             }
-            for i in 0..m {
+            // Two activation rows per pass: each unpacked weight vector is loaded once for both.
+            let mut i = 0;
+            while i < m {
+                let pair = i + 1 < m;
                 let row = rows.start + i;
-                // SAFETY: row < act.rows and gg < groups: 32 codes readable.
-                let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
-                let mut sum16 = [_mm256_setzero_si256(); 4];
-                for (quad, w) in unpacked.iter().enumerate() {
-                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                    for j in 0..4 {
-                        sum16[j] = _mm256_add_epi16(sum16[j], _mm256_maddubs_epi16(w[j], x4));
-                    }
+                let next = if pair { row + 1 } else { row };
+                // SAFETY: row, next < act.rows and gg < groups: 32 codes readable in each.
+                let (a, b) = unsafe {
+                    (
+                        act.codes.as_ptr().add(row * act.cols + gg * GROUP),
+                        act.codes.as_ptr().add(next * act.cols + gg * GROUP),
+                    )
+                };
+                let (sums_a, sums_b) = unsafe { q4_two_rows(&unpacked, a, b) };
+                for (offset, sum16) in [(0, sums_a), (1, sums_b)]
+                    .into_iter()
+                    .take(1 + pair as usize)
+                {
+                    let r = row + offset;
+                    let scale_a = _mm256_set1_ps(act.scales[r * groups_total + gg]);
+                    let sum_a = _mm256_set1_ps(act.sums[r * groups_total + gg]);
+                    let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    accumulate_in_memory(acc_mem, |j, acc| {
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
+                        let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc);
+                        _mm256_fmadd_ps(mins[j], sum_a, acc)
+                    });
                 }
-                let scale_a = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-                let sum_a = _mm256_set1_ps(act.sums[row * groups_total + gg]);
-                let acc_mem = &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS];
-                accumulate_in_memory(acc_mem, |j, acc| {
-                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
-                    let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc);
-                    _mm256_fmadd_ps(mins[j], sum_a, acc)
-                });
+                i += 2;
             }
         }
         if m == 1 {
@@ -506,6 +623,14 @@ mod imp {
         let mut unpacked = [[[_mm256_setzero_si256(); 4]; 2]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / groups_per_tile, gg % groups_per_tile);
+            prefetch_group(
+                block,
+                groups_total,
+                groups_per_tile,
+                layout.tile_bytes,
+                |_, g| q8_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            );
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
@@ -534,21 +659,40 @@ mod imp {
                 let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
                 *slot = [w, w.map(|v| _mm256_sign_epi8(v, v))];
             }
-            for i in 0..m {
+            // Two activation rows per pass: each unpacked weight vector is loaded once for both.
+            let mut i = 0;
+            while i < m {
+                let pair = i + 1 < m;
                 let row = rows.start + i;
-                // SAFETY: row < act.rows and gg < groups: 32 codes readable.
-                let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
-                let mut sum32 = [_mm256_setzero_si256(); 4];
+                let next = if pair { row + 1 } else { row };
+                // SAFETY: row, next < act.rows and gg < groups: 32 codes readable in each.
+                let (a, b) = unsafe {
+                    (
+                        act.codes.as_ptr().add(row * act.cols + gg * GROUP),
+                        act.codes.as_ptr().add(next * act.cols + gg * GROUP),
+                    )
+                };
+                let mut sums_a = [_mm256_setzero_si256(); 4];
+                let mut sums_b = [_mm256_setzero_si256(); 4];
                 for (quad, [w, magnitude]) in unpacked.iter().enumerate() {
-                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                    q8_quad_dot(w, magnitude, x4, &mut sum32);
+                    // SAFETY: both activation groups hold 32 codes.
+                    let (xa, xb) =
+                        unsafe { (broadcast4(a.add(quad * 4)), broadcast4(b.add(quad * 4))) };
+                    q8_quad_dot(w, magnitude, xa, &mut sums_a);
+                    q8_quad_dot(w, magnitude, xb, &mut sums_b);
                 }
-                let scale_a = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-                let acc_mem = &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS];
-                accumulate_in_memory(acc_mem, |j, acc| {
-                    let dot = _mm256_cvtepi32_ps(sum32[j]);
-                    _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc)
-                });
+                for (offset, sum32) in [(0, sums_a), (1, sums_b)]
+                    .into_iter()
+                    .take(1 + pair as usize)
+                {
+                    let scale_a = _mm256_set1_ps(act.scales[(row + offset) * groups_total + gg]);
+                    let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    accumulate_in_memory(acc_mem, |j, acc| {
+                        let dot = _mm256_cvtepi32_ps(sum32[j]);
+                        _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc)
+                    });
+                }
+                i += 2;
             }
         }
         if m == 1 {
@@ -556,6 +700,57 @@ mod imp {
         } else {
             unpermute_rows(out, m, &Q8_SLOT_ROWS);
         }
+    }
+
+    // ---- activation quantization -------------------------------------------------------------------
+
+    /// ggml's `quantize_row_q8_1` for one full group of 32: codes into `out`, returns (d, Σq).
+    /// Bit-identical to `quant::quantize_group` (same max, same division, same product, and
+    /// `cvtps_epi32` rounds ties to even like `round_ties_even`).
+    ///
+    /// # Safety
+    /// AVX2 available; 32 floats readable at `values`, 32 bytes writable at `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_group32(values: *const f32, out: *mut i8) -> (f32, i32) {
+        // SAFETY: 32 floats readable (caller contract).
+        let v = unsafe {
+            [
+                _mm256_loadu_ps(values),
+                _mm256_loadu_ps(values.add(8)),
+                _mm256_loadu_ps(values.add(16)),
+                _mm256_loadu_ps(values.add(24)),
+            ]
+        };
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = |x| _mm256_andnot_ps(sign, x);
+        let m = _mm256_max_ps(
+            _mm256_max_ps(abs(v[0]), abs(v[1])),
+            _mm256_max_ps(abs(v[2]), abs(v[3])),
+        );
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
+        let amax = _mm_cvtss_f32(m1);
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let scale = _mm256_set1_ps(inv);
+        let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, scale)));
+        let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let t4 = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256::<1>(total),
+        );
+        let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+        let t1 = _mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2));
+        let sum = _mm_cvtsi128_si32(t1);
+        // i32 → i16 → i8 with saturation (values are within ±127), then undo the lane interleave.
+        let q16a = _mm256_packs_epi32(q[0], q[1]);
+        let q16b = _mm256_packs_epi32(q[2], q[3]);
+        let q8 = _mm256_packs_epi16(q16a, q16b);
+        let q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: 32 bytes writable (caller contract).
+        unsafe { _mm256_storeu_si256(out as *mut __m256i, q8) };
+        (d, sum)
     }
 
     // ---- plain formats ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ pub mod gemm;
 pub mod pool;
 pub mod quant;
 pub mod reference;
+pub mod resident;
 pub mod set;
 pub mod shim_txn;
 
@@ -44,7 +45,7 @@ use std::path::PathBuf;
 pub use device_exec::{DeviceExecOptions, DeviceExecutor, Executor, WeightPath, WeightPathPref};
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
 pub use gemm::{execute, HostExecutor, WeightMatrix};
-pub use set::{family_for_rows, KernelKey, KernelNeed, KernelSet};
+pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};
 
 use crate::tiles::TileError;
 

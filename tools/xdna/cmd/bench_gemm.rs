@@ -120,8 +120,8 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Multi-threaded streaming read of `buffer` through the pool; returns GB/s (median of runs).
-fn read_bandwidth(buffer: &[u64], runs: usize) -> f64 {
+/// Multi-threaded streaming read of `buffer` through the pool; returns (median, best) GB/s.
+fn read_bandwidth(buffer: &[u64], runs: usize) -> (f64, f64) {
     let pool = Pool::global();
     let mut samples = Vec::with_capacity(runs);
     let sink = AtomicU64::new(0);
@@ -140,12 +140,14 @@ fn read_bandwidth(buffer: &[u64], runs: usize) -> f64 {
         samples.push((buffer.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9);
     }
     std::hint::black_box(sink.load(Ordering::Relaxed));
-    median(samples)
+    let best = samples.iter().copied().fold(0.0, f64::max);
+    (median(samples), best)
 }
 
 struct Row {
     m: usize,
     seconds: f64,
+    best_seconds: f64,
     gbs: f64,
     gops: f64,
     relative: f64,
@@ -186,7 +188,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let executor = HostExecutor::global();
     let threads = Pool::global().threads();
     let probe: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
-    let bandwidth = read_bandwidth(&probe, 7);
+    let (bandwidth, best_bandwidth) = read_bandwidth(&probe, 7);
     drop(probe);
 
     let mut sweep = |m: usize| -> xdna::Result<f64> {
@@ -206,10 +208,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
         {
             samples.push(sweep(m)?);
         }
+        let best_seconds = samples.iter().copied().fold(f64::INFINITY, f64::min);
         let seconds = median(samples);
         rows.push(Row {
             m,
             seconds,
+            best_seconds,
             gbs: streamed as f64 / seconds / 1e9,
             gops: 2.0 * (m * macs_per_row) as f64 / seconds / 1e9,
             relative: 0.0,
@@ -223,6 +227,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
         .iter()
         .find(|r| r.m == 1)
         .map_or(f64::NAN, |r| r.gbs / bandwidth);
+    // Best-of-N on both sides: closer to what the machine can do when it is shared and noisy.
+    let best_fraction_m1 = rows.iter().find(|r| r.m == 1).map_or(f64::NAN, |r| {
+        streamed as f64 / r.best_seconds / 1e9 / best_bandwidth
+    });
 
     if args.json {
         let json = serde_json::json!({
@@ -236,9 +244,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "stored_bytes": stored,
             "read_bandwidth_gbs": bandwidth,
             "fraction_of_bandwidth_m1": fraction_m1,
+            "best_read_bandwidth_gbs": best_bandwidth,
+            "best_fraction_of_bandwidth_m1": best_fraction_m1,
             "rows": rows.iter().map(|r| serde_json::json!({
                 "m": r.m,
                 "seconds": r.seconds,
+                "best_seconds": r.best_seconds,
                 "seconds_per_call": r.seconds / views.len() as f64,
                 "gbs": r.gbs,
                 "gops": r.gops,
@@ -259,16 +270,20 @@ pub fn run(args: Args) -> xdna::Result<()> {
         threads,
         if executor.uses_avx2() { "AVX2" } else { "scalar" },
     );
-    println!("read bandwidth (256 MiB streaming read, pool): {bandwidth:.2} GB/s");
     println!(
-        "{:>5} {:>11} {:>12} {:>8} {:>9} {:>8}",
-        "M", "sweep ms", "µs/call", "GB/s", "GOP/s", "× M=1"
+        "read bandwidth (256 MiB streaming read, pool): median {bandwidth:.2} GB/s, best {best_bandwidth:.2} GB/s"
+    );
+    println!("times are medians over repeated sweeps (best = fastest sweep)");
+    println!(
+        "{:>5} {:>11} {:>10} {:>12} {:>8} {:>9} {:>8}",
+        "M", "sweep ms", "best ms", "µs/call", "GB/s", "GOP/s", "× M=1"
     );
     for r in &rows {
         println!(
-            "{:>5} {:>11.3} {:>12.1} {:>8.2} {:>9.1} {:>8.2}",
+            "{:>5} {:>11.3} {:>10.3} {:>12.1} {:>8.2} {:>9.1} {:>8.2}",
             r.m,
             r.seconds * 1e3,
+            r.best_seconds * 1e3,
             r.seconds * 1e6 / views.len() as f64,
             r.gbs,
             r.gops,
@@ -276,8 +291,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
         );
     }
     println!(
-        "M=1: {:.0}% of measured read bandwidth",
-        fraction_m1 * 100.0
+        "M=1: {:.0}% of measured read bandwidth (medians); best-of-N: {:.0}%",
+        fraction_m1 * 100.0,
+        best_fraction_m1 * 100.0
     );
     Ok(())
 }
