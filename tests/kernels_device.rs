@@ -385,3 +385,45 @@ fn injected_exec_failure_is_a_typed_error_and_leaks_nothing() {
     r.assert_ok_no_leaks();
     assert_eq!(r.stats[0]["execs"], 3);
 }
+
+// -------------------------------------------------------------------------------------------------
+
+#[test]
+fn child_threads() {
+    if !is_child("child_threads") {
+        return;
+    }
+    let dir = temp_dir("threads");
+    let (k, n) = (576, 96);
+    let set = descriptor_set(&dir, &[(Q41, k, n), (Q8, k, n)]);
+    // Two clients (two device fds) submitting at once while the shim's executor uses its worker
+    // pool inside EXEC_CMD, and the host executor's pool runs in this process: no deadlock, same
+    // bits. M = 200 also checks the m128 pass split (128 + 72).
+    std::thread::scope(|s| {
+        for (t, f) in [Q41, Q8].into_iter().enumerate() {
+            let set = &set;
+            s.spawn(move || {
+                let exec = open_exec(set, allow());
+                let wd = weights(f, n, k, 300 + t as u64);
+                let w = WeightMatrix::new(f, n, k, &wd).unwrap();
+                for (i, m) in [16, 200, 1, 16, 3].into_iter().enumerate() {
+                    let x = acts(m, k, (t * 10 + i) as u64);
+                    let mut yh = vec![0f32; m * n];
+                    HostExecutor::global().gemm(&w, &x, m, &mut yh).unwrap();
+                    let mut yd = vec![0f32; m * n];
+                    exec.gemm(&w, &x, m, &mut yd).unwrap();
+                    assert_eq!(bits(&yh), bits(&yd), "thread {t} m={m}");
+                }
+            });
+        }
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("child ok");
+}
+
+#[test]
+fn concurrent_device_gemms_do_not_deadlock() {
+    let r = run_child("child_threads", &[]);
+    r.assert_ok_no_leaks();
+    assert_eq!(r.stats.len(), 2, "one stats line per device fd");
+}

@@ -27,7 +27,7 @@
 //!   (address = BO end − length), so a grown, reused BO still hands the kernel exactly `m` rows.
 //! * Flushes: SYNC_BO to-device for the weights (once, at upload), the activations and the patched
 //!   control code before each submit; from-device for the outputs after completion.
-//! * Passes of more than 128 rows run as chunks of 128 (like the host executor's families).
+//! * Rows are split by [`row_passes`]: ≤ 16 rows one m16 pass, else m128 passes of ≤ 128 rows.
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
@@ -39,7 +39,7 @@ use parking_lot::Mutex;
 
 use super::elf::{self, ArgRole, KernelDesc};
 use super::gemm::{HostExecutor, WeightMatrix};
-use super::set::{family_for_rows, KernelKey, KernelSet};
+use super::set::{row_passes, KernelKey, KernelSet};
 use super::shim_txn::{self, ArgReloc, DDR_OFFSET};
 use super::KernelError;
 use crate::device::{
@@ -52,8 +52,6 @@ pub const ALLOW_ENV: &str = "XDNA_ALLOW_DESCRIPTOR_KERNELS";
 const DEFAULT_MAX_RESIDENT: usize = 6;
 /// Control code alignment in device memory (§8).
 const CONTROL_CODE_ALIGN: u64 = 16 << 10;
-/// Rows per submitted pass (the largest row family).
-const MAX_ROWS: usize = 128;
 /// Growth granularity of the activation / output BOs.
 const IO_GRANULE: usize = 64 << 10;
 /// CMD BO size.
@@ -267,7 +265,8 @@ impl DeviceExecutor {
     }
 
     /// `y[m×N] = x[m×K] · Wᵀ`, as [`HostExecutor::gemm`]: the kernel is the set's
-    /// `gemm_<wfmt>_m<family>_k<K>_n<N>.elf` for each pass of ≤ 128 rows.
+    /// `gemm_<wfmt>_m<family>_k<K>_n<N>.elf` for each pass of [`row_passes`] (≤ 16 rows: one m16
+    /// pass; more: m128 passes of up to 128 rows).
     pub fn gemm(
         &self,
         w: &WeightMatrix,
@@ -306,17 +305,14 @@ impl DeviceExecutor {
                 got: w.data.len(),
             });
         }
-        let mut start = 0;
-        while start < m {
-            let rows = (m - start).min(MAX_ROWS);
-            let key = KernelKey::gemm(w.format, family_for_rows(rows), k, n);
+        for (family, rows) in row_passes(m) {
+            let key = KernelKey::gemm(w.format, family, k, n);
             self.run(
                 &key,
                 w,
-                &x[start * k..(start + rows) * k],
-                &mut y[start * n..(start + rows) * n],
+                &x[rows.start * k..rows.end * k],
+                &mut y[rows.start * n..rows.end * n],
             )?;
-            start += rows;
         }
         Ok(())
     }
