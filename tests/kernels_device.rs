@@ -427,3 +427,54 @@ fn concurrent_device_gemms_do_not_deadlock() {
     r.assert_ok_no_leaks();
     assert_eq!(r.stats.len(), 2, "one stats line per device fd");
 }
+
+// -------------------------------------------------------------------------------------------------
+
+#[test]
+fn child_executor_error_names_the_kernel() {
+    if !is_child("child_executor_error_names_the_kernel") {
+        return;
+    }
+    use xdna::device::{Bo, BoKind, HwContext};
+    let dev = XdnaDevice::open(NODE).expect("open");
+    let desc = KernelDesc::gemm(Q8, 16, 256, 32);
+    let image = Bo::with_data(&dev, BoKind::Dev, &elf::build_kernel_elf(&desc)).unwrap();
+    let mut ctx = HwContext::with_image(&dev, 4, &image).unwrap();
+    let wd = weights(Q8, 32, 256, 1);
+    let w = Bo::with_data(&dev, BoKind::Share, &wd).unwrap();
+    let x = Bo::with_data(&dev, BoKind::Share, &[0u8; 4 * 256]).unwrap();
+    // y should hold 1 × 32 f32 = 128 bytes; give it 100.
+    let y = Bo::new(&dev, BoKind::Share, 100).unwrap();
+    match ctx.run_start_cu(
+        &image,
+        &[&w, &x, &y],
+        Some(std::time::Duration::from_secs(5)),
+    ) {
+        Err(DeviceError::CommandFailed { state, .. }) => {
+            assert_eq!(format!("{state:?}").to_uppercase(), "ERROR")
+        }
+        other => panic!("wrong-sized output should fail, got {other:?}"),
+    }
+    // The right size runs (m = 1).
+    let y = Bo::new(&dev, BoKind::Share, 128).unwrap();
+    ctx.run_start_cu(
+        &image,
+        &[&w, &x, &y],
+        Some(std::time::Duration::from_secs(5)),
+    )
+    .expect("right sizes run");
+    drop((ctx, image, w, x, y, dev));
+    println!("child ok");
+}
+
+#[test]
+fn executor_errors_end_in_error_naming_the_kernel() {
+    let r = run_child("child_executor_error_names_the_kernel", &[]);
+    r.assert_ok_no_leaks();
+    assert!(
+        r.stderr
+            .contains("ERROR: kernel failed: kernel gemm_q8h_m16_k256_n32.elf: y bytes"),
+        "{}",
+        r.stderr
+    );
+}
