@@ -478,3 +478,11 @@ fn executor_errors_end_in_error_naming_the_kernel() {
         r.stderr
     );
 }
+
+/// The model shares one executor between threads.
+#[test]
+fn executors_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<DeviceExecutor>();
+    send_sync::<Executor>();
+}
