@@ -628,7 +628,7 @@ fn child_npu_opcodes_and_chains() {
         8,
         "instruction buffer not 16 KiB-aligned: TIMEOUT"
     );
-    // opcode 22 with an ELF image: not executable yet → ERROR
+    // opcode 22 with a malformed ELF image (16 bytes, no section table) → ERROR
     s.dev_bytes(&d, s.instr)[..4].copy_from_slice(b"\x7fELF");
     let cmd = s.cmd_map.bytes();
     cmd[..48].fill(0);
@@ -665,8 +665,7 @@ fn npu_opcodes_alignment_and_chains() {
     r.assert_ok_no_leaks();
     assert!(r.stderr.contains("not 16 KiB-aligned"), "{}", r.stderr);
     assert!(
-        r.stderr
-            .contains("ELF kernel images are not executed by the shim yet"),
+        r.stderr.contains("kernel ELF image: truncated"),
         "{}",
         r.stderr
     );

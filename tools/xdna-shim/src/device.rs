@@ -2223,7 +2223,21 @@ fn run_packet(c: &Client, h: u32, args: &[u32], cus_len: usize, depth: u32) -> R
                 return Err((ERT_TIMEOUT, format!("instruction buffer {instr:#x} is not 16 KiB-aligned: the firmware never completes such a command")));
             }
             let mut bufs = Vec::new();
-            if hdr.opcode != ert::OP_START_NPU_PREEMPT_ELF {
+            if hdr.opcode == ert::OP_START_NPU_PREEMPT_ELF {
+                // Full-ELF flow: a shim-TXN stream names its buffers in its patched slots.
+                if let Some(addrs) = txn_slots(c, args, instr, isize)? {
+                    for (i, a) in addrs.into_iter().enumerate() {
+                        match c.resolve(args, a) {
+                            Some(r) => bufs.push(r),
+                            None => {
+                                return error(format!(
+                                    "control code argument {i}: patched address minus 0x8000_0000 and addend is {a:#x}, not inside any argument BO (patched twice, or from a non-pristine copy?)"
+                                ))
+                            }
+                        }
+                    }
+                }
+            } else {
                 let mut o = need;
                 while o + 8 <= d.len() {
                     if let Some(r) = c.resolve(args, g64(&d, o)) {
@@ -2238,6 +2252,24 @@ fn run_packet(c: &Client, h: u32, args: &[u32], cus_len: usize, depth: u32) -> R
             "opcode {op} is not supported by amdxdna AIE2/AIE2P"
         )),
     }
+}
+
+/// For opcode 22: when the instruction stream is shim-TXN control code, the buffer addresses
+/// its patched slots hold (argument order); `None` for any other stream.
+fn txn_slots(c: &Client, args: &[u32], instr: u64, ilen: u64) -> Result<Option<Vec<u64>>, RunErr> {
+    let Some((_, iptr, avail, user)) = c.resolve(args, instr) else {
+        return Ok(None); // run_image reports the unresolvable instruction address
+    };
+    let n = ilen.min(avail) as usize;
+    if user || n < 8 {
+        return Ok(None);
+    }
+    // SAFETY: [iptr, iptr + n) lies inside the instruction BO's shim mapping (resolve; n ≤ avail).
+    let code = unsafe { std::slice::from_raw_parts(iptr as *const u8, n) };
+    if !xdna::kernels::shim_txn::is_txn(code) {
+        return Ok(None);
+    }
+    crate::kexec::txn_buffers(code).map(Some).or_else(error)
 }
 
 /// Copies the image and buffers out, runs [`ert::execute`], writes the buffers back.

@@ -2,8 +2,9 @@
 //!
 //! [`execute`] is the one place a command's *work* happens: it gets the kernel image (the bytes the
 //! instruction address points at) and the argument buffers (each from its device address to the end
-//! of its BO). Today it runs the built-in test ops (`XDNASHIM` images); a later commit plugs a real
-//! kernel executor in for ELF images at the marked spot.
+//! of its BO). It runs the built-in test ops (`XDNASHIM` images), kernel ELF images with a
+//! `.note.xdna.kernel` descriptor and shim-TXN control code (both through `kexec`, i.e. the
+//! runtime's host executors).
 
 use std::fmt;
 
@@ -84,13 +85,15 @@ pub fn execute(image: &[u8], buffers: &mut [&mut [u8]]) -> Result<(), ExecFault>
         return builtin(image, buffers);
     }
     if image.len() >= 4 && &image[..4] == b"\x7fELF" {
-        // Seam: a real kernel executor (the host executors of runtime/kernels) plugs in here.
-        return Err(ExecFault::Unsupported(
-            "ELF kernel images are not executed by the shim yet".into(),
-        ));
+        // Kernel ELF (descriptor kernel, START_CU ABI): the runtime's host executors.
+        return crate::kexec::run_elf(image, buffers);
+    }
+    if xdna::kernels::shim_txn::is_txn(image) {
+        // shim-TXN control code (full-ELF flow, opcode 22; buffers resolved from its slots).
+        return crate::kexec::run_txn(image, buffers);
     }
     Err(ExecFault::Unsupported(format!(
-        "image starts with {:02x?}; the shim runs `XDNASHIM` test images (and, later, kernel ELFs)",
+        "image starts with {:02x?}; the shim runs `XDNASHIM` test images, kernel ELFs and shim-TXN control code",
         &image[..image.len().min(8)]
     )))
 }

@@ -19,6 +19,7 @@
 mod config;
 mod device;
 mod ert;
+mod kexec;
 mod layout;
 mod log;
 mod maps;
@@ -349,15 +350,16 @@ pub unsafe extern "C" fn mmap64(
 
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
-    // SAFETY: forwarding the caller's arguments unchanged to the real munmap.
-    let r = unsafe { real::munmap(addr, len) };
     // Lock-free unless the range held a tracked BO mapping (and never from inside the shim).
-    if r == 0 && maps::live() > 0 && !device::in_shim() {
+    // The tracking is dropped *before* the real munmap: afterwards another thread may map a new
+    // BO at the same address, and dropping then would take that BO's mapping away.
+    if maps::live() > 0 && !device::in_shim() {
         let _ = catch_unwind(AssertUnwindSafe(|| {
             maps::take_overlapping(addr as u64, len as u64, device::unmapped)
         }));
     }
-    r
+    // SAFETY: forwarding the caller's arguments unchanged to the real munmap.
+    unsafe { real::munmap(addr, len) }
 }
 
 /// Fills a `struct stat` (same layout as `stat64` on x86_64) for a fake node.
