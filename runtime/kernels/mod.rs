@@ -36,7 +36,6 @@ pub mod gemm;
 pub mod pool;
 pub mod quant;
 pub mod reference;
-pub mod resident;
 pub mod set;
 pub mod shim_txn;
 
