@@ -495,6 +495,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
                     w.write(name, &block)?;
                     bar.inc(block.len() as u64);
                 }
+                f.release_pages();
             }
         }
     }
