@@ -56,6 +56,11 @@ fn corpus() -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // Long pieces (the BPE must stay fast and exact on them).
+    v.push("a".repeat(3000));
+    v.push("ab1 ".repeat(300));
+    v.push("QmFzZTY0IGRhdGEgd2l0aG91dCBzcGFjZXM/".repeat(60));
+    v.push(" ".repeat(500) + "x");
     // Pseudo-random strings over a palette that hits every branch of the pre-tokenizer.
     let palette: Vec<char> =
         "aZé中😀 \t\n\r0123456789'!?.,-_()[]{}<|>sStTdDlLmMvVrReE½Ⅻ٣\u{00A0}\u{0301}\u{3000}"

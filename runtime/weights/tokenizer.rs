@@ -464,29 +464,66 @@ impl Tokenizer {
     }
 
     /// Byte-level BPE of one pre-tokenized piece: repeatedly merge the lowest-ranked adjacent
-    /// pair (leftmost on ties), as HF `BPE::merge_word` does.
+    /// pair, leftmost on ties, as HF `BPE::merge_word` does (min-heap of (rank, position) over a
+    /// linked list of symbols, stale entries skipped: O(n log n) even for very long pieces).
     fn bpe(&self, piece: &[u8], out: &mut Vec<u32>) {
-        let mut word: Vec<u32> = Vec::with_capacity(piece.len());
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        const NONE: usize = usize::MAX;
+        let mut ids: Vec<u32> = Vec::with_capacity(piece.len());
         for &b in piece {
             match self.byte_ids[b as usize] {
-                Some(id) => word.push(id),
+                Some(id) => ids.push(id),
                 None => return, // vocabulary lacks this byte: HF drops it too (no unk, no fallback)
             }
         }
-        loop {
-            let mut best: Option<(u32, usize, u32)> = None;
-            for i in 0..word.len().saturating_sub(1) {
-                if let Some(&(rank, id)) = self.merges.get(&(word[i], word[i + 1])) {
-                    if best.is_none_or(|(r, _, _)| rank < r) {
-                        best = Some((rank, i, id));
-                    }
+        let n = ids.len();
+        if n < 2 {
+            out.extend_from_slice(&ids);
+            return;
+        }
+        let mut next: Vec<usize> = (1..=n).map(|i| if i == n { NONE } else { i }).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+        let mut alive = vec![true; n];
+        // (rank, left position, left id, right id)
+        let mut heap: BinaryHeap<Reverse<(u32, usize, u32, u32)>> = BinaryHeap::new();
+        for i in 0..n - 1 {
+            if let Some(&(rank, _)) = self.merges.get(&(ids[i], ids[i + 1])) {
+                heap.push(Reverse((rank, i, ids[i], ids[i + 1])));
+            }
+        }
+        while let Some(Reverse((_, i, a, b))) = heap.pop() {
+            let j = next[i];
+            if !alive[i] || j == NONE || ids[i] != a || ids[j] != b {
+                continue; // stale
+            }
+            let Some(&(_, merged)) = self.merges.get(&(a, b)) else {
+                continue;
+            };
+            ids[i] = merged;
+            alive[j] = false;
+            next[i] = next[j];
+            if next[j] != NONE {
+                prev[next[j]] = i;
+            }
+            if prev[i] != NONE {
+                let p = prev[i];
+                if let Some(&(rank, _)) = self.merges.get(&(ids[p], ids[i])) {
+                    heap.push(Reverse((rank, p, ids[p], ids[i])));
                 }
             }
-            let Some((_, i, id)) = best else { break };
-            word[i] = id;
-            word.remove(i + 1);
+            if next[i] != NONE {
+                let q = next[i];
+                if let Some(&(rank, _)) = self.merges.get(&(ids[i], ids[q])) {
+                    heap.push(Reverse((rank, i, ids[i], ids[q])));
+                }
+            }
         }
-        out.extend_from_slice(&word);
+        let mut i = 0;
+        while i != NONE {
+            out.push(ids[i]);
+            i = next[i];
+        }
     }
 
     /// Decode ids to text (invalid UTF-8 replaced by U+FFFD).
