@@ -91,6 +91,15 @@ fn smollm2_import_matches_the_gguf() {
         assert_eq!(got, want, "token {tok}");
     }
     assert!(pkg.embedding_row(49152, &mut got).is_err());
+    let head = pkg.lm_head().unwrap();
+    assert_eq!((head.rows, head.cols), (49152, 576));
+    assert!(matches!(
+        head.format,
+        WeightFormat::Q8 {
+            scale: ScaleType::F16,
+            ..
+        }
+    ));
 
     // Fused QKV of layer 3: q rows un-permuted, then k rows un-permuted, then v as is.
     let qkv = pkg
