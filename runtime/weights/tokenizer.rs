@@ -69,11 +69,13 @@ pub struct Tokenizer {
     /// Vocabulary string → id.
     vocab: HashMap<String, u32>,
     /// (left id, right id) → (rank, merged id).
-    merges: HashMap<(u32, u32), (u32, u32)>,
+    merges: HashMap<(u32, u32), (u32, u32), PairHash>,
     /// Byte → id of its single-char token.
     byte_ids: [Option<u32>; 256],
     /// Added tokens matched before splitting: (content, id, special).
     added: Vec<(String, u32, bool)>,
+    /// Bytes that start some added token (fast skip while scanning for them).
+    added_first: [bool; 256],
     pre: PreTokenizer,
     gpt2: regex::Regex,
     digit: regex::Regex,
@@ -90,6 +92,30 @@ impl std::fmt::Debug for Tokenizer {
             .finish()
     }
 }
+
+/// A fast hasher for (u32, u32) merge keys (FxHash-style multiply-rotate; keys are token ids
+/// from our own vocabulary, so DoS resistance is not needed).
+#[derive(Clone, Copy, Default)]
+pub struct PairHasher(u64);
+
+impl std::hash::Hasher for PairHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(v as u64);
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type PairHash = std::hash::BuildHasherDefault<PairHasher>;
 
 /// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to U+0100 onwards.
 pub fn byte_to_char_table() -> [char; 256] {
@@ -152,7 +178,7 @@ impl Tokenizer {
         for (b, &c) in table.iter().enumerate() {
             byte_ids[b] = vocab.get(c.to_string().as_str()).copied();
         }
-        let mut merge_map = HashMap::with_capacity(merges.len());
+        let mut merge_map = HashMap::with_capacity_and_hasher(merges.len(), PairHash::default());
         for (rank, (a, b)) in merges.iter().enumerate() {
             let (Some(&ia), Some(&ib)) = (vocab.get(a), vocab.get(b)) else {
                 return Err(err(format!(
@@ -187,6 +213,13 @@ impl Tokenizer {
             vocab,
             merges: merge_map,
             byte_ids,
+            added_first: {
+                let mut f = [false; 256];
+                for (s, _, _) in &added_list {
+                    f[s.as_bytes()[0] as usize] = true;
+                }
+                f
+            },
             added: added_list,
             pre,
             gpt2,
@@ -414,6 +447,10 @@ impl Tokenizer {
         let b = text.as_bytes();
         while i < b.len() {
             if !text.is_char_boundary(i) {
+                i += 1;
+                continue;
+            }
+            if !self.added_first[b[i] as usize] {
                 i += 1;
                 continue;
             }
