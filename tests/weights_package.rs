@@ -70,6 +70,11 @@ fn smollm2_import_matches_the_gguf() {
         (576, 1536, 30, 9, 3, 64, 49152)
     );
     assert_eq!(c.rope_theta, 100000.0);
+    assert_eq!(
+        c.raw["rms_norm_eps"].as_f64(),
+        Some(1e-5),
+        "written as HF writes it"
+    );
     assert_eq!(c.max_position_embeddings, 8192);
     assert!(c.tie_word_embeddings);
     assert_eq!(c.raw["architectures"][0], "LlamaForCausalLM");

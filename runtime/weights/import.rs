@@ -93,6 +93,12 @@ pub struct LlamaParams {
     pub tied: bool,
 }
 
+/// An f32 metadata value as the f64 with the same shortest decimal form (1e-5, not
+/// 9.999999747378752e-6), as HF configs write it.
+fn shortest(v: f64) -> f64 {
+    format!("{}", v as f32).parse().unwrap_or(v)
+}
+
 fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
     let arch = f
         .architecture()
@@ -133,8 +139,12 @@ fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
         vocab,
         eps: f
             .get_f64(&k("attention.layer_norm_rms_epsilon"))
+            .map(shortest)
             .unwrap_or(1e-5),
-        rope_theta: f.get_f64(&k("rope.freq_base")).unwrap_or(10000.0),
+        rope_theta: f
+            .get_f64(&k("rope.freq_base"))
+            .map(shortest)
+            .unwrap_or(10000.0),
         context: f.get_u64(&k("context_length")).unwrap_or(2048) as usize,
         tied: f.tensor("output.weight").is_none(),
         arch,
