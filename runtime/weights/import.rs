@@ -329,17 +329,15 @@ pub fn gguf_row_for_hf_row(r: usize, rows: usize, heads: Option<usize>) -> usize
 }
 
 /// Source (tensor view, GGUF row) for output row `r` of a planned matrix.
-fn source_row<'a>(views: &[(GgufTensor<'a>, &Part)], r: usize) -> (GgufTensor<'a>, usize) {
+fn source_row<'a>(views: &[(GgufTensor<'a>, &Part)], r: usize) -> Option<(GgufTensor<'a>, usize)> {
     let mut r = r;
     for (t, p) in views {
         if r < p.rows {
-            return (*t, gguf_row_for_hf_row(r, p.rows, p.unpermute_heads));
+            return Some((*t, gguf_row_for_hf_row(r, p.rows, p.unpermute_heads)));
         }
         r -= p.rows;
     }
-    // Unreachable for r < total rows; return the last row of the last part to stay total.
-    let (t, p) = views[views.len() - 1];
-    (t, p.rows - 1)
+    None
 }
 
 /// Build row block `pb` (32 rows, all column tiles) of a planned matrix into `out`.
@@ -355,7 +353,12 @@ fn build_row_block(
     let q_tiles = format.padded_cols(cols) / tiles::TILE_COLS;
     let blocks_per_row = cols / 32;
     for r in 0..tiles::TILE_ROWS {
-        let (t, src) = source_row(views, pb * tiles::TILE_ROWS + r);
+        let (t, src) = source_row(views, pb * tiles::TILE_ROWS + r).ok_or_else(|| {
+            WeightsError::Other(format!(
+                "row {} beyond the source tensors",
+                pb * tiles::TILE_ROWS + r
+            ))
+        })?;
         let row = t.row_data(src)?;
         for q in 0..q_tiles {
             let tile = &mut out[q * tb..(q + 1) * tb];
