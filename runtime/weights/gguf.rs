@@ -506,6 +506,17 @@ impl GgufFile {
     pub fn file_len(&self) -> usize {
         self.map.len()
     }
+    /// Drop this process's resident pages of the mapping (they stay in the page cache and are
+    /// re-read on the next access). Keeps the RSS of a streaming import bounded. Best effort.
+    pub fn release_pages(&self) {
+        // SAFETY: the mapping is a private, read-only, file-backed map that we never write, so
+        // MADV_DONTNEED only discards clean pages; later reads fault them back in from the file
+        // with the same contents. No reference into the map is invalidated.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        };
+    }
     /// All metadata in file order.
     pub fn metadata_entries(&self) -> &[(String, Value)] {
         &self.metadata
