@@ -319,7 +319,7 @@ mod tests {
         assert!((f[31] - raw / 8.0).abs() < 1e-18);
         // A middle one is between raw/8 and raw.
         let j = 20;
-        let raw = 500000f64.powf(-(2 * j) as f64 / 64.0);
+        let raw = 500000f64.powf(-((2 * j) as f64) / 64.0);
         let wl = 2.0 * std::f64::consts::PI / raw;
         if wl > 2048.0 && wl < 8192.0 {
             assert!(f[j] < raw && f[j] > raw / 8.0);

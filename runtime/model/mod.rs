@@ -8,6 +8,7 @@ pub mod gguf_config;
 pub mod gguf_lite;
 pub mod host_gguf;
 pub mod ops;
+pub mod perplexity;
 pub mod reference;
 pub mod sample;
 pub mod text;
