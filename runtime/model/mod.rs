@@ -2,11 +2,12 @@
 //! (`step_batch_all` / `commit_verify_rows`), the reference forward used by tests, sampling, and
 //! streaming detokenization. See `docs/model.md`.
 
+pub mod bandwidth;
 pub mod config;
+pub mod load;
 pub mod forward;
 pub mod gguf_config;
 pub mod gguf_lite;
-pub mod host_gguf;
 pub mod ops;
 pub mod perplexity;
 pub mod reference;
@@ -45,6 +46,10 @@ pub enum ModelError {
     Tap { layer: usize, layers: usize },
     #[error("model state: {what}")]
     State { what: String },
+    #[error(transparent)]
+    Weights(#[from] crate::weights::WeightsError),
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelError),
     #[error("{0}")]
     Other(String),
 }
