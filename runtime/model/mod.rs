@@ -1,8 +1,55 @@
-//! Placeholder: this layer is being written (see docs/architecture.md).
+//! The model layer: configuration, the fast forward pass with its KV cache and the verify contract
+//! (`step_batch_all` / `commit_verify_rows`), the reference forward used by tests, sampling, and
+//! streaming detokenization. See `docs/model.md`.
 
-/// Errors of this layer.
+pub mod bandwidth;
+pub mod config;
+pub mod load;
+pub mod forward;
+pub mod gguf_config;
+pub mod gguf_lite;
+pub mod ops;
+pub mod perplexity;
+pub mod reference;
+pub mod sample;
+pub mod text;
+
+pub use config::{ModelConfig, RopeScaling};
+pub use forward::{BatchOutput, Family, Model, ModelWeights, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS};
+
+/// Errors of the model layer.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    #[error("{file}: field {field:?}: {problem}")]
+    Config {
+        file: String,
+        field: String,
+        problem: String,
+    },
+    #[error("unsupported: {what}")]
+    Unsupported { what: String },
+    #[error("{path}: {problem}")]
+    File { path: String, problem: String },
+    #[error("tensor {name:?} missing in {file}")]
+    MissingTensor { name: String, file: String },
+    #[error("shape mismatch: {what}")]
+    Shape { what: String },
+    #[error("token id {token} out of range (vocabulary {vocab})")]
+    Token { token: u32, vocab: usize },
+    #[error("context: {what}")]
+    Context { what: String },
+    #[error("a verify pass takes 1..={max} rows, got {rows} (17+ rows are refused, never run on the 128-row family)")]
+    BatchRows { rows: usize, max: usize },
+    #[error("commit_verify_rows({n}) out of range 1..={len}")]
+    Commit { n: usize, len: usize },
+    #[error("tap layer {layer} out of range (model has {layers} layers)")]
+    Tap { layer: usize, layers: usize },
+    #[error("model state: {what}")]
+    State { what: String },
+    #[error(transparent)]
+    Weights(#[from] crate::weights::WeightsError),
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelError),
     #[error("{0}")]
     Other(String),
 }

@@ -1,0 +1,340 @@
+//! Model configuration: the Llama-family fields of a Hugging Face `config.json`.
+//!
+//! Supported families: Llama (SmolLM2, Llama 3.x with `rope_scaling.rope_type = "llama3"`),
+//! Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q_norm / k_norm). Every missing or ill-typed field is
+//! a typed error naming the field and the file it was read from.
+
+use super::ModelError;
+use serde_json::Value;
+
+/// How rotary frequencies are scaled for long contexts.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// `"linear"`: positions divided by `factor` (all frequencies divided by `factor`).
+    Linear { factor: f64 },
+    /// `"llama3"`: Llama 3.1 frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// The transformer's shape and numerical constants.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// `model_type` (e.g. `llama`, `qwen2`, `qwen3`).
+    pub model_type: String,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub vocab: usize,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    /// q/k/v projections carry a bias (Qwen2, or `attention_bias: true`).
+    pub qkv_bias: bool,
+    /// o_proj carries a bias (`attention_bias: true` on Llama).
+    pub o_bias: bool,
+    /// gate/up/down carry biases (`mlp_bias: true`).
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+}
+
+impl ModelConfig {
+    /// Rows of the fused QKV projection: q rows, then k, then v.
+    pub fn qkv_rows(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Width of the attention output (input of o_proj).
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Width of one position's keys (or values) across all KV heads.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Parse a `config.json` value; `file` names the source in errors.
+    pub fn from_json(v: &Value, file: &str) -> Result<Self, ModelError> {
+        let f = Fields { v, file };
+        let model_type = f.opt_str("model_type")?.unwrap_or("llama").to_string();
+        let known = ["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "smollm3"];
+        if !known.contains(&model_type.as_str()) {
+            return Err(ModelError::Unsupported {
+                what: format!("model_type {model_type:?} in {file} (supported: {known:?})"),
+            });
+        }
+        let hidden = f.usize("hidden_size")?;
+        let heads = f.usize("num_attention_heads")?;
+        let kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(h) => h,
+            None => {
+                if heads == 0 || hidden % heads != 0 {
+                    return Err(f.bad(
+                        "num_attention_heads",
+                        "a divisor of hidden_size (no head_dim given)",
+                    ));
+                }
+                hidden / heads
+            }
+        };
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(f.bad(
+                "num_key_value_heads",
+                "a divisor of num_attention_heads",
+            ));
+        }
+        if head_dim % 2 != 0 || head_dim == 0 {
+            return Err(f.bad("head_dim", "an even, non-zero number"));
+        }
+        let rope_scaling = match v.get("rope_scaling") {
+            None | Some(Value::Null) => RopeScaling::None,
+            Some(s) => parse_rope_scaling(s, file)?,
+        };
+        let is_qwen2 = model_type == "qwen2";
+        let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        let cfg = ModelConfig {
+            hidden,
+            intermediate: f.usize("intermediate_size")?,
+            layers: f.usize("num_hidden_layers")?,
+            heads,
+            kv_heads,
+            head_dim,
+            rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta: f.opt_f64("rope_theta")?.unwrap_or(10000.0),
+            rope_scaling,
+            vocab: f.usize("vocab_size")?,
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            qkv_bias: is_qwen2 || attention_bias,
+            o_bias: attention_bias,
+            mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
+            qk_norm: model_type == "qwen3",
+            model_type,
+        };
+        for (name, val) in [
+            ("hidden_size", cfg.hidden),
+            ("intermediate_size", cfg.intermediate),
+            ("num_hidden_layers", cfg.layers),
+            ("vocab_size", cfg.vocab),
+        ] {
+            if val == 0 {
+                return Err(f.bad(name, "a positive integer"));
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// Inverse frequencies of the rotary embedding (`head_dim / 2` values), scaling applied.
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let half = self.head_dim / 2;
+        (0..half)
+            .map(|j| {
+                let freq = 1.0 / self.rope_theta.powf((2 * j) as f64 / self.head_dim as f64);
+                match self.rope_scaling {
+                    RopeScaling::None => freq,
+                    RopeScaling::Linear { factor } => freq / factor,
+                    RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position_embeddings: old,
+                    } => {
+                        let low_wavelen = old / low_freq_factor;
+                        let high_wavelen = old / high_freq_factor;
+                        let wavelen = 2.0 * std::f64::consts::PI / freq;
+                        if wavelen < high_wavelen {
+                            freq
+                        } else if wavelen > low_wavelen {
+                            freq / factor
+                        } else {
+                            let smooth =
+                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * freq / factor + smooth * freq
+                        }
+                    }
+                }
+            })
+            .collect()
+    }
+}
+
+fn parse_rope_scaling(s: &Value, file: &str) -> Result<RopeScaling, ModelError> {
+    let f = Fields { v: s, file };
+    let kind = match f.opt_str("rope_type")? {
+        Some(k) => k,
+        None => f.opt_str("type")?.unwrap_or("default"),
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: f.f64("factor")?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: f.f64("factor")?,
+            low_freq_factor: f.f64("low_freq_factor")?,
+            high_freq_factor: f.f64("high_freq_factor")?,
+            original_max_position_embeddings: f.f64("original_max_position_embeddings")?,
+        }),
+        other => Err(ModelError::Unsupported {
+            what: format!("rope_scaling type {other:?} in {file}"),
+        }),
+    }
+}
+
+struct Fields<'a> {
+    v: &'a Value,
+    file: &'a str,
+}
+
+impl Fields<'_> {
+    fn bad(&self, field: &str, expected: &str) -> ModelError {
+        ModelError::Config {
+            file: self.file.to_string(),
+            field: field.to_string(),
+            problem: format!("expected {expected}, got {}", self.v.get(field).unwrap_or(&Value::Null)),
+        }
+    }
+    fn missing(&self, field: &str) -> ModelError {
+        ModelError::Config {
+            file: self.file.to_string(),
+            field: field.to_string(),
+            problem: "missing".to_string(),
+        }
+    }
+    fn opt_usize(&self, field: &str) -> Result<Option<usize>, ModelError> {
+        match self.v.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| self.bad(field, "a non-negative integer")),
+        }
+    }
+    fn usize(&self, field: &str) -> Result<usize, ModelError> {
+        self.opt_usize(field)?.ok_or_else(|| self.missing(field))
+    }
+    fn opt_f64(&self, field: &str) -> Result<Option<f64>, ModelError> {
+        match self.v.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.bad(field, "a number")),
+        }
+    }
+    fn f64(&self, field: &str) -> Result<f64, ModelError> {
+        self.opt_f64(field)?.ok_or_else(|| self.missing(field))
+    }
+    fn opt_bool(&self, field: &str) -> Result<Option<bool>, ModelError> {
+        match self.v.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.bad(field, "true or false")),
+        }
+    }
+    fn opt_str(&self, field: &str) -> Result<Option<&str>, ModelError> {
+        match self.v.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.bad(field, "a string")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn smollm2() -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+            "rope_theta": 100000.0, "vocab_size": 49152, "tie_word_embeddings": true,
+            "max_position_embeddings": 8192, "rope_scaling": null
+        })
+    }
+
+    #[test]
+    fn smollm2_fields() {
+        let c = ModelConfig::from_json(&smollm2(), "config.json").unwrap();
+        assert_eq!(c.head_dim, 64);
+        assert_eq!(c.qkv_rows(), 960);
+        assert_eq!(c.kv_dim(), 192);
+        assert!(c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
+        let f = c.rope_inv_freq();
+        assert_eq!(f.len(), 32);
+        assert_eq!(f[0], 1.0);
+        // theta^(-2/64) for j = 1
+        assert!((f[1] - 100000f64.powf(-2.0 / 64.0)).abs() < 1e-15);
+    }
+
+    #[test]
+    fn missing_and_bad_fields_are_named() {
+        let mut v = smollm2();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        let e = ModelConfig::from_json(&v, "x/config.json").unwrap_err().to_string();
+        assert!(e.contains("hidden_size") && e.contains("x/config.json"), "{e}");
+        let mut v = smollm2();
+        v["num_key_value_heads"] = json!(4);
+        let e = ModelConfig::from_json(&v, "c.json").unwrap_err().to_string();
+        assert!(e.contains("num_key_value_heads"), "{e}");
+        let mut v = smollm2();
+        v["rope_theta"] = json!("big");
+        assert!(ModelConfig::from_json(&v, "c.json").is_err());
+    }
+
+    #[test]
+    fn llama3_scaling_matches_hand_values() {
+        let mut v = smollm2();
+        v["rope_theta"] = json!(500000.0);
+        v["head_dim"] = json!(64);
+        v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let c = ModelConfig::from_json(&v, "c.json").unwrap();
+        let f = c.rope_inv_freq();
+        // High frequency (wavelength 2π < 2048): unchanged.
+        assert_eq!(f[0], 1.0);
+        // Lowest frequency: wavelength 2π·500000^(62/64) ≫ 8192 → divided by 8.
+        let raw = 500000f64.powf(-62.0 / 64.0);
+        assert!((f[31] - raw / 8.0).abs() < 1e-18);
+        // A middle one is between raw/8 and raw.
+        let j = 20;
+        let raw = 500000f64.powf(-((2 * j) as f64) / 64.0);
+        let wl = 2.0 * std::f64::consts::PI / raw;
+        if wl > 2048.0 && wl < 8192.0 {
+            assert!(f[j] < raw && f[j] > raw / 8.0);
+        }
+    }
+
+    #[test]
+    fn qwen_flags() {
+        let mut v = smollm2();
+        v["model_type"] = json!("qwen2");
+        assert!(ModelConfig::from_json(&v, "c").unwrap().qkv_bias);
+        v["model_type"] = json!("qwen3");
+        let c = ModelConfig::from_json(&v, "c").unwrap();
+        assert!(c.qk_norm && !c.qkv_bias);
+        v["model_type"] = json!("gpt2");
+        assert!(ModelConfig::from_json(&v, "c").is_err());
+    }
+}
