@@ -2,7 +2,6 @@
 
 #[path = "support/smollm2.rs"]
 mod smollm2;
-use std::path::PathBuf;
 use std::process::Command;
 
 #[test]

@@ -3,7 +3,6 @@
 
 #[path = "support/smollm2.rs"]
 mod smollm2;
-use std::path::PathBuf;
 use xdna::weights::default_model::{GGUF_NAME, GGUF_SHA256};
 use xdna::weights::{default_model, Package};
 
