@@ -51,7 +51,11 @@ pub fn model_with(ctx: usize, exact: bool) -> Option<(Arc<Package>, Model)> {
 
 /// Largest |a - b| and the largest |b| of two logit rows.
 pub fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
     let m = b.iter().map(|x| x.abs()).fold(0f32, f32::max);
     (d, m)
 }

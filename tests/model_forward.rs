@@ -58,7 +58,8 @@ fn fast_path_matches_reference_over_64_tokens() {
     // 8 fixed tokens, then greedy continuation by the fast path up to 64 tokens.
     let mut toks: Vec<u32> = PROMPT.to_vec();
     let mut fast_logits: Vec<Vec<f32>> = Vec::new();
-    m.prefill_with(&toks, 0, &mut |_, l| fast_logits.push(l.to_vec())).unwrap();
+    m.prefill_with(&toks, 0, &mut |_, l| fast_logits.push(l.to_vec()))
+        .unwrap();
     while toks.len() < 64 {
         let next = argmax(fast_logits.last().unwrap());
         toks.push(next);
@@ -74,12 +75,18 @@ fn fast_path_matches_reference_over_64_tokens() {
         let (d, mag) = max_diff(f, rl);
         worst = worst.max(d);
         kl_sum += kl(rl, f);
-        assert!(d <= TOL, "position {p}: max |Δlogit| {d} > {TOL} (|logit| ≤ {mag})");
+        assert!(
+            d <= TOL,
+            "position {p}: max |Δlogit| {d} > {TOL} (|logit| ≤ {mag})"
+        );
         if argmax(f) != argmax(rl) {
             // Only a near-tie may flip: the reference's top-2 margin must be within 2·TOL.
             let mut s = rl.clone();
             s.sort_by(|a, b| b.total_cmp(a));
-            assert!(s[0] - s[1] <= 2.0 * TOL, "position {p}: greedy token differs");
+            assert!(
+                s[0] - s[1] <= 2.0 * TOL,
+                "position {p}: greedy token differs"
+            );
             disagree += 1;
         }
     }
@@ -97,15 +104,21 @@ fn fast_path_matches_reference_over_64_tokens() {
 fn model_code_with_exact_projections_matches_reference_tightly() {
     let Some(path) = smollm2_gguf() else { return };
     let (_, mut m) = common::model_with(256, true).unwrap();
-    let toks: Vec<u32> = (0..64).map(|i| PROMPT[i % 8] + (i as u32 / 8) * 101).collect();
+    let toks: Vec<u32> = (0..64)
+        .map(|i| PROMPT[i % 8] + (i as u32 / 8) * 101)
+        .collect();
     let mut fast = Vec::new();
-    m.prefill_with(&toks, 0, &mut |_, l| fast.push(l.to_vec())).unwrap();
+    m.prefill_with(&toks, 0, &mut |_, l| fast.push(l.to_vec()))
+        .unwrap();
     let r = Reference::open(&path).unwrap().forward(&toks, 0).unwrap();
     let mut worst = 0f32;
     for (p, (f, rl)) in fast.iter().zip(&r).enumerate() {
         let (d, _) = max_diff(f, rl);
         worst = worst.max(d);
-        assert!(d <= TOL_EXACT, "position {p}: max |Δlogit| {d} > {TOL_EXACT}");
+        assert!(
+            d <= TOL_EXACT,
+            "position {p}: max |Δlogit| {d} > {TOL_EXACT}"
+        );
         assert_eq!(argmax(f), argmax(rl), "position {p}");
     }
     eprintln!("exact projections vs reference: max |Δlogit| = {worst}");
@@ -157,7 +170,8 @@ fn prefill_chunks_are_exact_across_the_128_boundary() {
     let mut b = fast_model(512).unwrap();
     let toks: Vec<u32> = (0..200).map(|i| ((i * 7919) % 49000) as u32 + 10).collect();
     let mut la = Vec::new();
-    a.prefill_with(&toks, 120, &mut |i, l| la.push((i, l.to_vec()))).unwrap();
+    a.prefill_with(&toks, 120, &mut |i, l| la.push((i, l.to_vec())))
+        .unwrap();
     assert_eq!(la.len(), 80);
     assert_eq!(la[0].0, 120);
     // b: 100 rows of prefill, then 16-row verify passes, then single steps.
@@ -179,7 +193,10 @@ fn prefill_chunks_are_exact_across_the_128_boundary() {
     assert_eq!(b.position(), 200);
     for ((i, x), y) in la.iter().zip(&lb) {
         let (d, _) = max_diff(x, y);
-        assert!(d < 1e-3, "row {i}: chunked prefill vs verify passes differ by {d}");
+        assert!(
+            d < 1e-3,
+            "row {i}: chunked prefill vs verify passes differ by {d}"
+        );
     }
 }
 
@@ -187,17 +204,41 @@ fn prefill_chunks_are_exact_across_the_128_boundary() {
 fn verify_contract_errors_and_failed_pass() {
     let Some(mut m) = fast_model(64) else { return };
     let many = [1u32; 17];
-    assert!(matches!(m.step_batch_all(&many, &[]), Err(ModelError::BatchRows { rows: 17, .. })));
-    assert!(matches!(m.step_batch_all(&[], &[]), Err(ModelError::BatchRows { rows: 0, .. })));
-    assert!(matches!(m.commit_verify_rows(1), Err(ModelError::State { .. })));
+    assert!(matches!(
+        m.step_batch_all(&many, &[]),
+        Err(ModelError::BatchRows { rows: 17, .. })
+    ));
+    assert!(matches!(
+        m.step_batch_all(&[], &[]),
+        Err(ModelError::BatchRows { rows: 0, .. })
+    ));
+    assert!(matches!(
+        m.commit_verify_rows(1),
+        Err(ModelError::State { .. })
+    ));
     m.step_batch_all(&[1, 2, 3], &[]).unwrap();
-    assert!(matches!(m.step_batch_all(&[1], &[]), Err(ModelError::State { .. })));
-    assert!(matches!(m.commit_verify_rows(0), Err(ModelError::Commit { n: 0, len: 3 })));
-    assert!(matches!(m.commit_verify_rows(4), Err(ModelError::Commit { n: 4, len: 3 })));
+    assert!(matches!(
+        m.step_batch_all(&[1], &[]),
+        Err(ModelError::State { .. })
+    ));
+    assert!(matches!(
+        m.commit_verify_rows(0),
+        Err(ModelError::Commit { n: 0, len: 3 })
+    ));
+    assert!(matches!(
+        m.commit_verify_rows(4),
+        Err(ModelError::Commit { n: 4, len: 3 })
+    ));
     m.commit_verify_rows(3).unwrap();
     assert_eq!(m.position(), 3);
-    assert!(matches!(m.step_batch_all(&[60000], &[]), Err(ModelError::Token { .. })));
-    assert!(matches!(m.step_batch_all(&[1], &[30]), Err(ModelError::Tap { .. })));
+    assert!(matches!(
+        m.step_batch_all(&[60000], &[]),
+        Err(ModelError::Token { .. })
+    ));
+    assert!(matches!(
+        m.step_batch_all(&[1], &[30]),
+        Err(ModelError::Tap { .. })
+    ));
     // A pass failing mid-way leaves the committed state untouched.
     let before = m.step_batch_all(&[5], &[]).unwrap().logits(0).to_vec();
     m.commit_verify_rows(1).unwrap();
@@ -206,8 +247,14 @@ fn verify_contract_errors_and_failed_pass() {
     m2.commit_verify_rows(3).unwrap();
     m2.inject_failure_at_layer(Some(17));
     assert!(m2.step_batch_all(&[9, 9, 9, 9], &[]).is_err());
-    assert!(matches!(m2.commit_verify_rows(1), Err(ModelError::State { .. })));
-    assert!(matches!(m2.step_batch_all(&[5], &[]), Err(ModelError::State { .. })));
+    assert!(matches!(
+        m2.commit_verify_rows(1),
+        Err(ModelError::State { .. })
+    ));
+    assert!(matches!(
+        m2.step_batch_all(&[5], &[]),
+        Err(ModelError::State { .. })
+    ));
     m2.inject_failure_at_layer(None);
     m2.recover();
     assert_eq!(m2.position(), 3);

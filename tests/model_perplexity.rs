@@ -8,14 +8,20 @@ use xdna::model::reference::Reference;
 
 #[test]
 fn fast_perplexity_agrees_with_reference_within_half_a_percent() {
-    let Some(gguf) = common::smollm2_gguf() else { return };
+    let Some(gguf) = common::smollm2_gguf() else {
+        return;
+    };
     let (pkg, mut model) = common::fast_model(128).unwrap();
     let text = include_str!("data/licenses.txt");
     let tokens = pkg.tokenizer().encode(text, false);
     assert!(tokens.len() >= 3 * 128, "{} tokens", tokens.len());
     // Three chunks of 128 keep the f64 reference affordable.
     let tokens = &tokens[..3 * 128];
-    let bos = if pkg.add_bos() { pkg.bos_token_id() } else { None };
+    let bos = if pkg.add_bos() {
+        pkg.bos_token_id()
+    } else {
+        None
+    };
     let fast = perplexity(
         tokens,
         128,
@@ -65,11 +71,25 @@ fn fast_perplexity_agrees_with_reference_within_half_a_percent() {
     assert_eq!(fast.tokens, reference.tokens);
     assert_eq!(fast.tokens, 3 * 63);
     // The model layer's code with exact projections: within 0.5 % (measured ~0.001 %).
-    assert!(rel(exact.ppl, reference.ppl) < 0.005, "exact {} vs reference {}", exact.ppl, reference.ppl);
+    assert!(
+        rel(exact.ppl, reference.ppl) < 0.005,
+        "exact {} vs reference {}",
+        exact.ppl,
+        reference.ppl
+    );
     // The fast kernels round activations to q8 (ggml q8_1); on SmolLM2 (outlier channels) that
     // moves this 189-token perplexity by ~1 % (and by ~3 % in a reference applying the same
     // rounding, i.e. this is rounding noise, not a bias of the fast path). Bound: 2 %.
-    assert!(rel(fast.ppl, reference.ppl) < 0.02, "fast {} vs reference {}", fast.ppl, reference.ppl);
+    assert!(
+        rel(fast.ppl, reference.ppl) < 0.02,
+        "fast {} vs reference {}",
+        fast.ppl,
+        reference.ppl
+    );
     // A sane English-text perplexity for a 135M model.
-    assert!(reference.ppl > 1.0 && reference.ppl < 30.0, "{}", reference.ppl);
+    assert!(
+        reference.ppl > 1.0 && reference.ppl < 30.0,
+        "{}",
+        reference.ppl
+    );
 }

@@ -8,7 +8,9 @@ use std::time::Instant;
 pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
     let words = (bytes / 8).max(1024);
     // Touch every page with distinct values so nothing is a shared zero page.
-    let buf: Vec<u64> = (0..words as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+    let buf: Vec<u64> = (0..words as u64)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect();
     let threads = threads.max(1);
     let part = words.div_ceil(threads);
     let mut best = 0f64;

@@ -85,7 +85,12 @@ impl KernelProjection {
         }
     }
     fn matrix(&self) -> Result<WeightMatrix<'_>, ModelError> {
-        Ok(WeightMatrix::new(self.format, self.rows, self.cols, self.data())?)
+        Ok(WeightMatrix::new(
+            self.format,
+            self.rows,
+            self.cols,
+            self.data(),
+        )?)
     }
 }
 
@@ -199,7 +204,11 @@ pub fn decode_row_noalloc(
 ) -> Result<(), ModelError> {
     let shape_err = |what: String| ModelError::Shape { what };
     if out.len() != cols {
-        return Err(shape_err(format!("embedding row of {} values into {}", cols, out.len())));
+        return Err(shape_err(format!(
+            "embedding row of {} values into {}",
+            cols,
+            out.len()
+        )));
     }
     let u16at = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
     match format {
@@ -210,7 +219,10 @@ pub fn decode_row_noalloc(
                 .matrix_bytes(rows, cols)
                 .map_err(|e| shape_err(e.to_string()))?;
             if data.len() != need {
-                return Err(shape_err(format!("embedding bytes {} (expected {need})", data.len())));
+                return Err(shape_err(format!(
+                    "embedding bytes {} (expected {need})",
+                    data.len()
+                )));
             }
             let (p, r) = (row / tiles::TILE_ROWS, row % tiles::TILE_ROWS);
             for (c, o) in out.iter_mut().enumerate() {
@@ -219,7 +231,8 @@ pub fn decode_row_noalloc(
                 let cell = tiles::cell(cc / tiles::GROUP, r);
                 let d = tiles::scale_to_f32(scale, u16at(base + 2 * cell));
                 *o = if matches!(format, WeightFormat::Q8 { .. }) {
-                    let code = data[base + tiles::Q8_CODES + tiles::q8_code_pos(order, r, cc)] as i8;
+                    let code =
+                        data[base + tiles::Q8_CODES + tiles::q8_code_pos(order, r, cc)] as i8;
                     code as f32 * d
                 } else {
                     let m = tiles::scale_to_f32(scale, u16at(base + tiles::Q41_MINS + 2 * cell));
@@ -230,7 +243,8 @@ pub fn decode_row_noalloc(
             }
             Ok(())
         }
-        _ => tiles::decode_row(format, data, rows, cols, row, out).map_err(|e| shape_err(e.to_string())),
+        _ => tiles::decode_row(format, data, rows, cols, row, out)
+            .map_err(|e| shape_err(e.to_string())),
     }
 }
 
@@ -267,7 +281,8 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
     let backend = match opts.backend {
         Backend::Xdna => {
             return Err(ModelError::Unsupported {
-                what: "the xdna backend is not wired into the model layer yet; use --backend host".into(),
+                what: "the xdna backend is not wired into the model layer yet; use --backend host"
+                    .into(),
             })
         }
         Backend::Auto => {
@@ -285,19 +300,47 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
         let p = format!("model.layers.{i}");
         let n = |s: &str| format!("{p}.{s}");
         let qkv = if fused {
-            projection(opts, pkg, &[&n("self_attn.qkv_proj.weight")], &[c.qkv_rows()], c.hidden)?
+            projection(
+                opts,
+                pkg,
+                &[&n("self_attn.qkv_proj.weight")],
+                &[c.qkv_rows()],
+                c.hidden,
+            )?
         } else {
-            let (q, k, v) = (n("self_attn.q_proj.weight"), n("self_attn.k_proj.weight"), n("self_attn.v_proj.weight"));
+            let (q, k, v) = (
+                n("self_attn.q_proj.weight"),
+                n("self_attn.k_proj.weight"),
+                n("self_attn.v_proj.weight"),
+            );
             projection(opts, pkg, &[&q, &k, &v], &[qd, kvd, kvd], c.hidden)?
         };
         let gate_up = if fused {
-            projection(opts, pkg, &[&n("mlp.gate_up_proj.weight")], &[2 * c.intermediate], c.hidden)?
+            projection(
+                opts,
+                pkg,
+                &[&n("mlp.gate_up_proj.weight")],
+                &[2 * c.intermediate],
+                c.hidden,
+            )?
         } else {
             let (g, u) = (n("mlp.gate_proj.weight"), n("mlp.up_proj.weight"));
-            projection(opts, pkg, &[&g, &u], &[c.intermediate, c.intermediate], c.hidden)?
+            projection(
+                opts,
+                pkg,
+                &[&g, &u],
+                &[c.intermediate, c.intermediate],
+                c.hidden,
+            )?
         };
         let o = projection(opts, pkg, &[&n("self_attn.o_proj.weight")], &[c.hidden], qd)?;
-        let down = projection(opts, pkg, &[&n("mlp.down_proj.weight")], &[c.hidden], c.intermediate)?;
+        let down = projection(
+            opts,
+            pkg,
+            &[&n("mlp.down_proj.weight")],
+            &[c.hidden],
+            c.intermediate,
+        )?;
         body_format.get_or_insert(qkv.format);
         let qkv_bias = if c.qkv_bias {
             match opt_vector(pkg, &n("self_attn.qkv_proj.bias"))? {
@@ -329,7 +372,11 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
             q_norm,
             k_norm,
             o: Box::new(o),
-            o_bias: if c.o_bias { Some(pkg.vector(&n("self_attn.o_proj.bias"))?) } else { None },
+            o_bias: if c.o_bias {
+                Some(pkg.vector(&n("self_attn.o_proj.bias"))?)
+            } else {
+                None
+            },
             ffn_norm: pkg.vector(&n("post_attention_layernorm.weight"))?,
             gate_up: Box::new(gate_up),
             down: Box::new(down),
@@ -347,10 +394,17 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
     let lm_head = projection(opts, pkg, &[pkg.lm_head_name()], &[c.vocab], c.hidden)?;
     if let Some(dir) = kernel_dir(pkg, opts) {
         let set = KernelSet::load(&dir)?;
-        let shapes = kernels::set::ModelShapes::from_config(&pkg.config().raw, &pkg.dir().join("config.json"))?;
+        let shapes = kernels::set::ModelShapes::from_config(
+            &pkg.config().raw,
+            &pkg.dir().join("config.json"),
+        )?;
         let wfmt = body_format.unwrap_or(lm_head.format);
         set.require(&shapes.needs(wfmt, lm_head.format))?;
-        tracing::info!("kernel set {}: {} kernels, all shapes present", dir.display(), set.len());
+        tracing::info!(
+            "kernel set {}: {} kernels, all shapes present",
+            dir.display(),
+            set.len()
+        );
     } else {
         tracing::info!("no kernel set given or found in the package; the host executor runs the shapes directly");
     }

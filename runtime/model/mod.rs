@@ -4,10 +4,10 @@
 
 pub mod bandwidth;
 pub mod config;
-pub mod load;
 pub mod forward;
 pub mod gguf_config;
 pub mod gguf_lite;
+pub mod load;
 pub mod ops;
 pub mod perplexity;
 pub mod reference;
@@ -15,7 +15,9 @@ pub mod sample;
 pub mod text;
 
 pub use config::{ModelConfig, RopeScaling};
-pub use forward::{BatchOutput, Family, Model, ModelWeights, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS};
+pub use forward::{
+    BatchOutput, Family, Model, ModelWeights, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
+};
 
 /// Errors of the model layer.
 #[derive(Debug, thiserror::Error)]

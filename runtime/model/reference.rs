@@ -51,7 +51,10 @@ pub fn quantize_q8_row(x: &[f32]) -> Vec<f32> {
         let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        out.extend(g.iter().map(|&v| (v * inv).round_ties_even().clamp(-127.0, 127.0) * d));
+        out.extend(
+            g.iter()
+                .map(|&v| (v * inv).round_ties_even().clamp(-127.0, 127.0) * d),
+        );
     }
     out
 }
@@ -83,7 +86,10 @@ fn matmul(x: &[Vec<f32>], w: &[f32], rows: usize, q8: bool) -> Vec<Vec<f32>> {
 fn rmsnorm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
     let ms = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
     let inv = 1.0 / (ms + eps).sqrt();
-    x.iter().zip(w).map(|(&v, &g)| (v as f64 * inv * g as f64) as f32).collect()
+    x.iter()
+        .zip(w)
+        .map(|(&v, &g)| (v as f64 * inv * g as f64) as f32)
+        .collect()
 }
 
 impl Reference {
@@ -91,7 +97,10 @@ impl Reference {
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let g = GgufLite::open(path)?;
         let config = gguf_config::config(&g)?;
-        let arch = g.meta_str("general.architecture").unwrap_or("llama").to_string();
+        let arch = g
+            .meta_str("general.architecture")
+            .unwrap_or("llama")
+            .to_string();
         let opt = |name: String| -> Result<Option<Vec<f32>>, ModelError> {
             if g.tensors.contains_key(&name) {
                 g.decode_f32(&name).map(Some)
@@ -186,7 +195,8 @@ impl Reference {
             let mut q = matmul(&xn, &l.wq, c.q_dim(), self.act_q8);
             let mut k = matmul(&xn, &l.wk, c.kv_dim(), self.act_q8);
             let mut v = matmul(&xn, &l.wv, c.kv_dim(), self.act_q8);
-            for (p, ((qr, kr), vr)) in q.iter_mut().zip(k.iter_mut()).zip(v.iter_mut()).enumerate() {
+            for (p, ((qr, kr), vr)) in q.iter_mut().zip(k.iter_mut()).zip(v.iter_mut()).enumerate()
+            {
                 for (row, b) in [(&mut *qr, &l.bq), (&mut *kr, &l.bk), (&mut *vr, &l.bv)] {
                     if let Some(b) = b {
                         for (a, &bb) in row.iter_mut().zip(b) {
@@ -252,7 +262,10 @@ impl Reference {
                 }
             }
         }
-        let xn: Vec<Vec<f32>> = x[first.min(n)..].iter().map(|r| rmsnorm(r, &self.final_norm, eps)).collect();
+        let xn: Vec<Vec<f32>> = x[first.min(n)..]
+            .iter()
+            .map(|r| rmsnorm(r, &self.final_norm, eps))
+            .collect();
         let head = self.output.as_deref().unwrap_or(&self.embed);
         Ok(matmul(&xn, head, c.vocab, self.act_q8))
     }

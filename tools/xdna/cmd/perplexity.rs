@@ -45,7 +45,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
         )));
     }
     let tokens = pkg.tokenizer().encode(&text, false);
-    let bos = if pkg.add_bos() { pkg.bos_token_id() } else { None };
+    let bos = if pkg.add_bos() {
+        pkg.bos_token_id()
+    } else {
+        None
+    };
     let t0 = std::time::Instant::now();
     let json = args.json;
     let r = perplexity(

@@ -52,7 +52,10 @@ pub struct Args {
 /// Render the package's chat template for one user message.
 pub fn apply_chat_template(pkg: &Package, user: &str) -> Result<String, ModelError> {
     let tpl = pkg.chat_template().ok_or_else(|| ModelError::Unsupported {
-        what: format!("--chat: the package {} has no chat template", pkg.dir().display()),
+        what: format!(
+            "--chat: the package {} has no chat template",
+            pkg.dir().display()
+        ),
     })?;
     let tok = pkg.tokenizer();
     let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
@@ -62,7 +65,10 @@ pub fn apply_chat_template(pkg: &Package, user: &str) -> Result<String, ModelErr
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
         },
     );
     let bad = |e: minijinja::Error| ModelError::Other(format!("chat template: {e}"));
@@ -156,7 +162,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
         utf8.push(tok.token_bytes(next), &mut text);
         let shown = stops.push(&text);
         emit(&shown, &mut out);
-        if stops.stopped() || generated >= args.max_tokens || model.position() + 1 >= model.context() {
+        if stops.stopped()
+            || generated >= args.max_tokens
+            || model.position() + 1 >= model.context()
+        {
             break;
         }
         next = sampler.sample(model.step(next)?);
