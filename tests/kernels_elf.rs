@@ -215,6 +215,15 @@ fn family_selection() {
     assert_eq!(family_for_rows(17), 128);
     assert_eq!(family_for_rows(128), 128);
     assert_eq!(family_for_rows(129), 128); // run as chunks of 128
+    let passes = |rows| xdna::kernels::row_passes(rows).collect::<Vec<_>>();
+    assert_eq!(passes(0), vec![]);
+    assert_eq!(passes(16), vec![(16, 0..16)]);
+    assert_eq!(passes(17), vec![(128, 0..17)]);
+    assert_eq!(passes(129), vec![(128, 0..128), (128, 128..129)]);
+    assert_eq!(
+        passes(300),
+        vec![(128, 0..128), (128, 128..256), (128, 256..300)]
+    );
 }
 
 fn smollm() -> ModelShapes {

@@ -70,6 +70,11 @@ fn smollm2_import_matches_the_gguf() {
         (576, 1536, 30, 9, 3, 64, 49152)
     );
     assert_eq!(c.rope_theta, 100000.0);
+    assert_eq!(
+        c.raw["rms_norm_eps"].as_f64(),
+        Some(1e-5),
+        "written as HF writes it"
+    );
     assert_eq!(c.max_position_embeddings, 8192);
     assert!(c.tie_word_embeddings);
     assert_eq!(c.raw["architectures"][0], "LlamaForCausalLM");
@@ -91,6 +96,15 @@ fn smollm2_import_matches_the_gguf() {
         assert_eq!(got, want, "token {tok}");
     }
     assert!(pkg.embedding_row(49152, &mut got).is_err());
+    let head = pkg.lm_head().unwrap();
+    assert_eq!((head.rows, head.cols), (49152, 576));
+    assert!(matches!(
+        head.format,
+        WeightFormat::Q8 {
+            scale: ScaleType::F16,
+            ..
+        }
+    ));
 
     // Fused QKV of layer 3: q rows un-permuted, then k rows un-permuted, then v as is.
     let qkv = pkg

@@ -702,6 +702,57 @@ mod imp {
         }
     }
 
+    // ---- activation quantization -------------------------------------------------------------------
+
+    /// ggml's `quantize_row_q8_1` for one full group of 32: codes into `out`, returns (d, Σq).
+    /// Bit-identical to `quant::quantize_group` (same max, same division, same product, and
+    /// `cvtps_epi32` rounds ties to even like `round_ties_even`).
+    ///
+    /// # Safety
+    /// AVX2 available; 32 floats readable at `values`, 32 bytes writable at `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_group32(values: *const f32, out: *mut i8) -> (f32, i32) {
+        // SAFETY: 32 floats readable (caller contract).
+        let v = unsafe {
+            [
+                _mm256_loadu_ps(values),
+                _mm256_loadu_ps(values.add(8)),
+                _mm256_loadu_ps(values.add(16)),
+                _mm256_loadu_ps(values.add(24)),
+            ]
+        };
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = |x| _mm256_andnot_ps(sign, x);
+        let m = _mm256_max_ps(
+            _mm256_max_ps(abs(v[0]), abs(v[1])),
+            _mm256_max_ps(abs(v[2]), abs(v[3])),
+        );
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
+        let amax = _mm_cvtss_f32(m1);
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let scale = _mm256_set1_ps(inv);
+        let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, scale)));
+        let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let t4 = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256::<1>(total),
+        );
+        let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+        let t1 = _mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2));
+        let sum = _mm_cvtsi128_si32(t1);
+        // i32 → i16 → i8 with saturation (values are within ±127), then undo the lane interleave.
+        let q16a = _mm256_packs_epi32(q[0], q[1]);
+        let q16b = _mm256_packs_epi32(q[2], q[3]);
+        let q8 = _mm256_packs_epi16(q16a, q16b);
+        let q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: 32 bytes writable (caller contract).
+        unsafe { _mm256_storeu_si256(out as *mut __m256i, q8) };
+        (d, sum)
+    }
+
     // ---- plain formats ----------------------------------------------------------------------------
 
     /// Horizontal sum of 8 floats.

@@ -35,13 +35,14 @@ pub mod gemm;
 pub mod pool;
 pub mod quant;
 pub mod reference;
+pub mod resident;
 pub mod set;
 
 use std::path::PathBuf;
 
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
 pub use gemm::{execute, HostExecutor, WeightMatrix};
-pub use set::{family_for_rows, KernelKey, KernelNeed, KernelSet};
+pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};
 
 use crate::tiles::TileError;
 

@@ -35,11 +35,10 @@ impl QuantizedRows {
         let groups = cols / GROUP;
         self.rows = rows;
         self.cols = cols;
-        self.codes.clear();
+        // Every element below is overwritten (codes past K included), so keep old contents
+        // instead of zero-filling on every call.
         self.codes.resize(rows * cols, 0);
-        self.scales.clear();
         self.scales.resize(rows * groups, 0.0);
-        self.sums.clear();
         self.sums.resize(rows * groups, 0.0);
         for row in 0..rows {
             let src = &x[row * k..(row + 1) * k];
@@ -48,12 +47,23 @@ impl QuantizedRows {
                 let end = (start + GROUP).min(k);
                 let chunk = &src[start..end];
                 let out = &mut self.codes[row * cols + start..row * cols + start + GROUP];
-                let (d, sum) = quantize_group(chunk, out);
+                let (d, sum) = quantize_group_fast(chunk, out);
                 self.scales[row * groups + g] = d;
                 self.sums[row * groups + g] = d * sum as f32;
             }
         }
     }
+}
+
+/// [`quantize_group`], with the AVX2 version for full groups when the CPU has it (bit-identical).
+#[inline]
+fn quantize_group_fast(values: &[f32], out: &mut [i8]) -> (f32, i32) {
+    #[cfg(target_arch = "x86_64")]
+    if values.len() == GROUP && out.len() == GROUP && super::avx2::available() {
+        // SAFETY: AVX2 is available; `values` has 32 floats and `out` 32 bytes (checked above).
+        return unsafe { super::avx2::quantize_group32(values.as_ptr(), out.as_mut_ptr()) };
+    }
+    quantize_group(values, out)
 }
 
 /// Quantize up to 32 values into `out` (the rest of `out` zeroed); returns (scale, Σ codes).
@@ -78,6 +88,44 @@ pub fn quantize_group(values: &[f32], out: &mut [i8]) -> (f32, i32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn simd_group_quantization_is_bit_identical_to_scalar() {
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        for case in 0..2000 {
+            let values: Vec<f32> = (0..GROUP)
+                .map(|i| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let r = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    // Mix scales, exact halves (ties after scaling) and zeros.
+                    match case % 4 {
+                        0 => r * 10.0,
+                        1 => (r * 254.0).round() / 2.0,
+                        2 => {
+                            if i % 3 == 0 {
+                                0.0
+                            } else {
+                                r
+                            }
+                        }
+                        _ => r * 1e-3,
+                    }
+                })
+                .collect();
+            let mut fast = [0i8; GROUP];
+            let mut slow = [0i8; GROUP];
+            let a = quantize_group_fast(&values, &mut fast);
+            let b = quantize_group(&values, &mut slow);
+            assert_eq!(a, b, "case {case}");
+            assert_eq!(fast, slow, "case {case}");
+        }
+        let zeros = [0f32; GROUP];
+        let mut out = [1i8; GROUP];
+        assert_eq!(quantize_group_fast(&zeros, &mut out), (0.0, 0));
+        assert_eq!(out, [0; GROUP]);
+    }
 
     #[test]
     fn groups_are_scaled_to_127_and_padded_with_zeros() {

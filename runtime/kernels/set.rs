@@ -69,6 +69,16 @@ pub fn family_for_rows(rows: usize) -> u32 {
     }
 }
 
+/// How `rows` activation rows run: ≤ 16 rows as one `m16` pass, otherwise `m128` passes of up to
+/// 128 rows each (the last may be shorter). Yields (family, row range).
+pub fn row_passes(rows: usize) -> impl Iterator<Item = (u32, std::ops::Range<usize>)> {
+    let family = family_for_rows(rows);
+    let chunk = if family == 16 { 16 } else { 128 };
+    (0..rows)
+        .step_by(chunk)
+        .map(move |start| (family, start..(start + chunk).min(rows)))
+}
+
 /// A kernel the model needs, and what needs it (for the error message).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelNeed {
