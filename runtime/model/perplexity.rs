@@ -27,6 +27,12 @@ pub fn nll(logits: &[f32], target: u32) -> f64 {
     -(lt - max - sum.ln())
 }
 
+/// Receives `(row, logits)` for each scored row.
+pub type LogitSink<'a> = dyn FnMut(usize, &[f32]) + 'a;
+/// Runs one chunk from a fresh state: `(tokens, first_row, sink)`.
+pub type ChunkEval<'a> =
+    dyn FnMut(&[u32], usize, &mut LogitSink<'_>) -> Result<(), ModelError> + 'a;
+
 /// Run the method. `eval(chunk_tokens, first_row, on_logits)` must run `chunk_tokens` from a fresh
 /// state and call `on_logits(i, logits)` for every row `i ≥ first_row`. `progress(chunk, running)`
 /// is called after each chunk.
@@ -34,7 +40,7 @@ pub fn perplexity(
     tokens: &[u32],
     ctx: usize,
     bos: Option<u32>,
-    eval: &mut dyn FnMut(&[u32], usize, &mut dyn FnMut(usize, &[f32])) -> Result<(), ModelError>,
+    eval: &mut ChunkEval<'_>,
     progress: &mut dyn FnMut(usize, f64),
 ) -> Result<PerplexityResult, ModelError> {
     if ctx < 4 {

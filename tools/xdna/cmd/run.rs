@@ -154,7 +154,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         }
     };
     loop {
-        if eos.contains(&next) {
+        if eos.contains(&next) || generated >= args.max_tokens {
             break;
         }
         generated += 1;

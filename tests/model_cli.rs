@@ -1,0 +1,141 @@
+//! `xdna run` / `xdna perplexity` / `xdna bench decode` end to end on the real model.
+
+#[path = "model_common.rs"]
+mod common;
+
+use std::process::Command;
+
+fn xdna(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_xdna"))
+        .args(args)
+        .output()
+        .expect("run xdna");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn run_errors_streaming_stop_and_seed() {
+    let Some(g) = common::smollm2_gguf() else {
+        return;
+    };
+    let g = g.to_string_lossy().into_owned();
+    let (ok, _, err) = xdna(&["run", "--model", &g, "--prompt", ""]);
+    assert!(!ok && err.contains("empty prompt"), "{err}");
+    let (ok, _, err) = xdna(&[
+        "run",
+        "--model",
+        &g,
+        "--prompt",
+        "hello there world",
+        "--ctx",
+        "2",
+    ]);
+    assert!(!ok && err.contains("context holds 2"), "{err}");
+    let (ok, _, err) = xdna(&["run", "--model", "/nonexistent/model.gguf", "--prompt", "x"]);
+    assert!(!ok && err.contains("/nonexistent/model.gguf"), "{err}");
+    // Greedy, with a stats line on stderr and the text on stdout.
+    let (ok, out, err) = xdna(&[
+        "run",
+        "--model",
+        &g,
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("Paris"), "{out}");
+    assert!(
+        err.contains("[stats] prompt 5 tok") && err.contains("m16 "),
+        "{err}"
+    );
+    // The stop string is not printed and ends the text.
+    let (ok, out2, _) = xdna(&[
+        "run",
+        "--model",
+        &g,
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--stop",
+        "Paris",
+    ]);
+    assert!(ok && !out2.contains("Paris"), "{out2}");
+    assert!(out.starts_with(out2.trim_end()), "{out:?} vs {out2:?}");
+    // Sampling is reproducible by seed.
+    let args = [
+        "run",
+        "--model",
+        &g,
+        "--chat",
+        "--prompt",
+        "Tell me a story.",
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+    ];
+    let (ok, a, _) = xdna(&args);
+    let (_, b, _) = xdna(&args);
+    assert!(ok && !a.trim().is_empty());
+    assert_eq!(a, b);
+}
+
+#[test]
+fn perplexity_json_and_bench_json() {
+    let Some(g) = common::smollm2_gguf() else {
+        return;
+    };
+    let g = g.to_string_lossy().into_owned();
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/licenses.txt");
+    let (ok, out, err) = xdna(&[
+        "perplexity",
+        "--model",
+        &g,
+        "--file",
+        file,
+        "--ctx",
+        "128",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["chunks"], 7);
+    assert_eq!(v["tokens"], 7 * 63);
+    let ppl = v["ppl"].as_f64().unwrap();
+    assert!(ppl > 1.0 && ppl < 30.0, "{ppl}");
+    let (ok, out, err) = xdna(&[
+        "bench",
+        "decode",
+        "--model",
+        &g,
+        "--json",
+        "--runs",
+        "1",
+        "--prompt-tokens",
+        "16",
+        "--decode-tokens",
+        "8",
+        "--probe-mib",
+        "64",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for k in [
+        "prefill_tok_s",
+        "decode_tok_s",
+        "limit_tok_s",
+        "fraction_of_limit",
+    ] {
+        assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
+    }
+}
