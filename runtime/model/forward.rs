@@ -180,6 +180,10 @@ impl BatchOutput {
     pub fn rows(&self) -> usize {
         self.rows
     }
+    /// Logits of every row, row-major (`rows × vocab`).
+    pub fn all_logits(&self) -> &[f32] {
+        &self.logits[..self.rows * self.vocab]
+    }
     /// Logits of row `i` (it predicts the token at `P + i + 1`).
     pub fn logits(&self, i: usize) -> &[f32] {
         &self.logits[i * self.vocab..(i + 1) * self.vocab]

@@ -20,6 +20,7 @@
 mod decide;
 mod draft_model;
 mod drafter;
+mod model_target;
 mod ngram;
 mod runner;
 mod sampling;
