@@ -473,39 +473,7 @@ impl XdnaDevice {
     /// and reads geometry and the context limit.
     pub fn open(path: impl AsRef<Path>) -> Result<XdnaDevice> {
         let path = path.as_ref().to_path_buf();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|source| classify_open_error(&path, source))?;
-        let fd: OwnedFd = file.into();
-
-        let drm = uapi::drm_version(fd.as_fd()).map_err(|source| {
-            if errno_of(&source) == libc::ENOTTY || errno_of(&source) == libc::EINVAL {
-                DeviceError::NotAmdxdna {
-                    path: path.clone(),
-                    driver: "(not a DRM device)".into(),
-                }
-            } else {
-                DeviceError::Ioctl {
-                    path: path.clone(),
-                    ioctl: "DRM_IOCTL_VERSION",
-                    source,
-                    hint: String::new(),
-                }
-            }
-        })?;
-        if drm.name != ffi::AMDXDNA_DRIVER_NAME_STR {
-            return Err(DeviceError::NotAmdxdna {
-                path,
-                driver: drm.name,
-            });
-        }
-        let version = DriverVersion {
-            major: drm.major,
-            minor: drm.minor,
-            patch: drm.patch,
-        };
+        let (fd, drm, version) = open_amdxdna(&path)?;
         let sysfs = SysfsInfo::read(&path);
 
         // The heap comes first: contexts and DEV BOs need it mapped.
@@ -837,29 +805,7 @@ impl DeviceMonitor {
     /// Opens `path` and checks `DRM_IOCTL_VERSION` names amdxdna.
     pub fn open(path: impl AsRef<Path>) -> Result<DeviceMonitor> {
         let path = path.as_ref().to_path_buf();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|source| classify_open_error(&path, source))?;
-        let fd: OwnedFd = file.into();
-        let drm = uapi::drm_version(fd.as_fd()).map_err(|source| DeviceError::Ioctl {
-            path: path.clone(),
-            ioctl: "DRM_IOCTL_VERSION",
-            source,
-            hint: String::new(),
-        })?;
-        if drm.name != ffi::AMDXDNA_DRIVER_NAME_STR {
-            return Err(DeviceError::NotAmdxdna {
-                path,
-                driver: drm.name,
-            });
-        }
-        let version = DriverVersion {
-            major: drm.major,
-            minor: drm.minor,
-            patch: drm.patch,
-        };
+        let (fd, _, version) = open_amdxdna(&path)?;
         Ok(DeviceMonitor { path, fd, version })
     }
 
@@ -867,6 +813,44 @@ impl DeviceMonitor {
     pub fn hw_contexts(&self) -> Result<Option<Vec<HwContextEntry>>> {
         query_hw_contexts(self.fd.as_fd(), self.version, &self.path)
     }
+}
+
+/// Opens `path` and checks that `DRM_IOCTL_VERSION` names amdxdna: the first
+/// two steps of every open, shared by [`XdnaDevice`] and [`DeviceMonitor`].
+fn open_amdxdna(path: &Path) -> Result<(OwnedFd, DrmVersion, DriverVersion)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| classify_open_error(path, source))?;
+    let fd: OwnedFd = file.into();
+    let drm = uapi::drm_version(fd.as_fd()).map_err(|source| {
+        if errno_of(&source) == libc::ENOTTY || errno_of(&source) == libc::EINVAL {
+            DeviceError::NotAmdxdna {
+                path: path.to_path_buf(),
+                driver: "(not a DRM device)".into(),
+            }
+        } else {
+            DeviceError::Ioctl {
+                path: path.to_path_buf(),
+                ioctl: "DRM_IOCTL_VERSION",
+                source,
+                hint: String::new(),
+            }
+        }
+    })?;
+    if drm.name != ffi::AMDXDNA_DRIVER_NAME_STR {
+        return Err(DeviceError::NotAmdxdna {
+            path: path.to_path_buf(),
+            driver: drm.name,
+        });
+    }
+    let version = DriverVersion {
+        major: drm.major,
+        minor: drm.minor,
+        patch: drm.patch,
+    };
+    Ok((fd, drm, version))
 }
 
 /// Maps an open() failure to the check that failed.
