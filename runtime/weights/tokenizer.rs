@@ -1,0 +1,561 @@
+//! Byte-level BPE tokenizer (GPT-2 family), built from GGUF metadata or an HF `tokenizer.json`.
+//!
+//! Encoding: added/special tokens are matched first (longest match, left to right) when
+//! `allow_special` is set; the text between them is pre-tokenized, mapped through GPT-2's
+//! byte → unicode table and merged by BPE rank.
+//!
+//! Pre-tokenizers:
+//! - [`PreTokenizer::Gpt2`]: the GPT-2 pattern
+//!   `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`;
+//! - [`PreTokenizer::SmolLm`] (llama.cpp `smollm`, HF `Sequence[Split(\p{N}, Isolated),
+//!   ByteLevel(use_regex)]`): every `\p{N}` char split off first, then GPT-2 on each piece.
+//!
+//! The `regex` crate has no lookaround, so `\s+(?!\S)` is done by hand: the lookahead-free
+//! pattern matches a maximal whitespace run; when a non-space follows and the run is longer than
+//! one char, its last char is given back (exactly what the backtracking engine does).
+//! Agreement with the `tokenizers` crate is tested in `tests/weights_tokenizer.rs`.
+
+use super::WeightsError;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// How text is split before BPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreTokenizer {
+    /// GPT-2 / ByteLevel(use_regex=true).
+    Gpt2,
+    /// llama.cpp `smollm`: digits isolated, then GPT-2.
+    SmolLm,
+}
+
+/// A byte-level BPE tokenizer.
+pub struct Tokenizer {
+    /// Token id → the bytes it stands for.
+    bytes: Vec<Vec<u8>>,
+    /// Token id → its vocabulary string (byte-level alphabet).
+    strings: Vec<String>,
+    /// Vocabulary string → id.
+    vocab: HashMap<String, u32>,
+    /// (left id, right id) → (rank, merged id).
+    merges: HashMap<(u32, u32), (u32, u32)>,
+    /// Byte → id of its single-char token.
+    byte_ids: [Option<u32>; 256],
+    /// Added tokens matched before splitting: (content, id, special).
+    added: Vec<(String, u32, bool)>,
+    pre: PreTokenizer,
+    gpt2: regex::Regex,
+    digit: regex::Regex,
+    source: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.strings.len())
+            .field("merges", &self.merges.len())
+            .field("added", &self.added.len())
+            .field("pre", &self.pre)
+            .finish()
+    }
+}
+
+/// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to U+0100 onwards.
+pub fn byte_to_char_table() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..256u32 {
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            b
+        } else {
+            n += 1;
+            255 + n
+        };
+        table[b as usize] = char::from_u32(c).unwrap_or('\0');
+    }
+    table
+}
+
+const GPT2_NO_LOOKAHEAD: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
+
+impl Tokenizer {
+    /// Build from a vocabulary (id order), merges (`"a b"` pairs of vocabulary strings, in rank
+    /// order), added tokens `(id, special)`, and the pre-tokenizer.
+    pub fn new(
+        source: &Path,
+        tokens: Vec<String>,
+        merges: &[(String, String)],
+        added: &[(u32, bool)],
+        pre: PreTokenizer,
+    ) -> Result<Tokenizer, WeightsError> {
+        let err = |what: String| WeightsError::Tokenizer {
+            path: source.to_path_buf(),
+            what,
+        };
+        if tokens.len() > u32::MAX as usize {
+            return Err(err("vocabulary too large".into()));
+        }
+        let table = byte_to_char_table();
+        let mut rev: HashMap<char, u8> = HashMap::with_capacity(256);
+        for (b, &c) in table.iter().enumerate() {
+            rev.insert(c, b as u8);
+        }
+        let mut vocab = HashMap::with_capacity(tokens.len());
+        let mut bytes = Vec::with_capacity(tokens.len());
+        for (id, t) in tokens.iter().enumerate() {
+            // Keep the first id of a duplicated string (as HF's vocab map would hold one).
+            vocab.entry(t.clone()).or_insert(id as u32);
+            let mut b = Vec::with_capacity(t.len());
+            for ch in t.chars() {
+                match rev.get(&ch) {
+                    Some(&x) => b.push(x),
+                    None => {
+                        let mut buf = [0u8; 4];
+                        b.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+                    }
+                }
+            }
+            bytes.push(b);
+        }
+        let mut byte_ids = [None; 256];
+        for (b, &c) in table.iter().enumerate() {
+            byte_ids[b] = vocab.get(c.to_string().as_str()).copied();
+        }
+        let mut merge_map = HashMap::with_capacity(merges.len());
+        for (rank, (a, b)) in merges.iter().enumerate() {
+            let (Some(&ia), Some(&ib)) = (vocab.get(a), vocab.get(b)) else {
+                return Err(err(format!(
+                    "merge #{rank} {a:?} {b:?} uses a token not in the vocabulary"
+                )));
+            };
+            let merged = format!("{a}{b}");
+            let Some(&im) = vocab.get(&merged) else {
+                return Err(err(format!(
+                    "merge #{rank} result {merged:?} is not in the vocabulary"
+                )));
+            };
+            merge_map.entry((ia, ib)).or_insert((rank as u32, im));
+        }
+        let mut added_list = Vec::with_capacity(added.len());
+        for &(id, special) in added {
+            let s = tokens
+                .get(id as usize)
+                .ok_or_else(|| err(format!("added token id {id} outside the vocabulary")))?;
+            if !s.is_empty() {
+                added_list.push((s.clone(), id, special));
+            }
+        }
+        // Longest first so that the first match at a position is the longest.
+        added_list.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let gpt2 = regex::Regex::new(GPT2_NO_LOOKAHEAD).map_err(|e| err(e.to_string()))?;
+        let digit = regex::Regex::new(r"\p{N}").map_err(|e| err(e.to_string()))?;
+        Ok(Tokenizer {
+            bytes,
+            strings: tokens,
+            vocab,
+            merges: merge_map,
+            byte_ids,
+            added: added_list,
+            pre,
+            gpt2,
+            digit,
+            source: source.to_path_buf(),
+        })
+    }
+
+    /// Build from GGUF `tokenizer.ggml.*` metadata (`model = gpt2`).
+    pub fn from_gguf(f: &super::gguf::GgufFile) -> Result<Tokenizer, WeightsError> {
+        let err = |what: String| WeightsError::Tokenizer {
+            path: f.path().to_path_buf(),
+            what,
+        };
+        let model = f.get_str("tokenizer.ggml.model").unwrap_or("");
+        if model != "gpt2" {
+            return Err(err(format!(
+                "tokenizer.ggml.model = {model:?}: only byte-level BPE (\"gpt2\") is supported"
+            )));
+        }
+        let tokens: Vec<String> = f
+            .get_array("tokenizer.ggml.tokens")
+            .ok_or_else(|| err("metadata tokenizer.ggml.tokens missing".into()))?
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| err(format!("tokenizer.ggml.tokens[{i}] is not a string")))
+            })
+            .collect::<Result<_, _>>()?;
+        let merges: Vec<(String, String)> = f
+            .get_array("tokenizer.ggml.merges")
+            .unwrap_or(&[])
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_str()
+                    .and_then(|s| s.split_once(' '))
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| err(format!("tokenizer.ggml.merges[{i}] is not \"a b\"")))
+            })
+            .collect::<Result<_, _>>()?;
+        let types = f.get_array("tokenizer.ggml.token_type").unwrap_or(&[]);
+        let added: Vec<(u32, bool)> = types
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| match t.as_i64() {
+                // 2 unknown, 3 control → special; 4 user-defined → added, not special.
+                Some(2) | Some(3) => Some((i as u32, true)),
+                Some(4) => Some((i as u32, false)),
+                _ => None,
+            })
+            .collect();
+        let pre = match f.get_str("tokenizer.ggml.pre").unwrap_or("gpt2") {
+            "smollm" | "starcoder" | "refact" | "command-r" => PreTokenizer::SmolLm,
+            _ => PreTokenizer::Gpt2,
+        };
+        Tokenizer::new(f.path(), tokens, &merges, &added, pre)
+    }
+
+    /// Build from an HF `tokenizer.json` (BPE model, ByteLevel pre-tokenizer optionally preceded
+    /// by `Split(\p{N}, Isolated)`).
+    pub fn from_json_file(path: &Path) -> Result<Tokenizer, WeightsError> {
+        let text = std::fs::read_to_string(path).map_err(|e| WeightsError::io(path, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| WeightsError::Tokenizer {
+                path: path.to_path_buf(),
+                what: format!("invalid JSON: {e}"),
+            })?;
+        Self::from_json(path, &json)
+    }
+
+    /// Build from a parsed HF `tokenizer.json`.
+    pub fn from_json(path: &Path, json: &serde_json::Value) -> Result<Tokenizer, WeightsError> {
+        let err = |what: String| WeightsError::Tokenizer {
+            path: path.to_path_buf(),
+            what,
+        };
+        let model = &json["model"];
+        if model["type"].as_str().unwrap_or("BPE") != "BPE" {
+            return Err(err(format!("model type {} is not BPE", model["type"])));
+        }
+        let vocab = model["vocab"]
+            .as_object()
+            .ok_or_else(|| err("model.vocab missing".into()))?;
+        let mut pairs: Vec<(u32, String)> = Vec::with_capacity(vocab.len());
+        for (k, v) in vocab {
+            let id = v
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| err(format!("vocab entry {k:?} has no integer id")))?;
+            pairs.push((id, k.clone()));
+        }
+        let mut added = Vec::new();
+        if let Some(list) = json["added_tokens"].as_array() {
+            for t in list {
+                let id = t["id"]
+                    .as_u64()
+                    .and_then(|v| u32::try_from(v).ok())
+                    .ok_or_else(|| err("added token without id".into()))?;
+                let content = t["content"]
+                    .as_str()
+                    .ok_or_else(|| err("added token without content".into()))?;
+                if !pairs.iter().any(|(i, _)| *i == id) {
+                    pairs.push((id, content.to_string()));
+                }
+                added.push((id, t["special"].as_bool().unwrap_or(false)));
+            }
+        }
+        let n = pairs
+            .iter()
+            .map(|(i, _)| *i as usize + 1)
+            .max()
+            .unwrap_or(0);
+        if n > pairs.len() * 2 + 1024 {
+            return Err(err(format!("vocabulary ids are sparse (max id {})", n - 1)));
+        }
+        let mut tokens = vec![String::new(); n];
+        for (id, s) in pairs {
+            tokens[id as usize] = s;
+        }
+        let mut merges = Vec::new();
+        if let Some(list) = model["merges"].as_array() {
+            for (i, m) in list.iter().enumerate() {
+                let pair = if let Some(s) = m.as_str() {
+                    s.split_once(' ')
+                        .map(|(a, b)| (a.to_string(), b.to_string()))
+                } else if let Some(a) = m.as_array() {
+                    match (
+                        a.first().and_then(|x| x.as_str()),
+                        a.get(1).and_then(|x| x.as_str()),
+                    ) {
+                        (Some(x), Some(y)) if a.len() == 2 => Some((x.to_string(), y.to_string())),
+                        _ => None,
+                    }
+                } else {
+                    None
+                };
+                merges.push(pair.ok_or_else(|| err(format!("merge #{i} is malformed")))?);
+            }
+        }
+        let pre_json = json["pre_tokenizer"].to_string();
+        let pre = if pre_json.contains(r"\\p{N}") && pre_json.contains("Split") {
+            PreTokenizer::SmolLm
+        } else {
+            PreTokenizer::Gpt2
+        };
+        Tokenizer::new(path, tokens, &merges, &added, pre)
+    }
+
+    /// Number of ids (vocabulary plus added tokens).
+    pub fn vocab_size(&self) -> usize {
+        self.strings.len()
+    }
+    /// The pre-tokenizer in use.
+    pub fn pre_tokenizer(&self) -> PreTokenizer {
+        self.pre
+    }
+    /// The bytes token `id` stands for (empty for unknown ids).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.bytes
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
+    /// The vocabulary string of `id` (byte-level alphabet; special tokens verbatim).
+    pub fn token_str(&self, id: u32) -> Option<&str> {
+        self.strings.get(id as usize).map(String::as_str)
+    }
+    /// Id of a vocabulary string (e.g. `"<|im_end|>"`).
+    pub fn token_id(&self, s: &str) -> Option<u32> {
+        self.vocab.get(s).copied()
+    }
+    /// Added tokens `(content, id, special)`.
+    pub fn added_tokens(&self) -> &[(String, u32, bool)] {
+        &self.added
+    }
+    /// Vocabulary strings in id order.
+    pub fn tokens(&self) -> &[String] {
+        &self.strings
+    }
+    /// Merges `(left, right)` in rank order (reconstructed).
+    pub fn merges(&self) -> Vec<(String, String)> {
+        let mut m: Vec<(u32, u32, u32)> = self
+            .merges
+            .iter()
+            .map(|(&(a, b), &(r, _))| (r, a, b))
+            .collect();
+        m.sort_unstable();
+        m.into_iter()
+            .map(|(_, a, b)| {
+                (
+                    self.strings[a as usize].clone(),
+                    self.strings[b as usize].clone(),
+                )
+            })
+            .collect()
+    }
+    /// Where the tokenizer was loaded from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// Encode text. With `allow_special`, special tokens in the text become their ids; without,
+    /// they are tokenized as ordinary text. Non-special added tokens always match.
+    pub fn encode(&self, text: &str, allow_special: bool) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        if self.added.iter().all(|a| a.2 && !allow_special) {
+            self.encode_plain(text, &mut out);
+            return out;
+        }
+        let mut start = 0;
+        let mut i = 0;
+        let b = text.as_bytes();
+        while i < b.len() {
+            if !text.is_char_boundary(i) {
+                i += 1;
+                continue;
+            }
+            let rest = &text[i..];
+            let hit = self.added.iter().find(|(s, _, special)| {
+                (allow_special || !special) && rest.starts_with(s.as_str())
+            });
+            if let Some((s, id, _)) = hit {
+                self.encode_plain(&text[start..i], &mut out);
+                out.push(*id);
+                i += s.len();
+                start = i;
+            } else {
+                i += 1;
+            }
+        }
+        self.encode_plain(&text[start..], &mut out);
+        out
+    }
+
+    fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
+        if text.is_empty() {
+            return;
+        }
+        match self.pre {
+            PreTokenizer::Gpt2 => self.encode_gpt2(text, out),
+            PreTokenizer::SmolLm => {
+                let mut last = 0;
+                for m in self.digit.find_iter(text) {
+                    self.encode_gpt2(&text[last..m.start()], out);
+                    self.encode_gpt2(m.as_str(), out);
+                    last = m.end();
+                }
+                self.encode_gpt2(&text[last..], out);
+            }
+        }
+    }
+
+    /// The pre-tokenized pieces of `text` (no special-token handling); for tests and debugging.
+    pub fn pre_tokenize<'t>(&self, text: &'t str) -> Vec<&'t str> {
+        let mut pieces = Vec::new();
+        match self.pre {
+            PreTokenizer::Gpt2 => self.split_gpt2(text, &mut pieces),
+            PreTokenizer::SmolLm => {
+                let mut last = 0;
+                for m in self.digit.find_iter(text) {
+                    self.split_gpt2(&text[last..m.start()], &mut pieces);
+                    self.split_gpt2(m.as_str(), &mut pieces);
+                    last = m.end();
+                }
+                self.split_gpt2(&text[last..], &mut pieces);
+            }
+        }
+        pieces
+    }
+
+    fn split_gpt2<'t>(&self, text: &'t str, pieces: &mut Vec<&'t str>) {
+        let mut pos = 0;
+        while pos < text.len() {
+            let Some(m) = self.gpt2.find_at(text, pos) else {
+                pieces.push(&text[pos..]);
+                break;
+            };
+            if m.start() > pos {
+                // Cannot happen (the pattern covers every char), but never lose text.
+                pieces.push(&text[pos..m.start()]);
+            }
+            let s = m.as_str();
+            let mut end = m.end();
+            // `\s+(?!\S)`: a whitespace run followed by a non-space gives back its last char.
+            if end < text.len() && s.chars().all(char::is_whitespace) {
+                if let Some((last, _)) = s.char_indices().next_back() {
+                    if last > 0 {
+                        end = m.start() + last;
+                    }
+                }
+            }
+            pieces.push(&text[m.start()..end]);
+            pos = end;
+        }
+    }
+
+    fn encode_gpt2(&self, text: &str, out: &mut Vec<u32>) {
+        let mut pieces = Vec::new();
+        self.split_gpt2(text, &mut pieces);
+        for p in pieces {
+            self.bpe(p.as_bytes(), out);
+        }
+    }
+
+    /// Byte-level BPE of one pre-tokenized piece: repeatedly merge the lowest-ranked adjacent
+    /// pair (leftmost on ties), as HF `BPE::merge_word` does.
+    fn bpe(&self, piece: &[u8], out: &mut Vec<u32>) {
+        let mut word: Vec<u32> = Vec::with_capacity(piece.len());
+        for &b in piece {
+            match self.byte_ids[b as usize] {
+                Some(id) => word.push(id),
+                None => return, // vocabulary lacks this byte: HF drops it too (no unk, no fallback)
+            }
+        }
+        loop {
+            let mut best: Option<(u32, usize, u32)> = None;
+            for i in 0..word.len().saturating_sub(1) {
+                if let Some(&(rank, id)) = self.merges.get(&(word[i], word[i + 1])) {
+                    if best.is_none_or(|(r, _, _)| rank < r) {
+                        best = Some((rank, i, id));
+                    }
+                }
+            }
+            let Some((_, i, id)) = best else { break };
+            word[i] = id;
+            word.remove(i + 1);
+        }
+        out.extend_from_slice(&word);
+    }
+
+    /// Decode ids to text (invalid UTF-8 replaced by U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            bytes.extend_from_slice(self.token_bytes(id));
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// A streaming decoder that holds back incomplete UTF-8 sequences across tokens.
+    pub fn decode_stream(&self) -> DecodeStream<'_> {
+        DecodeStream {
+            tok: self,
+            pending: Vec::new(),
+        }
+    }
+}
+
+/// Streaming detokenizer: push ids, get the text that is complete so far.
+pub struct DecodeStream<'a> {
+    tok: &'a Tokenizer,
+    pending: Vec<u8>,
+}
+
+impl DecodeStream<'_> {
+    /// Add one token; returns the newly completed text (possibly empty).
+    pub fn push(&mut self, id: u32) -> String {
+        self.pending.extend_from_slice(self.tok.token_bytes(id));
+        self.drain(false)
+    }
+    /// Flush what is left (an incomplete tail becomes U+FFFD).
+    pub fn finish(&mut self) -> String {
+        self.drain(true)
+    }
+    fn drain(&mut self, all: bool) -> String {
+        let mut out = String::new();
+        let mut rest: &[u8] = &self.pending;
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    out.push_str(s);
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let (good, bad) = rest.split_at(e.valid_up_to());
+                    // SAFETY-free: `good` is valid UTF-8 per `valid_up_to`.
+                    out.push_str(std::str::from_utf8(good).unwrap_or_default());
+                    match e.error_len() {
+                        Some(n) => {
+                            out.push('\u{FFFD}');
+                            rest = &bad[n..];
+                        }
+                        None => {
+                            if all {
+                                out.push('\u{FFFD}');
+                                rest = &[];
+                            } else {
+                                rest = bad;
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending = rest.to_vec();
+        out
+    }
+}

