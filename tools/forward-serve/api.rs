@@ -1,9 +1,9 @@
 //! HTTP handlers: request validation, submission to the engine queue, JSON and SSE responses.
 
-use crate::engine::{ChatMessage, SamplerConfig, TextCodec};
-use crate::error::ApiError;
-use crate::metrics::Metrics;
-use crate::scheduler::{Control, Event, Finish, GenRequest};
+use super::engine::{ChatMessage, SamplerConfig, TextCodec};
+use super::error::ApiError;
+use super::metrics::Metrics;
+use super::scheduler::{Event, Finish, GenRequest};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -45,7 +45,6 @@ pub struct App {
     pub cfg: Config,
     pub codec: Arc<dyn TextCodec>,
     pub metrics: Arc<Metrics>,
-    pub control: Arc<Control>,
     /// The queue's only sender; taken at shutdown so the engine thread sees the queue close.
     pub queue: Mutex<Option<mpsc::Sender<GenRequest>>>,
     pub draining: AtomicBool,
@@ -58,14 +57,12 @@ impl App {
         cfg: Config,
         codec: Arc<dyn TextCodec>,
         metrics: Arc<Metrics>,
-        control: Arc<Control>,
         queue: mpsc::Sender<GenRequest>,
     ) -> Self {
         App {
             cfg,
             codec,
             metrics,
-            control,
             queue: Mutex::new(Some(queue)),
             draining: AtomicBool::new(false),
             next_id: AtomicU64::new(1),

@@ -22,12 +22,8 @@ pub type SeqId = u64;
 pub enum EngineError {
     #[error("load: {0}")]
     Load(String),
-    #[error("tokenizer: {0}")]
-    Tokenize(String),
     #[error("chat template: {0}")]
     Template(String),
-    #[error("context: {0}")]
-    Context(String),
     #[error("device: {0}")]
     Device(String),
     #[error("no such sequence {0}")]
@@ -108,12 +104,184 @@ pub struct LoadSpec {
     pub ctx: usize,
 }
 
-/// Load the real model. Placeholder until the model layer's loader and the tokenizer land on
-/// this branch (see docs/serving.md, "What the model layer must add").
+// ---- the real model -------------------------------------------------------------------------
+
+use xdna::model::{Model, ModelError};
+use xdna::weights::Package;
+
+fn device_err(e: ModelError) -> EngineError {
+    EngineError::Device(e.to_string())
+}
+
+/// Codec over a weights package: its tokenizer, chat template and EOS ids.
+pub struct PackageCodec {
+    pkg: Arc<Package>,
+    id: String,
+    ctx: usize,
+    eos: Vec<u32>,
+}
+
+impl TextCodec for PackageCodec {
+    fn model_id(&self) -> &str {
+        &self.id
+    }
+    fn context_len(&self) -> usize {
+        self.ctx
+    }
+    fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+    fn vocab_size(&self) -> usize {
+        self.pkg.tokenizer().vocab_size()
+    }
+    fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError> {
+        Ok(self.pkg.tokenizer().encode(text, special))
+    }
+    fn prompt_tokens(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError> {
+        let tok = self.pkg.tokenizer();
+        let mut ids = Vec::new();
+        if self.pkg.add_bos() {
+            if let Some(b) = self.pkg.bos_token_id() {
+                let bos_text = tok.token_str(b).unwrap_or("\u{0}");
+                if !(special && text.starts_with(bos_text)) {
+                    ids.push(b);
+                }
+            }
+        }
+        ids.extend(tok.encode(text, special));
+        Ok(ids)
+    }
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.pkg.tokenizer().token_bytes(id).to_vec()
+    }
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        let tpl = self
+            .pkg
+            .chat_template()
+            .ok_or_else(|| EngineError::Template(format!("the model {} has no chat template", self.id)))?;
+        let tok = self.pkg.tokenizer();
+        let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
+        let mut env = minijinja::Environment::new();
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        let bad = |e: minijinja::Error| EngineError::Template(e.to_string());
+        env.add_template("chat", tpl).map_err(bad)?;
+        let t = env.get_template("chat").map_err(bad)?;
+        let msgs: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|m| minijinja::context! { role => m.role.clone(), content => m.content.clone() })
+            .collect();
+        t.render(minijinja::context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => name(self.pkg.bos_token_id()),
+            eos_token => name(self.eos.first().copied()),
+        })
+        .map_err(bad)
+    }
+}
+
+/// The real model behind the [`Engine`] seam. The model layer has one KV cache per `Model`, so this
+/// adapter holds one resident sequence (see docs/serving.md).
+pub struct ModelEngine {
+    model: Model,
+    resident: Option<SeqId>,
+    next: SeqId,
+}
+
+impl ModelEngine {
+    pub fn new(model: Model) -> Self {
+        ModelEngine {
+            model,
+            resident: None,
+            next: 1,
+        }
+    }
+    fn check(&self, seq: SeqId) -> Result<(), EngineError> {
+        if self.resident == Some(seq) {
+            Ok(())
+        } else {
+            Err(EngineError::NoSequence(seq))
+        }
+    }
+}
+
+impl Engine for ModelEngine {
+    fn max_sequences(&self) -> usize {
+        1
+    }
+    fn new_sequence(&mut self) -> Result<SeqId, EngineError> {
+        if self.resident.is_some() {
+            return Err(EngineError::Capacity("the model holds one sequence".into()));
+        }
+        self.model.reset();
+        let id = self.next;
+        self.next += 1;
+        self.resident = Some(id);
+        Ok(id)
+    }
+    fn prefill(&mut self, seq: SeqId, tokens: &[u32], sink: &mut dyn FnMut(&[f32])) -> Result<(), EngineError> {
+        self.check(seq)?;
+        let logits = self.model.prefill(tokens).map_err(device_err)?;
+        sink(logits);
+        Ok(())
+    }
+    fn decode(&mut self, rows: &[(SeqId, u32)], sink: &mut dyn FnMut(usize, &[f32])) -> Result<(), EngineError> {
+        for (i, &(seq, tok)) in rows.iter().enumerate() {
+            self.check(seq)?;
+            let logits = self.model.step(tok).map_err(device_err)?;
+            sink(i, logits);
+        }
+        Ok(())
+    }
+    fn position(&self, seq: SeqId) -> usize {
+        if self.resident == Some(seq) {
+            self.model.position()
+        } else {
+            0
+        }
+    }
+    fn release(&mut self, seq: SeqId) {
+        if self.resident == Some(seq) {
+            self.resident = None;
+        }
+    }
+}
+
+/// Load the real model: tokenizer and template from the weights package, weights through the
+/// model layer (today its GGUF host path), `ctx` positions.
 pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
-    Err(EngineError::Load(format!(
-        "real model loading is not wired yet on this branch (model {:?}, backend {}, ctx {}): the \
-         model layer's loader/tokenizer have not landed; use --fake-engine for a test engine",
-        spec.model, spec.backend, spec.ctx
-    )))
+    let load_err = |e: &dyn std::fmt::Display| EngineError::Load(e.to_string());
+    let path = match &spec.model {
+        Some(p) => p.clone(),
+        None => xdna::weights::default_model::default_gguf().map_err(|e| load_err(&e))?,
+    };
+    let is_gguf = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if !is_gguf {
+        return Err(EngineError::Load(format!(
+            "{}: only GGUF files load on this branch until the model layer's package loader lands",
+            path.display()
+        )));
+    }
+    if spec.backend != "auto" && spec.backend != "host" {
+        return Err(EngineError::Load(format!(
+            "backend {:?}: only the host path is wired in the model layer yet",
+            spec.backend
+        )));
+    }
+    let pkg = Arc::new(Package::open(&path).map_err(|e| load_err(&e))?);
+    let w = xdna::model::host_gguf::load(&path).map_err(|e| load_err(&e))?;
+    let ctx = spec.ctx.min(w.config.max_position_embeddings).max(2);
+    let model = Model::new(w, ctx).map_err(|e| load_err(&e))?;
+    let id = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let eos = pkg.eos_token_ids().to_vec();
+    tracing::info!("loaded {} ({} positions, EOS {:?})", path.display(), ctx, eos);
+    Ok(Loaded {
+        codec: Arc::new(PackageCodec { pkg, id, ctx, eos }),
+        engine: Box::new(ModelEngine::new(model)),
+    })
 }

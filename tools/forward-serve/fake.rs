@@ -5,7 +5,7 @@
 //! it emits EOS instead. So the expected completion of a prompt is a pure function of the prompt
 //! ([`expected_text`]), which is what the concurrency tests check.
 
-use crate::engine::{ChatMessage, Engine, EngineError, SeqId, TextCodec};
+use super::engine::{ChatMessage, Engine, EngineError, SeqId, TextCodec};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -66,7 +66,8 @@ pub fn next_byte(prompt: &[u8], k: usize) -> Option<u8> {
 }
 
 /// The text the fake engine generates for `prompt` with at most `max_tokens` tokens and an
-/// unbounded context, and whether it ended on EOS.
+/// unbounded context, and whether it ended on EOS (used by the tests).
+#[allow(dead_code)]
 pub fn expected_text(prompt: &str, max_tokens: usize) -> (String, bool) {
     let p = prompt.as_bytes();
     let mut out = Vec::new();

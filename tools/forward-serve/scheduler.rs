@@ -6,8 +6,8 @@
 //! real model has one KV cache today, so its adapter holds one resident sequence and the scheduler
 //! admits one at a time (see docs/serving.md).
 
-use crate::engine::{Engine, EngineError, Sampler, SamplerConfig, SeqId, StopFilter, TextCodec, Utf8Stream};
-use crate::metrics::Metrics;
+use super::engine::{Engine, EngineError, Sampler, SamplerConfig, SeqId, StopFilter, TextCodec, Utf8Stream};
+use super::metrics::Metrics;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,9 +1,9 @@
 //! Router assembly, the engine thread's lifetime and graceful shutdown.
 
-use crate::api::{self, App, Config};
-use crate::engine::Loaded;
-use crate::metrics::Metrics;
-use crate::scheduler::{self, Control};
+use super::api::{self, App, Config};
+use super::engine::Loaded;
+use super::metrics::Metrics;
+use super::scheduler::{self, Control};
 use axum::routing::{get, post};
 use axum::Router;
 use std::future::Future;
@@ -57,7 +57,7 @@ pub async fn run(
         control.clone(),
     )?;
     let grace = cfg.shutdown_grace;
-    let app = Arc::new(App::new(cfg, loaded.codec, metrics, control.clone(), tx));
+    let app = Arc::new(App::new(cfg, loaded.codec, metrics, tx));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = axum::serve(listener, router(app.clone())).with_graceful_shutdown(async move {
         let _ = stop_rx.await;
