@@ -224,7 +224,7 @@ async fn chat_non_streaming_and_streaming() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_streaming_and_llama_completion() {
     let s = TestServer::default().await;
-    let r = post_json(s.addr, "/v1/completions", &json!({"prompt": "xyz.", "max_tokens": 50, "stream": true, "stop": "ZX"})).await;
+    let r = post_json(s.addr, "/v1/completions", &json!({"prompt": "xyzw", "max_tokens": 50, "stream": true, "stop": "ZW"})).await;
     assert_eq!(r.status, 200);
     let ev = r.sse();
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));

@@ -8,7 +8,7 @@ mod serve_common;
 
 use serde_json::{json, Value};
 use serve::api::Config;
-use serve::engine::{LoadSpec, TextCodec};
+use serve::engine::LoadSpec;
 use serve_common::*;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -101,8 +101,21 @@ pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> Resp {
     let fut = async {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         s.write_all(bytes).await.expect("write");
+        // Read to EOF; a reset after the response (server closed with our body unread, e.g. 413)
+        // keeps what arrived.
         let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.expect("read");
+        let mut chunk = [0u8; 16384];
+        loop {
+            match s.read(&mut chunk).await {
+                Ok(0) => break,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) if !buf.is_empty() => {
+                    eprintln!("read after {} bytes: {e}", buf.len());
+                    break;
+                }
+                Err(e) => panic!("read: {e}"),
+            }
+        }
         buf
     };
     let buf = tokio::time::timeout(Duration::from_secs(60), fut).await.expect("request timed out");
