@@ -22,7 +22,9 @@ struct TestServer {
 
 impl TestServer {
     async fn start(cfg: Config, ctx: usize, delay: Duration) -> TestServer {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let loaded = Loaded {
             codec: Arc::new(FakeCodec::new(ctx)),
@@ -70,9 +72,18 @@ fn small_cfg() -> Config {
 fn err_of(r: &Resp) -> Value {
     let v = r.json();
     let e = v.get("error").cloned().unwrap_or(Value::Null);
-    assert!(e.get("message").and_then(Value::as_str).is_some(), "error body without message: {v}");
-    assert!(e.get("type").and_then(Value::as_str).is_some(), "error body without type: {v}");
-    assert!(e.get("param").is_some() && e.get("code").is_some(), "error body without param/code: {v}");
+    assert!(
+        e.get("message").and_then(Value::as_str).is_some(),
+        "error body without message: {v}"
+    );
+    assert!(
+        e.get("type").and_then(Value::as_str).is_some(),
+        "error body without type: {v}"
+    );
+    assert!(
+        e.get("param").is_some() && e.get("code").is_some(),
+        "error body without param/code: {v}"
+    );
     e
 }
 
@@ -88,8 +99,14 @@ fn join_stream(events: &[String], chat: bool) -> (String, Option<String>, bool) 
         }
         assert!(!done, "event after [DONE]");
         let v: Value = serde_json::from_str(e).expect("chunk JSON");
-        let Some(c) = v["choices"].get(0) else { continue };
-        let piece = if chat { &c["delta"]["content"] } else { &c["text"] };
+        let Some(c) = v["choices"].get(0) else {
+            continue;
+        };
+        let piece = if chat {
+            &c["delta"]["content"]
+        } else {
+            &c["text"]
+        };
         if let Some(s) = piece.as_str() {
             text.push_str(s);
         }
@@ -116,9 +133,18 @@ async fn health_models_metrics() {
     assert_eq!(nf.status, 404);
     err_of(&nf);
     let body = s.metrics().await;
-    assert!(body.contains("# TYPE forward_serve_requests_total counter"), "{body}");
-    assert!(body.contains("forward_serve_requests_total{endpoint=\"/health\",status=\"200\"} 1"), "{body}");
-    assert!(body.contains("forward_serve_requests_total{endpoint=\"other\",status=\"404\"} 1"), "{body}");
+    assert!(
+        body.contains("# TYPE forward_serve_requests_total counter"),
+        "{body}"
+    );
+    assert!(
+        body.contains("forward_serve_requests_total{endpoint=\"/health\",status=\"200\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("forward_serve_requests_total{endpoint=\"other\",status=\"404\"} 1"),
+        "{body}"
+    );
     for name in [
         "forward_serve_prompt_tokens_total",
         "forward_serve_generated_tokens_total",
@@ -128,7 +154,10 @@ async fn health_models_metrics() {
         "forward_serve_device_errors_total",
         "forward_serve_speculative_tau",
     ] {
-        assert!(metric(&body, name).is_some(), "metric {name} missing:\n{body}");
+        assert!(
+            metric(&body, name).is_some(),
+            "metric {name} missing:\n{body}"
+        );
     }
     s.stop().await;
 }
@@ -136,7 +165,12 @@ async fn health_models_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_non_streaming() {
     let s = TestServer::default().await;
-    let r = post_json(s.addr, "/v1/completions", &json!({"model": "fake", "prompt": "abc", "max_tokens": 5, "temperature": 0})).await;
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"model": "fake", "prompt": "abc", "max_tokens": 5, "temperature": 0}),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("content-type"), Some("application/json"));
     let v = r.json();
@@ -147,19 +181,37 @@ async fn completions_non_streaming() {
     assert_eq!(v["choices"][0]["text"], "ABCAB");
     assert_eq!(v["choices"][0]["index"], 0);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
-    assert_eq!(v["usage"], json!({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8})
+    );
     // EOS ends with "stop" (the fake emits EOS where the prompt has '.').
-    let r = post_json(s.addr, "/v1/completions", &json!({"prompt": "hi.", "max_tokens": 10})).await;
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "hi.", "max_tokens": 10}),
+    )
+    .await;
     let v = r.json();
     assert_eq!(v["choices"][0]["text"], "HI");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["usage"]["completion_tokens"], 2);
     // A stop string is not included; array form too; prompt as one string in an array.
-    let r = post_json(s.addr, "/v1/completions", &json!({"prompt": "abcd", "max_tokens": 10, "stop": "CD"})).await;
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "abcd", "max_tokens": 10, "stop": "CD"}),
+    )
+    .await;
     let v = r.json();
     assert_eq!(v["choices"][0]["text"], "AB");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    let r = post_json(s.addr, "/v1/completions", &json!({"prompt": ["abcd"], "max_tokens": 10, "stop": ["zz", "DA"]})).await;
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": ["abcd"], "max_tokens": 10, "stop": ["zz", "DA"]}),
+    )
+    .await;
     assert_eq!(r.json()["choices"][0]["text"], "ABC");
     // Token-id prompt; default max_tokens 16; seed and top_p accepted; speculative accepted (ignored).
     let r = post_json(
@@ -188,11 +240,18 @@ async fn chat_non_streaming_and_streaming() {
         },
     ]);
     let (want, _) = expected_text(&prompt, 12);
-    let r = post_json(s.addr, "/v1/chat/completions", &json!({"model": "fake", "messages": msgs, "max_tokens": 12})).await;
+    let r = post_json(
+        s.addr,
+        "/v1/chat/completions",
+        &json!({"model": "fake", "messages": msgs, "max_tokens": 12}),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
     assert_eq!(v["object"], "chat.completion");
-    assert!(v["id"].as_str().is_some_and(|id| id.starts_with("chatcmpl-")));
+    assert!(v["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("chatcmpl-")));
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
     assert_eq!(v["choices"][0]["finish_reason"], "length");
@@ -224,7 +283,12 @@ async fn chat_non_streaming_and_streaming() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_streaming_and_llama_completion() {
     let s = TestServer::default().await;
-    let r = post_json(s.addr, "/v1/completions", &json!({"prompt": "xyzw", "max_tokens": 50, "stream": true, "stop": "ZW"})).await;
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "xyzw", "max_tokens": 50, "stream": true, "stop": "ZW"}),
+    )
+    .await;
     assert_eq!(r.status, 200);
     let ev = r.sse();
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
@@ -237,7 +301,12 @@ async fn completions_streaming_and_llama_completion() {
         assert_eq!(v["model"], "fake");
     }
     // llama.cpp /completion
-    let r = post_json(s.addr, "/completion", &json!({"prompt": "ab", "n_predict": 3, "temperature": 0})).await;
+    let r = post_json(
+        s.addr,
+        "/completion",
+        &json!({"prompt": "ab", "n_predict": 3, "temperature": 0}),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
     assert_eq!(v["content"], "ABA");
@@ -245,7 +314,12 @@ async fn completions_streaming_and_llama_completion() {
     assert_eq!(v["tokens_evaluated"], 2);
     assert_eq!(v["stop"], true);
     assert_eq!(v["stopped_limit"], true);
-    let r = post_json(s.addr, "/completion", &json!({"prompt": "ab.", "n_predict": -1, "stream": true})).await;
+    let r = post_json(
+        s.addr,
+        "/completion",
+        &json!({"prompt": "ab.", "n_predict": -1, "stream": true}),
+    )
+    .await;
     let ev = r.sse();
     let mut text = String::new();
     for e in &ev {
@@ -282,31 +356,156 @@ async fn bad_input_is_4xx_with_openai_error() {
     let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
         ("/v1/completions", "{not json".into(), 400, None),
         ("/v1/completions", "[1,2]".into(), 400, None),
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": "5"}).to_string(), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": 0}).to_string(), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": -3}).to_string(), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": 101}).to_string(), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "a", "model": "gpt-9"}).to_string(), 404, Some("model")),
-        ("/v1/completions", json!({"prompt": "a", "model": 3}).to_string(), 400, Some("model")),
-        ("/v1/completions", json!({"prompt": ""}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": []}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"max_tokens": 3}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": {"a": 1}}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": "x".repeat(300)}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": "a", "n": 2}).to_string(), 400, Some("n")),
-        ("/v1/completions", json!({"prompt": "a", "temperature": 5}).to_string(), 400, Some("temperature")),
-        ("/v1/completions", json!({"prompt": "a", "temperature": "hot"}).to_string(), 400, Some("temperature")),
-        ("/v1/completions", json!({"prompt": "a", "top_p": 0}).to_string(), 400, Some("top_p")),
-        ("/v1/completions", json!({"prompt": "a", "stop": 5}).to_string(), 400, Some("stop")),
-        ("/v1/completions", json!({"prompt": "a", "stream": "yes"}).to_string(), 400, Some("stream")),
-        ("/v1/completions", json!({"prompt": [1, 99999]}).to_string(), 400, Some("prompt")),
-        ("/v1/chat/completions", json!({"messages": []}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"messages": "hi"}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"prompt": "hi"}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"messages": [{"content": "hi"}]}).to_string(), 400, Some("messages[0]")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(), 400, Some("max_tokens")),
-        ("/completion", json!({"prompt": "a", "n_predict": 0}).to_string(), 400, Some("n_predict")),
-        ("/completion", json!({"prompt": 7}).to_string(), 400, Some("prompt")),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": "5"}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": -3}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 101}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "model": "gpt-9"}).to_string(),
+            404,
+            Some("model"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "model": 3}).to_string(),
+            400,
+            Some("model"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ""}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": []}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"max_tokens": 3}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": {"a": 1}}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x".repeat(300)}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "n": 2}).to_string(),
+            400,
+            Some("n"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": 5}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": "hot"}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "top_p": 0}).to_string(),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stop": 5}).to_string(),
+            400,
+            Some("stop"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stream": "yes"}).to_string(),
+            400,
+            Some("stream"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 99999]}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"prompt": "hi"}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"content": "hi"}]}).to_string(),
+            400,
+            Some("messages[0]"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/completion",
+            json!({"prompt": "a", "n_predict": 0}).to_string(),
+            400,
+            Some("n_predict"),
+        ),
+        (
+            "/completion",
+            json!({"prompt": 7}).to_string(),
+            400,
+            Some("prompt"),
+        ),
     ];
     for (path, body, status, param) in cases {
         let r = post(a, path, &body).await;
@@ -316,7 +515,12 @@ async fn bad_input_is_4xx_with_openai_error() {
             assert_eq!(e["param"], p, "{path} {body}: {e}");
         }
     }
-    let r = post(a, "/v1/completions", &json!({"prompt": "x".repeat(300)}).to_string()).await;
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "x".repeat(300)}).to_string(),
+    )
+    .await;
     assert_eq!(err_of(&r)["code"], "context_length_exceeded");
     // Over the body limit (4096): 413, whether announced by Content-Length or not.
     let big = json!({"prompt": "x".repeat(5000)}).to_string();
@@ -328,11 +532,22 @@ async fn bad_input_is_4xx_with_openai_error() {
     let r = raw(a, &chunked).await;
     assert_eq!(r.status, 413, "{}", r.text());
     // The server still works afterwards, and counted the 4xx.
-    let r = post_json(a, "/v1/completions", &json!({"prompt": "ok", "max_tokens": 2})).await;
+    let r = post_json(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "ok", "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(r.json()["choices"][0]["text"], "OK");
     let m = s.metrics().await;
-    assert!(m.contains("forward_serve_requests_total{endpoint=\"/v1/completions\",status=\"400\"}"), "{m}");
-    assert!(m.contains("forward_serve_requests_total{endpoint=\"/v1/completions\",status=\"413\"} 2"), "{m}");
+    assert!(
+        m.contains("forward_serve_requests_total{endpoint=\"/v1/completions\",status=\"400\"}"),
+        "{m}"
+    );
+    assert!(
+        m.contains("forward_serve_requests_total{endpoint=\"/v1/completions\",status=\"413\"} 2"),
+        "{m}"
+    );
     s.stop().await;
 }
 
@@ -381,9 +596,16 @@ async fn two_hundred_concurrent_streams_none_lost_or_mixed() {
         t.await.expect("task");
     }
     let m = s.metrics().await;
-    assert_eq!(metric(&m, "forward_serve_active_sequences"), Some(0.0), "{m}");
+    assert_eq!(
+        metric(&m, "forward_serve_active_sequences"),
+        Some(0.0),
+        "{m}"
+    );
     assert_eq!(metric(&m, "forward_serve_queue_depth"), Some(0.0), "{m}");
-    assert!(m.contains("forward_serve_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 100"), "{m}");
+    assert!(
+        m.contains("forward_serve_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 100"),
+        "{m}"
+    );
     s.stop().await;
 }
 
@@ -394,7 +616,10 @@ async fn wait_metric(s: &TestServer, name: &str, pred: impl Fn(f64) -> bool) -> 
         if metric(&m, name).is_some_and(&pred) {
             return m;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "metric {name} never matched:\n{m}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "metric {name} never matched:\n{m}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -404,14 +629,24 @@ async fn client_disconnect_cancels_generation() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let s = TestServer::start(small_cfg(), 4096, Duration::from_millis(10)).await;
     let body = json!({"prompt": "long", "max_tokens": 100, "stream": true}).to_string();
-    let mut c = tokio::net::TcpStream::connect(s.addr).await.expect("connect");
-    c.write_all(&request_bytes("POST", "/v1/completions", Some(body.as_bytes()), &[]))
+    let mut c = tokio::net::TcpStream::connect(s.addr)
         .await
-        .expect("write");
+        .expect("connect");
+    c.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        Some(body.as_bytes()),
+        &[],
+    ))
+    .await
+    .expect("write");
     let mut got = Vec::new();
     let mut buf = [0u8; 1024];
     while !String::from_utf8_lossy(&got).contains("data: ") {
-        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf)).await.expect("first chunk").expect("read");
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("first chunk")
+            .expect("read");
         assert!(n > 0, "closed early");
         got.extend_from_slice(&buf[..n]);
     }
@@ -420,9 +655,20 @@ async fn client_disconnect_cancels_generation() {
     // 100 tokens at 10 ms would take a second; the slot must be freed well before.
     let t0 = Instant::now();
     let m = wait_metric(&s, "forward_serve_active_sequences", |v| v == 0.0).await;
-    assert!(t0.elapsed() < Duration::from_millis(900), "cancel took {:?}", t0.elapsed());
-    assert_eq!(metric(&m, "forward_serve_cancelled_total"), Some(1.0), "{m}");
-    assert!(metric(&m, "forward_serve_generated_tokens_total").is_some_and(|g| g < 90.0), "{m}");
+    assert!(
+        t0.elapsed() < Duration::from_millis(900),
+        "cancel took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(
+        metric(&m, "forward_serve_cancelled_total"),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(
+        metric(&m, "forward_serve_generated_tokens_total").is_some_and(|g| g < 90.0),
+        "{m}"
+    );
     s.stop().await;
 }
 
@@ -438,7 +684,12 @@ async fn full_queue_answers_503_with_retry_after() {
     let mut tasks = Vec::new();
     for i in 0..6 {
         tasks.push(tokio::spawn(async move {
-            post_json(addr, "/v1/completions", &json!({"prompt": format!("p{i}"), "max_tokens": 40})).await
+            post_json(
+                addr,
+                "/v1/completions",
+                &json!({"prompt": format!("p{i}"), "max_tokens": 40}),
+            )
+            .await
         }));
     }
     let mut ok = 0;
@@ -458,7 +709,10 @@ async fn full_queue_answers_503_with_retry_after() {
     // One active + one queued at most: at least 4 of the 6 were turned away.
     assert!(ok >= 1 && full >= 4, "ok {ok} full {full}");
     let m = s.metrics().await;
-    assert_eq!(metric(&m, "forward_serve_rejected_queue_full_total"), Some(full as f64));
+    assert_eq!(
+        metric(&m, "forward_serve_rejected_queue_full_total"),
+        Some(full as f64)
+    );
     s.stop().await;
 }
 
@@ -470,7 +724,12 @@ async fn request_timeout_and_device_error() {
     };
     let s = TestServer::start(cfg, 4096, Duration::from_millis(10)).await;
     let t0 = Instant::now();
-    let r = post_json(s.addr, "/v1/completions", &json!({"prompt": "slow", "max_tokens": 100})).await;
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "slow", "max_tokens": 100}),
+    )
+    .await;
     assert_eq!(r.status, 504, "{}", r.text());
     assert_eq!(err_of(&r)["type"], "timeout_error");
     assert!(t0.elapsed() < Duration::from_millis(900));
@@ -479,8 +738,16 @@ async fn request_timeout_and_device_error() {
     assert_eq!(r.status, 500, "{}", r.text());
     assert_eq!(err_of(&r)["type"], "server_error");
     let m = s.metrics().await;
-    assert_eq!(metric(&m, "forward_serve_device_errors_total"), Some(1.0), "{m}");
+    assert_eq!(
+        metric(&m, "forward_serve_device_errors_total"),
+        Some(1.0),
+        "{m}"
+    );
     assert_eq!(metric(&m, "forward_serve_timeouts_total"), Some(1.0), "{m}");
-    assert_eq!(metric(&m, "forward_serve_active_sequences"), Some(0.0), "{m}");
+    assert_eq!(
+        metric(&m, "forward_serve_active_sequences"),
+        Some(0.0),
+        "{m}"
+    );
     s.stop().await;
 }

@@ -38,7 +38,9 @@ fn spawn(extra: &[&str]) -> Proc {
             }
         }
     });
-    let addr = rx.recv_timeout(Duration::from_secs(20)).expect("listening line");
+    let addr = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("listening line");
     Proc {
         child,
         addr: addr.parse().expect("address"),
@@ -56,7 +58,10 @@ fn wait_exit(p: &mut Proc, limit: Duration) -> std::process::ExitStatus {
         if let Some(st) = p.child.try_wait().expect("try_wait") {
             return st;
         }
-        assert!(t0.elapsed() < limit, "forward-serve did not exit within {limit:?}");
+        assert!(
+            t0.elapsed() < limit,
+            "forward-serve did not exit within {limit:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -68,11 +73,19 @@ async fn sigterm_finishes_in_flight_then_exits_0() {
     assert_eq!(get(addr, "/health").await.status, 200);
     // 30 tokens at 20 ms: in flight when SIGTERM arrives, and must complete.
     let inflight = tokio::spawn(async move {
-        post_json(addr, "/v1/completions", &json!({"prompt": "abc", "max_tokens": 30, "stream": true})).await
+        post_json(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "abc", "max_tokens": 30, "stream": true}),
+        )
+        .await
     });
     tokio::time::sleep(Duration::from_millis(150)).await;
     signal(&p, nix::sys::signal::Signal::SIGTERM);
-    let r = tokio::time::timeout(Duration::from_secs(10), inflight).await.expect("in-flight").expect("task");
+    let r = tokio::time::timeout(Duration::from_secs(10), inflight)
+        .await
+        .expect("in-flight")
+        .expect("task");
     assert_eq!(r.status, 200);
     let ev = r.sse();
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
@@ -90,19 +103,38 @@ async fn sigterm_finishes_in_flight_then_exits_0() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_cancels_after_grace_and_exits_0() {
-    let mut p = spawn(&["--fake-step-delay", "20ms", "--shutdown-grace", "500ms", "--max-tokens-limit", "5000"]);
+    let mut p = spawn(&[
+        "--fake-step-delay",
+        "20ms",
+        "--shutdown-grace",
+        "500ms",
+        "--max-tokens-limit",
+        "5000",
+    ]);
     let addr = p.addr;
     // 5000 tokens at 20 ms = 100 s: far beyond the grace, so it is cancelled.
     let inflight = tokio::spawn(async move {
-        post_json(addr, "/v1/completions", &json!({"prompt": "zz", "max_tokens": 1000, "stream": true})).await
+        post_json(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "zz", "max_tokens": 1000, "stream": true}),
+        )
+        .await
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let t0 = Instant::now();
     signal(&p, nix::sys::signal::Signal::SIGINT);
     let st = wait_exit(&mut p, Duration::from_secs(8));
     assert_eq!(st.code(), Some(0), "{st:?}");
-    assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
-    let r = tokio::time::timeout(Duration::from_secs(5), inflight).await.expect("in-flight").expect("task");
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let r = tokio::time::timeout(Duration::from_secs(5), inflight)
+        .await
+        .expect("in-flight")
+        .expect("task");
     let text: String = r
         .sse()
         .iter()

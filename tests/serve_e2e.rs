@@ -59,7 +59,9 @@ async fn smollm2_greedy_matches_model_layer() {
     let n = 12;
     let want = {
         let p = path.clone();
-        tokio::task::spawn_blocking(move || reference_greedy(&p, prompt, n)).await.expect("reference")
+        tokio::task::spawn_blocking(move || reference_greedy(&p, prompt, n))
+            .await
+            .expect("reference")
     };
     assert!(!want.is_empty());
     let spec = LoadSpec {
@@ -76,7 +78,9 @@ async fn smollm2_greedy_matches_model_layer() {
     let ids = loaded.codec.tokenize(prompt, false).expect("tokenize");
     assert_eq!(loaded.codec.detokenize(&ids), prompt);
     assert_eq!(loaded.codec.eos_ids(), &[2]);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let cfg = Config {
@@ -120,7 +124,10 @@ async fn smollm2_greedy_matches_model_layer() {
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
-    assert!(v["usage"]["prompt_tokens"].as_u64().is_some_and(|p| p > 5), "{v}");
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64().is_some_and(|p| p > 5),
+        "{v}"
+    );
     let _ = tx.send(());
     tokio::time::timeout(Duration::from_secs(30), server)
         .await

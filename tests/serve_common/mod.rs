@@ -37,19 +37,30 @@ impl Resp {
 pub fn sse_events(body: &str) -> Vec<String> {
     body.split("\n\n")
         .filter_map(|ev| {
-            let data: Vec<&str> = ev.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+            let data: Vec<&str> = ev
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .collect();
             (!data.is_empty()).then(|| data.join("\n"))
         })
         .collect()
 }
 
-pub fn request_bytes(method: &str, path: &str, body: Option<&[u8]>, extra: &[(&str, &str)]) -> Vec<u8> {
+pub fn request_bytes(
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    extra: &[(&str, &str)],
+) -> Vec<u8> {
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
     for (k, v) in extra {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
     if let Some(b) = body {
-        req.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", b.len()));
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
     }
     req.push_str("\r\n");
     let mut out = req.into_bytes();
@@ -61,10 +72,10 @@ pub fn request_bytes(method: &str, path: &str, body: Option<&[u8]>, extra: &[(&s
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(nl) = b.windows(2).position(|w| w == b"\r\n") else { break };
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
         let size_str = String::from_utf8_lossy(&b[..nl]);
-        let size = usize::from_str_radix(size_str.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        let size =
+            usize::from_str_radix(size_str.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
         b = &b[nl + 2..];
         if size == 0 || b.len() < size {
             break;
@@ -77,7 +88,10 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 
 pub fn parse_response(raw: &[u8]) -> Resp {
     let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
-        panic!("no header end in response: {:?}", String::from_utf8_lossy(raw));
+        panic!(
+            "no header end in response: {:?}",
+            String::from_utf8_lossy(raw)
+        );
     };
     let head = String::from_utf8_lossy(&raw[..end]).into_owned();
     let mut lines = head.split("\r\n");
@@ -87,14 +101,25 @@ pub fn parse_response(raw: &[u8]) -> Resp {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_string(), v.trim().to_string())))
+        .filter_map(|l| {
+            l.split_once(':')
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        })
         .collect();
     let rest = &raw[end + 4..];
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked"));
-    let body = if chunked { dechunk(rest) } else { rest.to_vec() };
-    Resp { status, headers, body }
+    let chunked = headers.iter().any(|(k, v)| {
+        k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked")
+    });
+    let body = if chunked {
+        dechunk(rest)
+    } else {
+        rest.to_vec()
+    };
+    Resp {
+        status,
+        headers,
+        body,
+    }
 }
 
 pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> Resp {
@@ -118,7 +143,9 @@ pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> Resp {
         }
         buf
     };
-    let buf = tokio::time::timeout(Duration::from_secs(60), fut).await.expect("request timed out");
+    let buf = tokio::time::timeout(Duration::from_secs(60), fut)
+        .await
+        .expect("request timed out");
     parse_response(&buf)
 }
 
@@ -127,7 +154,11 @@ pub async fn get(addr: SocketAddr, path: &str) -> Resp {
 }
 
 pub async fn post(addr: SocketAddr, path: &str, body: &str) -> Resp {
-    raw(addr, &request_bytes("POST", path, Some(body.as_bytes()), &[])).await
+    raw(
+        addr,
+        &request_bytes("POST", path, Some(body.as_bytes()), &[]),
+    )
+    .await
 }
 
 pub async fn post_json(addr: SocketAddr, path: &str, v: &serde_json::Value) -> Resp {
@@ -136,7 +167,9 @@ pub async fn post_json(addr: SocketAddr, path: &str, v: &serde_json::Value) -> R
 
 /// Value of an unlabelled metric in a Prometheus text body.
 pub fn metric(body: &str, name: &str) -> Option<f64> {
-    body.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+    body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|r| r.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
 }

@@ -75,7 +75,9 @@ impl App {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// The endpoint label for metrics (bounded set).
@@ -103,7 +105,10 @@ pub async fn track(State(app): State<Arc<App>>, req: Request, next: Next) -> Res
 fn json_response(status: StatusCode, v: &Value) -> Response {
     (
         status,
-        [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
         v.to_string(),
     )
         .into_response()
@@ -121,9 +126,12 @@ async fn read_json(app: &App, headers: &HeaderMap, body: Body) -> Result<Value, 
             return Err(ApiError::too_large(limit));
         }
     }
-    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|_| ApiError::too_large(limit))?;
-    let v: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::invalid("", format!("invalid JSON body: {e}")).code("invalid_json"))?;
+    let bytes: Bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::too_large(limit))?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::invalid("", format!("invalid JSON body: {e}")).code("invalid_json")
+    })?;
     if !v.is_object() {
         return Err(ApiError::invalid("", "the body must be a JSON object").code("invalid_json"));
     }
@@ -146,7 +154,10 @@ fn opt_i64(v: &Value, key: &str) -> Result<Option<i64>, ApiError> {
             Some(i) => Ok(Some(i)),
             None => match x.as_f64() {
                 Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(Some(f as i64)),
-                _ => Err(ApiError::invalid(key, format!("`{key}` must be an integer, got {x}")).code("invalid_type")),
+                _ => Err(
+                    ApiError::invalid(key, format!("`{key}` must be an integer, got {x}"))
+                        .code("invalid_type"),
+                ),
             },
         },
     }
@@ -155,20 +166,20 @@ fn opt_i64(v: &Value, key: &str) -> Result<Option<i64>, ApiError> {
 fn opt_f64(v: &Value, key: &str) -> Result<Option<f64>, ApiError> {
     match field(v, key) {
         None => Ok(None),
-        Some(x) => x
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| ApiError::invalid(key, format!("`{key}` must be a number, got {x}")).code("invalid_type")),
+        Some(x) => x.as_f64().map(Some).ok_or_else(|| {
+            ApiError::invalid(key, format!("`{key}` must be a number, got {x}"))
+                .code("invalid_type")
+        }),
     }
 }
 
 fn opt_bool(v: &Value, key: &str) -> Result<Option<bool>, ApiError> {
     match field(v, key) {
         None => Ok(None),
-        Some(x) => x
-            .as_bool()
-            .map(Some)
-            .ok_or_else(|| ApiError::invalid(key, format!("`{key}` must be a boolean, got {x}")).code("invalid_type")),
+        Some(x) => x.as_bool().map(Some).ok_or_else(|| {
+            ApiError::invalid(key, format!("`{key}` must be a boolean, got {x}"))
+                .code("invalid_type")
+        }),
     }
 }
 
@@ -178,17 +189,23 @@ fn stop_list(v: &Value, key: &str) -> Result<Vec<String>, ApiError> {
         Some(Value::String(s)) => Ok(vec![s.clone()]),
         Some(Value::Array(a)) => {
             if a.len() > 4 {
-                return Err(ApiError::invalid(key, "at most 4 stop sequences").code("invalid_value"));
+                return Err(
+                    ApiError::invalid(key, "at most 4 stop sequences").code("invalid_value")
+                );
             }
             a.iter()
                 .map(|x| {
                     x.as_str().map(str::to_string).ok_or_else(|| {
-                        ApiError::invalid(key, "`stop` must be a string or an array of strings").code("invalid_type")
+                        ApiError::invalid(key, "`stop` must be a string or an array of strings")
+                            .code("invalid_type")
                     })
                 })
                 .collect()
         }
-        Some(_) => Err(ApiError::invalid(key, "`stop` must be a string or an array of strings").code("invalid_type")),
+        Some(_) => Err(
+            ApiError::invalid(key, "`stop` must be a string or an array of strings")
+                .code("invalid_type"),
+        ),
     }
 }
 
@@ -197,7 +214,11 @@ fn token_list(codec: &dyn TextCodec, a: &[Value], key: &str) -> Result<Vec<u32>,
     a.iter()
         .map(|x| match x.as_u64() {
             Some(t) if (t as usize) < vocab => Ok(t as u32),
-            _ => Err(ApiError::invalid(key, format!("token ids must be integers in 0..{vocab}, got {x}")).code("invalid_value")),
+            _ => Err(ApiError::invalid(
+                key,
+                format!("token ids must be integers in 0..{vocab}, got {x}"),
+            )
+            .code("invalid_value")),
         })
         .collect()
 }
@@ -235,44 +256,62 @@ fn check_model(app: &App, v: &Value) -> Result<(), ApiError> {
                 Err(ApiError::model_not_found(m))
             }
         }
-        Some(x) => Err(ApiError::invalid("model", format!("`model` must be a string, got {x}")).code("invalid_type")),
+        Some(x) => Err(
+            ApiError::invalid("model", format!("`model` must be a string, got {x}"))
+                .code("invalid_type"),
+        ),
     }
 }
 
 fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     let Some(msgs) = field(v, "messages") else {
-        return Err(ApiError::invalid("messages", "`messages` is required").code("missing_required_parameter"));
+        return Err(ApiError::invalid("messages", "`messages` is required")
+            .code("missing_required_parameter"));
     };
     let Some(arr) = msgs.as_array() else {
-        return Err(ApiError::invalid("messages", "`messages` must be an array").code("invalid_type"));
+        return Err(
+            ApiError::invalid("messages", "`messages` must be an array").code("invalid_type")
+        );
     };
     if arr.is_empty() {
-        return Err(ApiError::invalid("messages", "`messages` must not be empty").code("invalid_value"));
+        return Err(
+            ApiError::invalid("messages", "`messages` must not be empty").code("invalid_value"),
+        );
     }
     let mut out = Vec::with_capacity(arr.len());
     for (i, m) in arr.iter().enumerate() {
         let p = format!("messages[{i}]");
-        let role = m
-            .get("role")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ApiError::invalid(&p, format!("`{p}.role` must be a string")).code("invalid_type"))?;
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid(&p, format!("`{p}.role` must be a string")).code("invalid_type")
+        })?;
         let content = match m.get("content") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => {
                 let mut s = String::new();
                 for part in parts {
-                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    match (
+                        part.get("type").and_then(Value::as_str),
+                        part.get("text").and_then(Value::as_str),
+                    ) {
                         (Some("text"), Some(t)) => s.push_str(t),
                         _ => {
-                            return Err(ApiError::invalid(&p, "only text content parts are supported").code("invalid_value"))
+                            return Err(ApiError::invalid(
+                                &p,
+                                "only text content parts are supported",
+                            )
+                            .code("invalid_value"))
                         }
                     }
                 }
                 s
             }
             Some(_) => {
-                return Err(ApiError::invalid(&p, format!("`{p}.content` must be a string or an array of parts")).code("invalid_type"))
+                return Err(ApiError::invalid(
+                    &p,
+                    format!("`{p}.content` must be a string or an array of parts"),
+                )
+                .code("invalid_type"))
             }
         };
         out.push(ChatMessage {
@@ -351,9 +390,18 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         Kind::Llama => ("n_predict", opt_i64(v, "n_predict")?.filter(|&n| n >= 0)),
     };
     let max_tokens = match requested {
-        Some(n) if n <= 0 => return Err(ApiError::invalid(key, format!("`{key}` must be at least 1, got {n}")).code("invalid_value")),
+        Some(n) if n <= 0 => {
+            return Err(
+                ApiError::invalid(key, format!("`{key}` must be at least 1, got {n}"))
+                    .code("invalid_value"),
+            )
+        }
         Some(n) if n as u64 > limit as u64 => {
-            return Err(ApiError::invalid(key, format!("`{key}` is {n}; this server allows at most {limit}")).code("invalid_value"))
+            return Err(ApiError::invalid(
+                key,
+                format!("`{key}` is {n}; this server allows at most {limit}"),
+            )
+            .code("invalid_value"))
         }
         Some(n) => n as usize,
         None => match kind {
@@ -366,7 +414,10 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
     let default_t = if kind == Kind::Llama { 0.8 } else { 1.0 };
     let temperature = opt_f64(v, "temperature")?.unwrap_or(default_t);
     if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::invalid("temperature", "`temperature` must be in [0, 2]").code("invalid_value"));
+        return Err(
+            ApiError::invalid("temperature", "`temperature` must be in [0, 2]")
+                .code("invalid_value"),
+        );
     }
     let top_p = opt_f64(v, "top_p")?.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
@@ -397,7 +448,11 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
     let speculative = field(v, "speculative").cloned();
     if let Some(s) = &speculative {
         if !s.is_object() && !s.is_boolean() {
-            return Err(ApiError::invalid("speculative", "`speculative` must be an object or a boolean").code("invalid_type"));
+            return Err(ApiError::invalid(
+                "speculative",
+                "`speculative` must be an object or a boolean",
+            )
+            .code("invalid_type"));
         }
     }
     Ok(Params {
@@ -425,7 +480,10 @@ impl Drop for CancelGuard {
     }
 }
 
-fn submit(app: &App, p: &Params) -> Result<(mpsc::UnboundedReceiver<Event>, CancelGuard, Instant), ApiError> {
+fn submit(
+    app: &App,
+    p: &Params,
+) -> Result<(mpsc::UnboundedReceiver<Event>, CancelGuard, Instant), ApiError> {
     if app.draining.load(Relaxed) {
         return Err(ApiError::shutting_down());
     }
@@ -442,7 +500,10 @@ fn submit(app: &App, p: &Params) -> Result<(mpsc::UnboundedReceiver<Event>, Canc
         cancel: cancel.clone(),
         events: tx,
     };
-    let guard = app.queue.lock().map_err(|_| ApiError::engine("queue lock poisoned"))?;
+    let guard = app
+        .queue
+        .lock()
+        .map_err(|_| ApiError::engine("queue lock poisoned"))?;
     let Some(q) = guard.as_ref() else {
         return Err(ApiError::shutting_down());
     };
@@ -472,7 +533,10 @@ struct Outcome {
     stopped_word: bool,
 }
 
-async fn collect(mut rx: mpsc::UnboundedReceiver<Event>, deadline: Instant) -> Result<Outcome, ApiError> {
+async fn collect(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    deadline: Instant,
+) -> Result<Outcome, ApiError> {
     let mut text = String::new();
     // The engine enforces the deadline; this backstop covers an engine stuck in a pass.
     let backstop = tokio::time::Instant::from_std(deadline) + Duration::from_secs(5);
@@ -545,7 +609,13 @@ impl Shape {
             Kind::Llama => json!({"content": text, "stop": false}),
         }
     }
-    fn final_chunks(&self, finish: Finish, completion: usize, eos: bool, stopped_word: bool) -> Vec<Value> {
+    fn final_chunks(
+        &self,
+        finish: Finish,
+        completion: usize,
+        eos: bool,
+        stopped_word: bool,
+    ) -> Vec<Value> {
         let fr = finish.openai();
         let mut out = Vec::new();
         match self.kind {
@@ -563,7 +633,11 @@ impl Shape {
             }
         }
         if self.include_usage {
-            let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+            let object = if self.kind == Kind::Chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
             out.push(json!({
                 "id": self.id, "object": object, "created": self.created, "model": self.model,
                 "choices": [], "usage": usage(self.prompt_len, completion)
@@ -571,7 +645,14 @@ impl Shape {
         }
         out
     }
-    fn llama_final(&self, content: &str, finish: Finish, completion: usize, eos: bool, stopped_word: bool) -> Value {
+    fn llama_final(
+        &self,
+        content: &str,
+        finish: Finish,
+        completion: usize,
+        eos: bool,
+        stopped_word: bool,
+    ) -> Value {
         let secs = self.started.elapsed().as_secs_f64();
         json!({
             "content": content,
@@ -603,7 +684,13 @@ impl Shape {
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": null, "finish_reason": fr}],
                 "usage": usage(o.prompt_tokens, o.completion_tokens)
             }),
-            Kind::Llama => self.llama_final(&o.text, o.finish, o.completion_tokens, o.eos, o.stopped_word),
+            Kind::Llama => self.llama_final(
+                &o.text,
+                o.finish,
+                o.completion_tokens,
+                o.eos,
+                o.stopped_word,
+            ),
         }
     }
 }
@@ -664,7 +751,10 @@ fn sse_response(s: StreamState) -> Response {
                         // Always announce the role once.
                         st.out.push_back(sse(&st.shape.text_chunk("", true)));
                     }
-                    for c in st.shape.final_chunks(finish, completion_tokens, eos, stopped_word) {
+                    for c in st
+                        .shape
+                        .final_chunks(finish, completion_tokens, eos, stopped_word)
+                    {
                         st.out.push_back(sse(&c));
                     }
                     if st.shape.kind != Kind::Llama {
@@ -676,12 +766,20 @@ fn sse_response(s: StreamState) -> Response {
     });
     let mut r = Response::new(Body::from_stream(stream));
     let h = r.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     r
 }
 
-async fn generate(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind) -> Result<Response, ApiError> {
+async fn generate(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Body,
+    kind: Kind,
+) -> Result<Response, ApiError> {
     let v = read_json(&app, &headers, body).await?;
     let p = parse_params(&app, &v, kind)?;
     if p.speculative.is_some() {
@@ -719,15 +817,29 @@ async fn generate(app: Arc<App>, headers: HeaderMap, body: Body, kind: Kind) -> 
 }
 
 pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    generate(app, headers, body, Kind::Completions).await.unwrap_or_else(IntoResponse::into_response)
+    generate(app, headers, body, Kind::Completions)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn chat_completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    generate(app, headers, body, Kind::Chat).await.unwrap_or_else(IntoResponse::into_response)
+pub async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generate(app, headers, body, Kind::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn llama_completion(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    generate(app, headers, body, Kind::Llama).await.unwrap_or_else(IntoResponse::into_response)
+pub async fn llama_completion(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generate(app, headers, body, Kind::Llama)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 pub async fn models(State(app): State<Arc<App>>) -> Response {
@@ -742,7 +854,10 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
 
 pub async fn health(State(app): State<Arc<App>>) -> Response {
     if app.draining.load(Relaxed) {
-        json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"status": "shutting down"}))
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "shutting down"}),
+        )
     } else {
         json_response(StatusCode::OK, &json!({"status": "ok"}))
     }
@@ -751,7 +866,10 @@ pub async fn health(State(app): State<Arc<App>>) -> Response {
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     (
         StatusCode::OK,
-        [(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"))],
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
         app.metrics.render(),
     )
         .into_response()
@@ -761,8 +879,17 @@ async fn tokenize_inner(app: &App, headers: HeaderMap, body: Body) -> Result<Res
     let v = read_json(app, &headers, body).await?;
     let content = match field(&v, "content") {
         Some(Value::String(s)) => s,
-        Some(x) => return Err(ApiError::invalid("content", format!("`content` must be a string, got {x}")).code("invalid_type")),
-        None => return Err(ApiError::invalid("content", "`content` is required").code("missing_required_parameter")),
+        Some(x) => {
+            return Err(ApiError::invalid(
+                "content",
+                format!("`content` must be a string, got {x}"),
+            )
+            .code("invalid_type"))
+        }
+        None => {
+            return Err(ApiError::invalid("content", "`content` is required")
+                .code("missing_required_parameter"))
+        }
     };
     let special = opt_bool(&v, "add_special")?.unwrap_or(false);
     let tokens = if special {
@@ -775,21 +902,36 @@ async fn tokenize_inner(app: &App, headers: HeaderMap, body: Body) -> Result<Res
 }
 
 pub async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    tokenize_inner(&app, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+    tokenize_inner(&app, headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn detokenize_inner(app: &App, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let v = read_json(app, &headers, body).await?;
     let tokens = match field(&v, "tokens") {
         Some(Value::Array(a)) => token_list(&*app.codec, a, "tokens")?,
-        Some(x) => return Err(ApiError::invalid("tokens", format!("`tokens` must be an array, got {x}")).code("invalid_type")),
-        None => return Err(ApiError::invalid("tokens", "`tokens` is required").code("missing_required_parameter")),
+        Some(x) => {
+            return Err(
+                ApiError::invalid("tokens", format!("`tokens` must be an array, got {x}"))
+                    .code("invalid_type"),
+            )
+        }
+        None => {
+            return Err(ApiError::invalid("tokens", "`tokens` is required")
+                .code("missing_required_parameter"))
+        }
     };
-    Ok(json_response(StatusCode::OK, &json!({"content": app.codec.detokenize(&tokens)})))
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"content": app.codec.detokenize(&tokens)}),
+    ))
 }
 
 pub async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    detokenize_inner(&app, headers, body).await.unwrap_or_else(IntoResponse::into_response)
+    detokenize_inner(&app, headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 pub async fn fallback(req: Request) -> Response {

@@ -77,10 +77,19 @@ pub trait Engine {
     /// Start an empty sequence.
     fn new_sequence(&mut self) -> Result<SeqId, EngineError>;
     /// Feed a prompt to a fresh sequence; `sink` gets the logits predicting the first new token.
-    fn prefill(&mut self, seq: SeqId, tokens: &[u32], sink: &mut dyn FnMut(&[f32])) -> Result<(), EngineError>;
+    fn prefill(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sink: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), EngineError>;
     /// One decode step for each `(seq, token)` row (the token is fed and committed); `sink(i, logits)`
     /// gets row `i`'s logits for the next token. Rows belong to distinct sequences.
-    fn decode(&mut self, rows: &[(SeqId, u32)], sink: &mut dyn FnMut(usize, &[f32])) -> Result<(), EngineError>;
+    fn decode(
+        &mut self,
+        rows: &[(SeqId, u32)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError>;
     /// Committed positions of a sequence.
     fn position(&self, seq: SeqId) -> usize;
     /// Forget a sequence and free its state.
@@ -155,16 +164,21 @@ impl TextCodec for PackageCodec {
         self.pkg.tokenizer().token_bytes(id).to_vec()
     }
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
-        let tpl = self
-            .pkg
-            .chat_template()
-            .ok_or_else(|| EngineError::Template(format!("the model {} has no chat template", self.id)))?;
+        let tpl = self.pkg.chat_template().ok_or_else(|| {
+            EngineError::Template(format!("the model {} has no chat template", self.id))
+        })?;
         let tok = self.pkg.tokenizer();
         let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
         let mut env = minijinja::Environment::new();
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         let bad = |e: minijinja::Error| EngineError::Template(e.to_string());
         env.add_template("chat", tpl).map_err(bad)?;
         let t = env.get_template("chat").map_err(bad)?;
@@ -221,13 +235,22 @@ impl Engine for ModelEngine {
         self.resident = Some(id);
         Ok(id)
     }
-    fn prefill(&mut self, seq: SeqId, tokens: &[u32], sink: &mut dyn FnMut(&[f32])) -> Result<(), EngineError> {
+    fn prefill(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sink: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), EngineError> {
         self.check(seq)?;
         let logits = self.model.prefill(tokens).map_err(device_err)?;
         sink(logits);
         Ok(())
     }
-    fn decode(&mut self, rows: &[(SeqId, u32)], sink: &mut dyn FnMut(usize, &[f32])) -> Result<(), EngineError> {
+    fn decode(
+        &mut self,
+        rows: &[(SeqId, u32)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError> {
         for (i, &(seq, tok)) in rows.iter().enumerate() {
             self.check(seq)?;
             let logits = self.model.step(tok).map_err(device_err)?;
@@ -257,7 +280,9 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
         Some(p) => p.clone(),
         None => xdna::weights::default_model::default_gguf().map_err(|e| load_err(&e))?,
     };
-    let is_gguf = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let is_gguf = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
     if !is_gguf {
         return Err(EngineError::Load(format!(
             "{}: only GGUF files load on this branch until the model layer's package loader lands",
@@ -279,7 +304,12 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
     let eos = pkg.eos_token_ids().to_vec();
-    tracing::info!("loaded {} ({} positions, EOS {:?})", path.display(), ctx, eos);
+    tracing::info!(
+        "loaded {} ({} positions, EOS {:?})",
+        path.display(),
+        ctx,
+        eos
+    );
     Ok(Loaded {
         codec: Arc::new(PackageCodec { pkg, id, ctx, eos }),
         engine: Box::new(ModelEngine::new(model)),

@@ -65,19 +65,33 @@ impl ApiError {
         e
     }
     pub fn shutting_down() -> Self {
-        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_overloaded", "the server is shutting down")
-            .code("shutting_down");
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_overloaded",
+            "the server is shutting down",
+        )
+        .code("shutting_down");
         e.retry_after = Some(5);
         e
     }
     pub fn timeout() -> Self {
-        ApiError::new(StatusCode::GATEWAY_TIMEOUT, "timeout_error", "the request timed out").code("timeout")
+        ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "timeout_error",
+            "the request timed out",
+        )
+        .code("timeout")
     }
     pub fn engine(msg: impl Into<String>) -> Self {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", msg).code("engine_error")
     }
     pub fn not_found(path: &str) -> Self {
-        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("no route {path}")).code("not_found")
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("no route {path}"),
+        )
+        .code("not_found")
     }
 
     pub fn body(&self) -> serde_json::Value {
@@ -94,7 +108,13 @@ impl ApiError {
 
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}: {}", self.status.as_u16(), self.kind, self.message)
+        write!(
+            f,
+            "{} {}: {}",
+            self.status.as_u16(),
+            self.kind,
+            self.message
+        )
     }
 }
 
@@ -102,12 +122,16 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (
             self.status,
-            [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
             self.body().to_string(),
         )
             .into_response();
         if let Some(s) = self.retry_after {
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
     }

@@ -20,7 +20,10 @@ pub struct FakeCodec {
 
 impl FakeCodec {
     pub fn new(ctx: usize) -> Self {
-        FakeCodec { ctx, eos: [FAKE_EOS] }
+        FakeCodec {
+            ctx,
+            eos: [FAKE_EOS],
+        }
     }
 }
 
@@ -53,7 +56,10 @@ impl TextCodec for FakeCodec {
 
 /// The fake chat template: `role: content\n` per message.
 pub fn chat_text(messages: &[ChatMessage]) -> String {
-    messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect()
+    messages
+        .iter()
+        .map(|m| format!("{}: {}\n", m.role, m.content))
+        .collect()
 }
 
 /// The fake model's next byte after `k` generated tokens (None = EOS).
@@ -122,7 +128,10 @@ impl Engine for FakeEngine {
     }
     fn new_sequence(&mut self) -> Result<SeqId, EngineError> {
         if self.seqs.len() >= self.max_seqs {
-            return Err(EngineError::Capacity(format!("{} sequences resident", self.seqs.len())));
+            return Err(EngineError::Capacity(format!(
+                "{} sequences resident",
+                self.seqs.len()
+            )));
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -136,11 +145,19 @@ impl Engine for FakeEngine {
         );
         Ok(id)
     }
-    fn prefill(&mut self, seq: SeqId, tokens: &[u32], sink: &mut dyn FnMut(&[f32])) -> Result<(), EngineError> {
+    fn prefill(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sink: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), EngineError> {
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
         }
-        let s = self.seqs.get_mut(&seq).ok_or(EngineError::NoSequence(seq))?;
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(EngineError::NoSequence(seq))?;
         if tokens.iter().any(|&t| t >= 256) {
             return Err(EngineError::Device("fake: special token in prompt".into()));
         }
@@ -150,12 +167,19 @@ impl Engine for FakeEngine {
         sink(&self.logits);
         Ok(())
     }
-    fn decode(&mut self, rows: &[(SeqId, u32)], sink: &mut dyn FnMut(usize, &[f32])) -> Result<(), EngineError> {
+    fn decode(
+        &mut self,
+        rows: &[(SeqId, u32)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError> {
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
         }
         for (i, &(seq, _tok)) in rows.iter().enumerate() {
-            let s = self.seqs.get_mut(&seq).ok_or(EngineError::NoSequence(seq))?;
+            let s = self
+                .seqs
+                .get_mut(&seq)
+                .ok_or(EngineError::NoSequence(seq))?;
             s.generated += 1;
             s.position += 1;
             self.fill(seq)?;

@@ -12,7 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
-#[command(name = "forward-serve", version, about = "OpenAI-compatible server over the xdna runtime")]
+#[command(
+    name = "forward-serve",
+    version,
+    about = "OpenAI-compatible server over the xdna runtime"
+)]
 struct Args {
     /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
     #[arg(long)]
@@ -65,7 +69,10 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     } else {
         (s, 1.0)
     };
-    let v: f64 = num.trim().parse().map_err(|_| format!("bad duration {s:?} (e.g. 120s, 500ms, 2m)"))?;
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("bad duration {s:?} (e.g. 120s, 500ms, 2m)"))?;
     if !(v.is_finite() && v >= 0.0) {
         return Err(format!("bad duration {s:?}"));
     }
@@ -93,7 +100,8 @@ fn main() -> std::process::ExitCode {
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -110,7 +118,10 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let loaded = if args.fake_engine {
         Loaded {
             codec: Arc::new(serve::fake::FakeCodec::new(args.ctx)),
-            engine: Box::new(serve::fake::FakeEngine::new(args.max_batch, args.fake_step_delay)),
+            engine: Box::new(serve::fake::FakeEngine::new(
+                args.max_batch,
+                args.fake_step_delay,
+            )),
         }
     } else {
         engine::load(&LoadSpec {
@@ -127,7 +138,10 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         body_limit: args.body_limit,
         shutdown_grace: args.shutdown_grace,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().worker_threads(2).build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
         let addr = listener.local_addr()?;

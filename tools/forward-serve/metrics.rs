@@ -30,7 +30,10 @@ impl Metrics {
 
     pub fn render(&self) -> String {
         let mut s = String::new();
-        let _ = writeln!(s, "# HELP forward_serve_requests_total HTTP requests by endpoint and status.");
+        let _ = writeln!(
+            s,
+            "# HELP forward_serve_requests_total HTTP requests by endpoint and status."
+        );
         let _ = writeln!(s, "# TYPE forward_serve_requests_total counter");
         if let Ok(m) = self.requests.lock() {
             for ((ep, st), n) in m.iter() {
@@ -50,7 +53,12 @@ impl Metrics {
             let _ = writeln!(s, "# TYPE {name} gauge");
             let _ = writeln!(s, "{name} {v}");
         };
-        counter(&mut s, "forward_serve_prompt_tokens_total", "Prompt tokens prefilled.", self.prompt_tokens.load(Relaxed));
+        counter(
+            &mut s,
+            "forward_serve_prompt_tokens_total",
+            "Prompt tokens prefilled.",
+            self.prompt_tokens.load(Relaxed),
+        );
         counter(
             &mut s,
             "forward_serve_generated_tokens_total",
@@ -59,35 +67,59 @@ impl Metrics {
         );
         let rows = self.decode_rows.load(Relaxed);
         let nanos = self.decode_nanos.load(Relaxed);
-        counter(&mut s, "forward_serve_decode_rows_total", "Sequence rows run by decode passes.", rows);
+        counter(
+            &mut s,
+            "forward_serve_decode_rows_total",
+            "Sequence rows run by decode passes.",
+            rows,
+        );
         gauge(
             &mut s,
             "forward_serve_decode_seconds_total",
             "Seconds spent in decode passes.",
             nanos as f64 / 1e9,
         );
-        let tps = if nanos == 0 { 0.0 } else { rows as f64 / (nanos as f64 / 1e9) };
+        let tps = if nanos == 0 {
+            0.0
+        } else {
+            rows as f64 / (nanos as f64 / 1e9)
+        };
         gauge(
             &mut s,
             "forward_serve_decode_tokens_per_second",
             "Decode throughput over the server's life (rows / decode seconds).",
             tps,
         );
-        gauge(&mut s, "forward_serve_queue_depth", "Requests waiting for a slot.", self.queue_depth.load(Relaxed) as f64);
+        gauge(
+            &mut s,
+            "forward_serve_queue_depth",
+            "Requests waiting for a slot.",
+            self.queue_depth.load(Relaxed) as f64,
+        );
         gauge(
             &mut s,
             "forward_serve_active_sequences",
             "Sequences being generated.",
             self.active_sequences.load(Relaxed) as f64,
         );
-        counter(&mut s, "forward_serve_device_errors_total", "Failed engine passes.", self.device_errors.load(Relaxed));
+        counter(
+            &mut s,
+            "forward_serve_device_errors_total",
+            "Failed engine passes.",
+            self.device_errors.load(Relaxed),
+        );
         counter(
             &mut s,
             "forward_serve_cancelled_total",
             "Generations cancelled (client gone or shutdown).",
             self.cancelled.load(Relaxed),
         );
-        counter(&mut s, "forward_serve_timeouts_total", "Generations ended by the request timeout.", self.timeouts.load(Relaxed));
+        counter(
+            &mut s,
+            "forward_serve_timeouts_total",
+            "Generations ended by the request timeout.",
+            self.timeouts.load(Relaxed),
+        );
         counter(
             &mut s,
             "forward_serve_rejected_queue_full_total",

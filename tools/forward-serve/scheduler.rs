@@ -6,7 +6,9 @@
 //! real model has one KV cache today, so its adapter holds one resident sequence and the scheduler
 //! admits one at a time (see docs/serving.md).
 
-use super::engine::{Engine, EngineError, Sampler, SamplerConfig, SeqId, StopFilter, TextCodec, Utf8Stream};
+use super::engine::{
+    Engine, EngineError, Sampler, SamplerConfig, SeqId, StopFilter, TextCodec, Utf8Stream,
+};
 use super::metrics::Metrics;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
@@ -140,7 +142,13 @@ pub fn run(
                 continue;
             }
             if abort || a.req.cancel.load(Relaxed) || a.req.events.is_closed() {
-                finish(a, Finish::Cancelled, codec.eos_ids(), &metrics, &mut scratch);
+                finish(
+                    a,
+                    Finish::Cancelled,
+                    codec.eos_ids(),
+                    &metrics,
+                    &mut scratch,
+                );
             } else if now >= a.req.deadline {
                 finish(a, Finish::Timeout, codec.eos_ids(), &metrics, &mut scratch);
             }
@@ -155,7 +163,10 @@ pub fn run(
             let t0 = Instant::now();
             let mut sampled: Vec<Option<u32>> = vec![None; rows.len()];
             let res = {
-                let mut by_seq: Vec<&mut Active> = active.iter_mut().filter(|a| !a.done && a.pending.is_some()).collect();
+                let mut by_seq: Vec<&mut Active> = active
+                    .iter_mut()
+                    .filter(|a| !a.done && a.pending.is_some())
+                    .collect();
                 let r = engine.decode(&rows, &mut |i, logits| {
                     if let Some(a) = by_seq.get_mut(i) {
                         sampled[i] = Some(a.sampler.sample(logits));
@@ -163,15 +174,16 @@ pub fn run(
                 });
                 r
             };
-            metrics.decode_nanos.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+            metrics
+                .decode_nanos
+                .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
             metrics.decode_rows.fetch_add(rows.len() as u64, Relaxed);
             match res {
                 Ok(()) => {
                     let eos = codec.eos_ids();
-                    let mut i = 0;
-                    for a in active.iter_mut().filter(|a| !a.done && a.pending.is_some()) {
+                    let live = active.iter_mut().filter(|a| !a.done && a.pending.is_some());
+                    for (i, a) in live.enumerate() {
                         let tok = sampled.get(i).copied().flatten();
-                        i += 1;
                         match tok {
                             Some(t) => {
                                 let pos = engine.position(a.seq);
@@ -260,10 +272,14 @@ fn admit(
         req,
     };
     let mut first = None;
-    let res = engine.prefill(seq, &a.req.prompt, &mut |logits| first = Some(a.sampler.sample(logits)));
+    let res = engine.prefill(seq, &a.req.prompt, &mut |logits| {
+        first = Some(a.sampler.sample(logits))
+    });
     match res {
         Ok(()) => {
-            metrics.prompt_tokens.fetch_add(a.req.prompt.len() as u64, Relaxed);
+            metrics
+                .prompt_tokens
+                .fetch_add(a.req.prompt.len() as u64, Relaxed);
             match first {
                 Some(t) => {
                     let pos = engine.position(seq);

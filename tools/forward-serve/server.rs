@@ -32,7 +32,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/tokenize", post(api::tokenize))
         .route("/detokenize", post(api::detokenize))
         .fallback(api::fallback)
-        .layer(axum::middleware::from_fn_with_state(app.clone(), api::track))
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            api::track,
+        ))
         .with_state(app)
 }
 
@@ -88,9 +91,11 @@ pub async fn run(
         q.take();
     }
     control.abort.store(true, Relaxed);
-    let done = tokio::task::spawn_blocking(move || scheduler::join_within(engine_thread, grace + Duration::from_secs(2)))
-        .await
-        .unwrap_or(false);
+    let done = tokio::task::spawn_blocking(move || {
+        scheduler::join_within(engine_thread, grace + Duration::from_secs(2))
+    })
+    .await
+    .unwrap_or(false);
     if !done {
         return Err(ServeError::EngineStuck);
     }
