@@ -7,20 +7,46 @@ mod common;
 use common::{max_diff, smollm2_gguf};
 use xdna::model::reference::Reference;
 use xdna::model::sample::argmax;
-use xdna::model::{host_gguf, Model, ModelError};
+use xdna::model::{Model, ModelError};
 
-/// Logit tolerance of the fast path against the reference, absolute, per logit.
-/// Why: the fast path accumulates in f32 (reference: f64) and, through the kernels layer, may
-/// quantize activations to q8 per 32-column block (relative error ≤ 1/254 per element, i.e. ≈ 0.4 %
-/// of each block's max); over 30 layers that gives logit errors of a few hundredths on logits of
-/// magnitude ≈ 20. 0.25 leaves margin and still catches any real bug (a RoPE sign or a KV
-/// off-by-one moves logits by whole units).
-const TOL: f32 = 0.25;
+/// Logit tolerance of the fast path against the exact (f32-activation, f64-sum) reference,
+/// absolute, per logit (logits here have magnitude ≈ 15–35).
+///
+/// Why this size: the kernels layer rounds every projection's input to q8 per 32 values (ggml
+/// q8_1: step d = max|x|/127, error ≤ d/2 per element, ≈ 0.4 % of the group's largest value).
+/// SmolLM2 has outlier channels, so a group holding an outlier quantizes its other 31 values
+/// coarsely; over 30 layers this gives measured max |Δlogit| ≈ 0.5–1.0 and rms ≈ 0.1–0.5 per
+/// position. The rounding is also discontinuous: even a reference that applies the very same q8
+/// rounding (`with_activation_q8`) differs from the fast path by the same order once positions > 0
+/// (f32 vs f64 sums flip codes at rounding boundaries, and each flip is a full quantization step),
+/// so no tighter per-logit oracle exists for q8 arithmetic. Distribution-level agreement is
+/// checked by `MAX_MEAN_KL` here and by perplexity (≤ 0.5 %) in `model_perplexity.rs`.
+/// Bugs are far larger (a RoPE sign flip or a KV off-by-one moves logits by several units).
+const TOL: f32 = 1.5;
+/// With exact projections (f32 activations) only f32-vs-f64 summation order differs from the
+/// reference: logits agree to ~1e-3.
+const TOL_EXACT: f32 = 0.005;
+/// Mean KL(reference ‖ fast) over the 64 positions, in nats.
+const MAX_MEAN_KL: f64 = 0.02;
+
+fn kl(p_logits: &[f32], q_logits: &[f32]) -> f64 {
+    let lse = |l: &[f32]| {
+        let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        m + l.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln()
+    };
+    let (lp, lq) = (lse(p_logits), lse(q_logits));
+    p_logits
+        .iter()
+        .zip(q_logits)
+        .map(|(&a, &b)| {
+            let (la, lb) = (a as f64 - lp, b as f64 - lq);
+            la.exp() * (la - lb)
+        })
+        .sum()
+}
 
 fn fast_model(ctx: usize) -> Option<Model> {
-    let path = smollm2_gguf()?;
-    let w = host_gguf::load(&path).expect("load fast weights");
-    Some(Model::new(w, ctx).expect("model"))
+    common::fast_model(ctx).map(|(_, m)| m)
 }
 
 const PROMPT: [u32; 8] = [504, 3458, 282, 4649, 314, 216, 9637, 30];
@@ -32,7 +58,8 @@ fn fast_path_matches_reference_over_64_tokens() {
     // 8 fixed tokens, then greedy continuation by the fast path up to 64 tokens.
     let mut toks: Vec<u32> = PROMPT.to_vec();
     let mut fast_logits: Vec<Vec<f32>> = Vec::new();
-    m.prefill_with(&toks, 0, &mut |_, l| fast_logits.push(l.to_vec())).unwrap();
+    m.prefill_with(&toks, 0, &mut |_, l| fast_logits.push(l.to_vec()))
+        .unwrap();
     while toks.len() < 64 {
         let next = argmax(fast_logits.last().unwrap());
         toks.push(next);
@@ -43,20 +70,58 @@ fn fast_path_matches_reference_over_64_tokens() {
     let ref_logits = r.forward(&toks, 0).unwrap();
     let mut worst = 0f32;
     let mut disagree = 0;
+    let mut kl_sum = 0f64;
     for (p, (f, rl)) in fast_logits.iter().zip(&ref_logits).enumerate() {
         let (d, mag) = max_diff(f, rl);
         worst = worst.max(d);
-        assert!(d <= TOL, "position {p}: max |Δlogit| {d} > {TOL} (|logit| ≤ {mag})");
+        kl_sum += kl(rl, f);
+        assert!(
+            d <= TOL,
+            "position {p}: max |Δlogit| {d} > {TOL} (|logit| ≤ {mag})"
+        );
         if argmax(f) != argmax(rl) {
             // Only a near-tie may flip: the reference's top-2 margin must be within 2·TOL.
             let mut s = rl.clone();
             s.sort_by(|a, b| b.total_cmp(a));
-            assert!(s[0] - s[1] <= 2.0 * TOL, "position {p}: greedy token differs");
+            assert!(
+                s[0] - s[1] <= 2.0 * TOL,
+                "position {p}: greedy token differs"
+            );
             disagree += 1;
         }
     }
-    eprintln!("fast vs reference: max |Δlogit| = {worst}, greedy disagreements (near-ties) = {disagree}");
+    let mean_kl = kl_sum / 64.0;
+    eprintln!(
+        "fast vs reference: max |Δlogit| = {worst}, mean KL = {mean_kl:.5} nats, greedy near-tie flips = {disagree}/64"
+    );
     assert!(disagree <= 2);
+    assert!(mean_kl <= MAX_MEAN_KL, "mean KL {mean_kl}");
+}
+
+/// The fast forward's own code (norms, RoPE, attention, KV, chunking) with exact projections
+/// against the reference: only f32-vs-f64 rounding remains, so the bound is tight.
+#[test]
+fn model_code_with_exact_projections_matches_reference_tightly() {
+    let Some(path) = smollm2_gguf() else { return };
+    let (_, mut m) = common::model_with(256, true).unwrap();
+    let toks: Vec<u32> = (0..64)
+        .map(|i| PROMPT[i % 8] + (i as u32 / 8) * 101)
+        .collect();
+    let mut fast = Vec::new();
+    m.prefill_with(&toks, 0, &mut |_, l| fast.push(l.to_vec()))
+        .unwrap();
+    let r = Reference::open(&path).unwrap().forward(&toks, 0).unwrap();
+    let mut worst = 0f32;
+    for (p, (f, rl)) in fast.iter().zip(&r).enumerate() {
+        let (d, _) = max_diff(f, rl);
+        worst = worst.max(d);
+        assert!(
+            d <= TOL_EXACT,
+            "position {p}: max |Δlogit| {d} > {TOL_EXACT}"
+        );
+        assert_eq!(argmax(f), argmax(rl), "position {p}");
+    }
+    eprintln!("exact projections vs reference: max |Δlogit| = {worst}");
 }
 
 #[test]
@@ -105,7 +170,8 @@ fn prefill_chunks_are_exact_across_the_128_boundary() {
     let mut b = fast_model(512).unwrap();
     let toks: Vec<u32> = (0..200).map(|i| ((i * 7919) % 49000) as u32 + 10).collect();
     let mut la = Vec::new();
-    a.prefill_with(&toks, 120, &mut |i, l| la.push((i, l.to_vec()))).unwrap();
+    a.prefill_with(&toks, 120, &mut |i, l| la.push((i, l.to_vec())))
+        .unwrap();
     assert_eq!(la.len(), 80);
     assert_eq!(la[0].0, 120);
     // b: 100 rows of prefill, then 16-row verify passes, then single steps.
@@ -127,7 +193,10 @@ fn prefill_chunks_are_exact_across_the_128_boundary() {
     assert_eq!(b.position(), 200);
     for ((i, x), y) in la.iter().zip(&lb) {
         let (d, _) = max_diff(x, y);
-        assert!(d < 1e-3, "row {i}: chunked prefill vs verify passes differ by {d}");
+        assert!(
+            d < 1e-3,
+            "row {i}: chunked prefill vs verify passes differ by {d}"
+        );
     }
 }
 
@@ -135,17 +204,41 @@ fn prefill_chunks_are_exact_across_the_128_boundary() {
 fn verify_contract_errors_and_failed_pass() {
     let Some(mut m) = fast_model(64) else { return };
     let many = [1u32; 17];
-    assert!(matches!(m.step_batch_all(&many, &[]), Err(ModelError::BatchRows { rows: 17, .. })));
-    assert!(matches!(m.step_batch_all(&[], &[]), Err(ModelError::BatchRows { rows: 0, .. })));
-    assert!(matches!(m.commit_verify_rows(1), Err(ModelError::State { .. })));
+    assert!(matches!(
+        m.step_batch_all(&many, &[]),
+        Err(ModelError::BatchRows { rows: 17, .. })
+    ));
+    assert!(matches!(
+        m.step_batch_all(&[], &[]),
+        Err(ModelError::BatchRows { rows: 0, .. })
+    ));
+    assert!(matches!(
+        m.commit_verify_rows(1),
+        Err(ModelError::State { .. })
+    ));
     m.step_batch_all(&[1, 2, 3], &[]).unwrap();
-    assert!(matches!(m.step_batch_all(&[1], &[]), Err(ModelError::State { .. })));
-    assert!(matches!(m.commit_verify_rows(0), Err(ModelError::Commit { n: 0, len: 3 })));
-    assert!(matches!(m.commit_verify_rows(4), Err(ModelError::Commit { n: 4, len: 3 })));
+    assert!(matches!(
+        m.step_batch_all(&[1], &[]),
+        Err(ModelError::State { .. })
+    ));
+    assert!(matches!(
+        m.commit_verify_rows(0),
+        Err(ModelError::Commit { n: 0, len: 3 })
+    ));
+    assert!(matches!(
+        m.commit_verify_rows(4),
+        Err(ModelError::Commit { n: 4, len: 3 })
+    ));
     m.commit_verify_rows(3).unwrap();
     assert_eq!(m.position(), 3);
-    assert!(matches!(m.step_batch_all(&[60000], &[]), Err(ModelError::Token { .. })));
-    assert!(matches!(m.step_batch_all(&[1], &[30]), Err(ModelError::Tap { .. })));
+    assert!(matches!(
+        m.step_batch_all(&[60000], &[]),
+        Err(ModelError::Token { .. })
+    ));
+    assert!(matches!(
+        m.step_batch_all(&[1], &[30]),
+        Err(ModelError::Tap { .. })
+    ));
     // A pass failing mid-way leaves the committed state untouched.
     let before = m.step_batch_all(&[5], &[]).unwrap().logits(0).to_vec();
     m.commit_verify_rows(1).unwrap();
@@ -154,8 +247,14 @@ fn verify_contract_errors_and_failed_pass() {
     m2.commit_verify_rows(3).unwrap();
     m2.inject_failure_at_layer(Some(17));
     assert!(m2.step_batch_all(&[9, 9, 9, 9], &[]).is_err());
-    assert!(matches!(m2.commit_verify_rows(1), Err(ModelError::State { .. })));
-    assert!(matches!(m2.step_batch_all(&[5], &[]), Err(ModelError::State { .. })));
+    assert!(matches!(
+        m2.commit_verify_rows(1),
+        Err(ModelError::State { .. })
+    ));
+    assert!(matches!(
+        m2.step_batch_all(&[5], &[]),
+        Err(ModelError::State { .. })
+    ));
     m2.inject_failure_at_layer(None);
     m2.recover();
     assert_eq!(m2.position(), 3);

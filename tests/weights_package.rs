@@ -70,6 +70,11 @@ fn smollm2_import_matches_the_gguf() {
         (576, 1536, 30, 9, 3, 64, 49152)
     );
     assert_eq!(c.rope_theta, 100000.0);
+    assert_eq!(
+        c.raw["rms_norm_eps"].as_f64(),
+        Some(1e-5),
+        "written as HF writes it"
+    );
     assert_eq!(c.max_position_embeddings, 8192);
     assert!(c.tie_word_embeddings);
     assert_eq!(c.raw["architectures"][0], "LlamaForCausalLM");
@@ -91,6 +96,15 @@ fn smollm2_import_matches_the_gguf() {
         assert_eq!(got, want, "token {tok}");
     }
     assert!(pkg.embedding_row(49152, &mut got).is_err());
+    let head = pkg.lm_head().unwrap();
+    assert_eq!((head.rows, head.cols), (49152, 576));
+    assert!(matches!(
+        head.format,
+        WeightFormat::Q8 {
+            scale: ScaleType::F16,
+            ..
+        }
+    ));
 
     // Fused QKV of layer 3: q rows un-permuted, then k rows un-permuted, then v as is.
     let qkv = pkg
@@ -229,6 +243,7 @@ fn tiny_tokenizer(dir: &Path) -> Tokenizer {
 }
 
 #[test]
+#[allow(clippy::needless_range_loop)] // (tile, group, row) indices mirror the tile layout
 fn flm_style_package_loads_unfused() {
     let dir = scratch("flm");
     let (hidden, layers, heads, kv, hd, vocab) =
@@ -302,12 +317,19 @@ fn flm_style_package_loads_unfused() {
             dtype: Dtype::I8,
             shape: vec![8, 5120],
         },
+        Declared {
+            name: "model.layers.0.self_attn.k_proj.weight".into(),
+            dtype: Dtype::I8,
+            shape: vec![4, 1, 5120], // 3-D grid [out/32, in/256, chunk]
+        },
     ];
     let mut w = Writer::create(dir.join("model.q4nx"), &decl, &BTreeMap::new()).unwrap();
     w.write("model.embed_tokens.weight", &emb).unwrap();
     w.write("model.layers.0.input_layernorm.weight", &norm)
         .unwrap();
     w.write("model.layers.0.self_attn.q_proj.weight", &q)
+        .unwrap();
+    w.write("model.layers.0.self_attn.k_proj.weight", &q[..4 * 5120])
         .unwrap();
     w.finish().unwrap();
 
@@ -334,6 +356,24 @@ fn flm_style_package_loads_unfused() {
         let want = code_of[1][c / 32][5][c % 32] as f32 * 0.5 - 4.0;
         assert_eq!(v, want, "col {c}");
     }
+    // The 3-D grid: same tiles, logical [128, 256]; dims checked, not only the byte count.
+    let k = pkg
+        .matrix("model.layers.0.self_attn.k_proj.weight", 128, 256)
+        .unwrap();
+    let mut krow = vec![0f32; 256];
+    k.decode_row(37, &mut krow).unwrap();
+    assert_eq!(krow, row);
+    let err = pkg
+        .matrix("model.layers.0.self_attn.k_proj.weight", 64, 512)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("k_proj") && err.contains("[4, 1, 5120]"),
+        "{err}"
+    );
+    assert!(pkg
+        .matrix("model.layers.0.self_attn.k_proj.weight", 256, 256)
+        .is_err());
     let mut e = vec![0f32; hidden];
     pkg.embedding_row(3, &mut e).unwrap();
     assert_eq!(e[0], ((3 * hidden) % 7) as f32 - 3.0);

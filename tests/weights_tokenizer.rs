@@ -56,6 +56,11 @@ fn corpus() -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // Long pieces (the BPE must stay fast and exact on them).
+    v.push("a".repeat(3000));
+    v.push("ab1 ".repeat(300));
+    v.push("QmFzZTY0IGRhdGEgd2l0aG91dCBzcGFjZXM/".repeat(60));
+    v.push(" ".repeat(500) + "x");
     // Pseudo-random strings over a palette that hits every branch of the pre-tokenizer.
     let palette: Vec<char> =
         "aZé中😀 \t\n\r0123456789'!?.,-_()[]{}<|>sStTdDlLmMvVrReE½Ⅻ٣\u{00A0}\u{0301}\u{3000}"
@@ -181,4 +186,45 @@ fn decode_stream_holds_back_partial_utf8() {
     let mut out = s.push(lone);
     out.push_str(&s.push(t.encode("x", false)[0]));
     assert_eq!(out, "\u{FFFD}x");
+}
+
+#[test]
+fn llama3_and_qwen2_split_patterns_match_tokenizers_crate() {
+    use xdna::weights::tokenizer::{LLAMA3_PATTERN, QWEN2_PATTERN};
+    let Some(path) = gguf_path() else { return };
+    let f = GgufFile::open(&path).unwrap();
+    let base = tokenizer_json(&Tokenizer::from_gguf(&f).unwrap());
+    for (pattern, want_pre) in [
+        (LLAMA3_PATTERN, PreTokenizer::Llama3),
+        (QWEN2_PATTERN, PreTokenizer::Qwen2),
+    ] {
+        let mut json = base.clone();
+        json["pre_tokenizer"] = serde_json::json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                { "type": "Split", "pattern": { "Regex": pattern }, "behavior": "Isolated", "invert": false },
+                { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
+            ]
+        });
+        let hf = reference(&json);
+        let ours = Tokenizer::from_json(std::path::Path::new("tokenizer.json"), &json).unwrap();
+        assert_eq!(ours.pre_tokenizer(), want_pre);
+        // Our writer round-trips the same pre-tokenizer.
+        assert_eq!(
+            tokenizer_json(&ours)["pre_tokenizer"],
+            json["pre_tokenizer"]
+        );
+        for text in corpus() {
+            let want: Vec<u32> = hf.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+            assert_eq!(ours.encode(&text, true), want, "{want_pre:?}: {text:?}");
+        }
+    }
+    // Anything else is refused by name rather than tokenized differently.
+    let mut json = base.clone();
+    json["pre_tokenizer"] = serde_json::json!({ "type": "Whitespace" });
+    let err = Tokenizer::from_json(std::path::Path::new("tokenizer.json"), &json).unwrap_err();
+    assert!(
+        err.to_string().contains("unsupported pre_tokenizer"),
+        "{err}"
+    );
 }

@@ -70,7 +70,9 @@ impl ModelConfig {
     pub fn from_json(v: &Value, file: &str) -> Result<Self, ModelError> {
         let f = Fields { v, file };
         let model_type = f.opt_str("model_type")?.unwrap_or("llama").to_string();
-        let known = ["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "smollm3"];
+        let known = [
+            "llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "smollm3",
+        ];
         if !known.contains(&model_type.as_str()) {
             return Err(ModelError::Unsupported {
                 what: format!("model_type {model_type:?} in {file} (supported: {known:?})"),
@@ -92,10 +94,7 @@ impl ModelConfig {
             }
         };
         if kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(f.bad(
-                "num_key_value_heads",
-                "a divisor of num_attention_heads",
-            ));
+            return Err(f.bad("num_key_value_heads", "a divisor of num_attention_heads"));
         }
         if head_dim % 2 != 0 || head_dim == 0 {
             return Err(f.bad("head_dim", "an even, non-zero number"));
@@ -161,8 +160,8 @@ impl ModelConfig {
                         } else if wavelen > low_wavelen {
                             freq / factor
                         } else {
-                            let smooth =
-                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * freq / factor + smooth * freq
                         }
                     }
@@ -205,7 +204,10 @@ impl Fields<'_> {
         ModelError::Config {
             file: self.file.to_string(),
             field: field.to_string(),
-            problem: format!("expected {expected}, got {}", self.v.get(field).unwrap_or(&Value::Null)),
+            problem: format!(
+                "expected {expected}, got {}",
+                self.v.get(field).unwrap_or(&Value::Null)
+            ),
         }
     }
     fn missing(&self, field: &str) -> ModelError {
@@ -292,11 +294,18 @@ mod tests {
     fn missing_and_bad_fields_are_named() {
         let mut v = smollm2();
         v.as_object_mut().unwrap().remove("hidden_size");
-        let e = ModelConfig::from_json(&v, "x/config.json").unwrap_err().to_string();
-        assert!(e.contains("hidden_size") && e.contains("x/config.json"), "{e}");
+        let e = ModelConfig::from_json(&v, "x/config.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("hidden_size") && e.contains("x/config.json"),
+            "{e}"
+        );
         let mut v = smollm2();
         v["num_key_value_heads"] = json!(4);
-        let e = ModelConfig::from_json(&v, "c.json").unwrap_err().to_string();
+        let e = ModelConfig::from_json(&v, "c.json")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("num_key_value_heads"), "{e}");
         let mut v = smollm2();
         v["rope_theta"] = json!("big");

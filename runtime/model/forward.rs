@@ -84,7 +84,12 @@ impl ModelWeights {
         let per_layer: usize = self
             .layers
             .iter()
-            .map(|l| l.qkv.weight_bytes() + l.o.weight_bytes() + l.gate_up.weight_bytes() + l.down.weight_bytes())
+            .map(|l| {
+                l.qkv.weight_bytes()
+                    + l.o.weight_bytes()
+                    + l.gate_up.weight_bytes()
+                    + l.down.weight_bytes()
+            })
             .sum();
         per_layer + self.lm_head.weight_bytes()
     }
@@ -94,7 +99,11 @@ impl ModelWeights {
         let check = |what: String, p: &dyn Projection, n: usize, k: usize| {
             if p.rows() != n || p.cols() != k {
                 Err(ModelError::Shape {
-                    what: format!("{what}: expected [{n}, {k}], got [{}, {}]", p.rows(), p.cols()),
+                    what: format!(
+                        "{what}: expected [{n}, {k}], got [{}, {}]",
+                        p.rows(),
+                        p.cols()
+                    ),
                 })
             } else {
                 Ok(())
@@ -102,14 +111,28 @@ impl ModelWeights {
         };
         if self.layers.len() != c.layers {
             return Err(ModelError::Shape {
-                what: format!("{} layers loaded, config says {}", self.layers.len(), c.layers),
+                what: format!(
+                    "{} layers loaded, config says {}",
+                    self.layers.len(),
+                    c.layers
+                ),
             });
         }
         for (i, l) in self.layers.iter().enumerate() {
             check(format!("layer {i} qkv"), &*l.qkv, c.qkv_rows(), c.hidden)?;
             check(format!("layer {i} o_proj"), &*l.o, c.hidden, c.q_dim())?;
-            check(format!("layer {i} gate_up"), &*l.gate_up, 2 * c.intermediate, c.hidden)?;
-            check(format!("layer {i} down"), &*l.down, c.hidden, c.intermediate)?;
+            check(
+                format!("layer {i} gate_up"),
+                &*l.gate_up,
+                2 * c.intermediate,
+                c.hidden,
+            )?;
+            check(
+                format!("layer {i} down"),
+                &*l.down,
+                c.hidden,
+                c.intermediate,
+            )?;
             let vecs = [
                 ("input_layernorm", Some(&l.attn_norm), c.hidden),
                 ("post_attention_layernorm", Some(&l.ffn_norm), c.hidden),
@@ -131,7 +154,11 @@ impl ModelWeights {
         check("lm_head".into(), &*self.lm_head, c.vocab, c.hidden)?;
         if self.final_norm.len() != c.hidden {
             return Err(ModelError::Shape {
-                what: format!("model.norm: expected {} values, got {}", c.hidden, self.final_norm.len()),
+                what: format!(
+                    "model.norm: expected {} values, got {}",
+                    c.hidden,
+                    self.final_norm.len()
+                ),
             });
         }
         Ok(())
@@ -345,7 +372,11 @@ impl Model {
     ///
     /// Returns one logit row per input row and, for each layer in `taps`, every row's hidden state
     /// after that layer. Must be followed by [`Model::commit_verify_rows`].
-    pub fn step_batch_all(&mut self, tokens: &[u32], taps: &[usize]) -> Result<&BatchOutput, ModelError> {
+    pub fn step_batch_all(
+        &mut self,
+        tokens: &[u32],
+        taps: &[usize],
+    ) -> Result<&BatchOutput, ModelError> {
         self.check_ready()?;
         if tokens.is_empty() || tokens.len() > MAX_VERIFY_ROWS {
             return Err(ModelError::BatchRows {
@@ -437,7 +468,14 @@ impl Model {
             let first = first_logit_row.saturating_sub(base);
             let pos = self.pos;
             let mut sink = Sink::Callback { base, f: on_logits };
-            if let Err(e) = self.forward_rows(chunk, pos, Family::for_rows(chunk.len()), first, &mut sink, false) {
+            if let Err(e) = self.forward_rows(
+                chunk,
+                pos,
+                Family::for_rows(chunk.len()),
+                first,
+                &mut sink,
+                false,
+            ) {
                 self.pos = start;
                 return Err(e);
             }
@@ -483,7 +521,9 @@ impl Model {
             }
         }
         for (i, &t) in tokens.iter().enumerate() {
-            self.w.embed.row(t, &mut s.x[i * hidden..(i + 1) * hidden])?;
+            self.w
+                .embed
+                .row(t, &mut s.x[i * hidden..(i + 1) * hidden])?;
             ops::rope_angles(
                 pos + i,
                 &self.inv_freq,
@@ -495,8 +535,14 @@ impl Model {
             if self.fail_at_layer == Some(l) {
                 return Err(ModelError::Other(format!("injected failure at layer {l}")));
             }
-            ops::rmsnorm(&s.x[..m * hidden], &lw.attn_norm, eps, &mut s.xn[..m * hidden]);
-            lw.qkv.gemm(&s.xn[..m * hidden], m, &mut s.qkv[..m * qkvn], family)?;
+            ops::rmsnorm(
+                &s.x[..m * hidden],
+                &lw.attn_norm,
+                eps,
+                &mut s.xn[..m * hidden],
+            );
+            lw.qkv
+                .gemm(&s.xn[..m * hidden], m, &mut s.qkv[..m * qkvn], family)?;
             let kc = &mut self.k_cache[l];
             let vc = &mut self.v_cache[l];
             for i in 0..m {
@@ -506,7 +552,10 @@ impl Model {
                         *v += b;
                     }
                 }
-                let (cos, sin) = (&s.cos[i * half..(i + 1) * half], &s.sin[i * half..(i + 1) * half]);
+                let (cos, sin) = (
+                    &s.cos[i * half..(i + 1) * half],
+                    &s.sin[i * half..(i + 1) * half],
+                );
                 for (h, head) in row[..qd + kvd].chunks_exact_mut(hd).enumerate() {
                     let norm = if h < c.heads { &lw.q_norm } else { &lw.k_norm };
                     if let Some(nw) = norm {
@@ -532,11 +581,27 @@ impl Model {
                 );
             }
             lw.o.gemm(&s.attn[..m * qd], m, &mut s.o[..m * hidden], family)?;
-            add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], lw.o_bias.as_deref(), hidden);
-            ops::rmsnorm(&s.x[..m * hidden], &lw.ffn_norm, eps, &mut s.xn[..m * hidden]);
-            lw.gate_up.gemm(&s.xn[..m * hidden], m, &mut s.gate_up[..m * 2 * inter], family)?;
+            add_rows(
+                &mut s.x[..m * hidden],
+                &s.o[..m * hidden],
+                lw.o_bias.as_deref(),
+                hidden,
+            );
+            ops::rmsnorm(
+                &s.x[..m * hidden],
+                &lw.ffn_norm,
+                eps,
+                &mut s.xn[..m * hidden],
+            );
+            lw.gate_up.gemm(
+                &s.xn[..m * hidden],
+                m,
+                &mut s.gate_up[..m * 2 * inter],
+                family,
+            )?;
             ops::swiglu(&s.gate_up[..m * 2 * inter], inter, &mut s.act[..m * inter]);
-            lw.down.gemm(&s.act[..m * inter], m, &mut s.o[..m * hidden], family)?;
+            lw.down
+                .gemm(&s.act[..m * inter], m, &mut s.o[..m * hidden], family)?;
             add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
             if taps {
                 for (t, _) in self.out.taps.iter().enumerate().filter(|(_, &tl)| tl == l) {
@@ -558,9 +623,12 @@ impl Model {
                 &mut s.head_in[..n * hidden],
             );
             let fam = Family::for_rows(n);
-            self.w
-                .lm_head
-                .gemm(&s.head_in[..n * hidden], n, &mut self.out.logits[..n * vocab], fam)?;
+            self.w.lm_head.gemm(
+                &s.head_in[..n * hidden],
+                n,
+                &mut self.out.logits[..n * vocab],
+                fam,
+            )?;
             if let Sink::Callback { base, f } = sink {
                 for i in 0..n {
                     f(*base + r0 + i, &self.out.logits[i * vocab..(i + 1) * vocab]);

@@ -9,7 +9,10 @@ use serde_json::{json, Value};
 /// Build the HF-style config of a llama-family GGUF.
 pub fn config_value(g: &GgufLite) -> Result<Value, ModelError> {
     let file = g.path.display().to_string();
-    let arch = g.meta_str("general.architecture").unwrap_or("llama").to_string();
+    let arch = g
+        .meta_str("general.architecture")
+        .unwrap_or("llama")
+        .to_string();
     let key = |k: &str| format!("{arch}.{k}");
     let int = |k: &str| -> Result<i64, ModelError> {
         g.meta
@@ -53,7 +56,11 @@ pub fn config_value(g: &GgufLite) -> Result<Value, ModelError> {
         "tie_word_embeddings": !g.tensors.contains_key("output.weight"),
         "max_position_embeddings": g.meta.get(&key("context_length")).and_then(Meta::as_i64).unwrap_or(2048),
     });
-    if let Some(hd) = g.meta.get(&key("attention.key_length")).and_then(Meta::as_i64) {
+    if let Some(hd) = g
+        .meta
+        .get(&key("attention.key_length"))
+        .and_then(Meta::as_i64)
+    {
         v["head_dim"] = json!(hd);
     }
     Ok(v)

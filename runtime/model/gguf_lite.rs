@@ -250,10 +250,12 @@ impl GgufLite {
     }
 
     pub fn info(&self, name: &str) -> Result<&TensorInfo, ModelError> {
-        self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor {
-            name: name.to_string(),
-            file: self.path.display().to_string(),
-        })
+        self.tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                file: self.path.display().to_string(),
+            })
     }
 
     /// Raw bytes of a tensor.

@@ -2,11 +2,12 @@
 //! (`step_batch_all` / `commit_verify_rows`), the reference forward used by tests, sampling, and
 //! streaming detokenization. See `docs/model.md`.
 
+pub mod bandwidth;
 pub mod config;
 pub mod forward;
 pub mod gguf_config;
 pub mod gguf_lite;
-pub mod host_gguf;
+pub mod load;
 pub mod ops;
 pub mod perplexity;
 pub mod reference;
@@ -14,7 +15,9 @@ pub mod sample;
 pub mod text;
 
 pub use config::{ModelConfig, RopeScaling};
-pub use forward::{BatchOutput, Family, Model, ModelWeights, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS};
+pub use forward::{
+    BatchOutput, Family, Model, ModelWeights, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
+};
 
 /// Errors of the model layer.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +48,10 @@ pub enum ModelError {
     Tap { layer: usize, layers: usize },
     #[error("model state: {what}")]
     State { what: String },
+    #[error(transparent)]
+    Weights(#[from] crate::weights::WeightsError),
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelError),
     #[error("{0}")]
     Other(String),
 }

@@ -46,7 +46,10 @@ pub fn rope_half_split(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 
 /// `out[i] = silu(gate[i]) * up[i]` for a fused `[rows, 2*inter]` gate‖up row layout.
 pub fn swiglu(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
+    for (gu, o) in gate_up
+        .chunks_exact(2 * inter)
+        .zip(out.chunks_exact_mut(inter))
+    {
         let (g, u) = gu.split_at(inter);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + (-g).exp()) * u;

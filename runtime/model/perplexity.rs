@@ -20,9 +20,18 @@ pub struct PerplexityResult {
 pub fn nll(logits: &[f32], target: u32) -> f64 {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
-    let lt = logits.get(target as usize).copied().unwrap_or(f32::NEG_INFINITY) as f64;
+    let lt = logits
+        .get(target as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY) as f64;
     -(lt - max - sum.ln())
 }
+
+/// Receives `(row, logits)` for each scored row.
+pub type LogitSink<'a> = dyn FnMut(usize, &[f32]) + 'a;
+/// Runs one chunk from a fresh state: `(tokens, first_row, sink)`.
+pub type ChunkEval<'a> =
+    dyn FnMut(&[u32], usize, &mut LogitSink<'_>) -> Result<(), ModelError> + 'a;
 
 /// Run the method. `eval(chunk_tokens, first_row, on_logits)` must run `chunk_tokens` from a fresh
 /// state and call `on_logits(i, logits)` for every row `i ≥ first_row`. `progress(chunk, running)`
@@ -31,7 +40,7 @@ pub fn perplexity(
     tokens: &[u32],
     ctx: usize,
     bos: Option<u32>,
-    eval: &mut dyn FnMut(&[u32], usize, &mut dyn FnMut(usize, &[f32])) -> Result<(), ModelError>,
+    eval: &mut ChunkEval<'_>,
     progress: &mut dyn FnMut(usize, f64),
 ) -> Result<PerplexityResult, ModelError> {
     if ctx < 4 {

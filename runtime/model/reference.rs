@@ -40,15 +40,39 @@ pub struct Reference {
     output: Option<Vec<f32>>,
     embed: Vec<f32>,
     interleaved_rope: bool,
+    act_q8: bool,
+}
+
+/// ggml `q8_1`-style activation rounding of one row, written independently of the kernels layer:
+/// per 32 values `d = max|x| / 127`, `x̂ = d · round_half_even(x / d)`.
+pub fn quantize_q8_row(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for g in x.chunks(32) {
+        let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(
+            g.iter()
+                .map(|&v| (v * inv).round_ties_even().clamp(-127.0, 127.0) * d),
+        );
+    }
+    out
 }
 
 fn dot64(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 
-/// `y[t][r] = Σ_k x[t][k] w[r][k]` with f64 accumulation.
-fn matmul(x: &[Vec<f32>], w: &[f32], rows: usize) -> Vec<Vec<f32>> {
+/// `y[t][r] = Σ_k x̂[t][k] w[r][k]` with f64 accumulation; `x̂ = x`, or q8-rounded when `q8`.
+fn matmul(x: &[Vec<f32>], w: &[f32], rows: usize, q8: bool) -> Vec<Vec<f32>> {
     let k = x.first().map_or(0, |v| v.len());
+    let xq: Vec<Vec<f32>>;
+    let x = if q8 {
+        xq = x.iter().map(|r| quantize_q8_row(r)).collect();
+        &xq
+    } else {
+        x
+    };
     let mut y = vec![vec![0f32; rows]; x.len()];
     for r in 0..rows {
         let wr = &w[r * k..(r + 1) * k];
@@ -62,7 +86,10 @@ fn matmul(x: &[Vec<f32>], w: &[f32], rows: usize) -> Vec<Vec<f32>> {
 fn rmsnorm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
     let ms = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
     let inv = 1.0 / (ms + eps).sqrt();
-    x.iter().zip(w).map(|(&v, &g)| (v as f64 * inv * g as f64) as f32).collect()
+    x.iter()
+        .zip(w)
+        .map(|(&v, &g)| (v as f64 * inv * g as f64) as f32)
+        .collect()
 }
 
 impl Reference {
@@ -70,7 +97,10 @@ impl Reference {
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let g = GgufLite::open(path)?;
         let config = gguf_config::config(&g)?;
-        let arch = g.meta_str("general.architecture").unwrap_or("llama").to_string();
+        let arch = g
+            .meta_str("general.architecture")
+            .unwrap_or("llama")
+            .to_string();
         let opt = |name: String| -> Result<Option<Vec<f32>>, ModelError> {
             if g.tensors.contains_key(&name) {
                 g.decode_f32(&name).map(Some)
@@ -103,10 +133,18 @@ impl Reference {
             output: opt("output.weight".into())?,
             embed: g.decode_f32("token_embd.weight")?,
             interleaved_rope: arch == "llama",
+            act_q8: false,
             layers,
             config,
             gguf: g,
         })
+    }
+
+    /// Round every projection's input activations to q8 per 32 values (as ggml's q8_1 and the
+    /// kernels layer's quantized paths do), isolating the fast path's remaining differences.
+    pub fn with_activation_q8(mut self, on: bool) -> Self {
+        self.act_q8 = on;
+        self
     }
 
     /// The GGUF file this reference reads.
@@ -154,10 +192,11 @@ impl Reference {
         let group = c.heads / c.kv_heads;
         for l in &self.layers {
             let xn: Vec<Vec<f32>> = x.iter().map(|r| rmsnorm(r, &l.attn_norm, eps)).collect();
-            let mut q = matmul(&xn, &l.wq, c.q_dim());
-            let mut k = matmul(&xn, &l.wk, c.kv_dim());
-            let mut v = matmul(&xn, &l.wv, c.kv_dim());
-            for (p, ((qr, kr), vr)) in q.iter_mut().zip(k.iter_mut()).zip(v.iter_mut()).enumerate() {
+            let mut q = matmul(&xn, &l.wq, c.q_dim(), self.act_q8);
+            let mut k = matmul(&xn, &l.wk, c.kv_dim(), self.act_q8);
+            let mut v = matmul(&xn, &l.wv, c.kv_dim(), self.act_q8);
+            for (p, ((qr, kr), vr)) in q.iter_mut().zip(k.iter_mut()).zip(v.iter_mut()).enumerate()
+            {
                 for (row, b) in [(&mut *qr, &l.bq), (&mut *kr, &l.bk), (&mut *vr, &l.bv)] {
                     if let Some(b) = b {
                         for (a, &bb) in row.iter_mut().zip(b) {
@@ -194,15 +233,15 @@ impl Reference {
                     }
                 }
             }
-            let o = matmul(&att, &l.wo, h);
+            let o = matmul(&att, &l.wo, h, self.act_q8);
             for (xr, or) in x.iter_mut().zip(&o) {
                 for (a, &b) in xr.iter_mut().zip(or) {
                     *a += b;
                 }
             }
             let xn: Vec<Vec<f32>> = x.iter().map(|r| rmsnorm(r, &l.ffn_norm, eps)).collect();
-            let gate = matmul(&xn, &l.w_gate, c.intermediate);
-            let up = matmul(&xn, &l.w_up, c.intermediate);
+            let gate = matmul(&xn, &l.w_gate, c.intermediate, self.act_q8);
+            let up = matmul(&xn, &l.w_up, c.intermediate, self.act_q8);
             let act: Vec<Vec<f32>> = gate
                 .iter()
                 .zip(&up)
@@ -216,15 +255,18 @@ impl Reference {
                         .collect()
                 })
                 .collect();
-            let d = matmul(&act, &l.w_down, h);
+            let d = matmul(&act, &l.w_down, h, self.act_q8);
             for (xr, dr) in x.iter_mut().zip(&d) {
                 for (a, &b) in xr.iter_mut().zip(dr) {
                     *a += b;
                 }
             }
         }
-        let xn: Vec<Vec<f32>> = x[first.min(n)..].iter().map(|r| rmsnorm(r, &self.final_norm, eps)).collect();
+        let xn: Vec<Vec<f32>> = x[first.min(n)..]
+            .iter()
+            .map(|r| rmsnorm(r, &self.final_norm, eps))
+            .collect();
         let head = self.output.as_deref().unwrap_or(&self.embed);
-        Ok(matmul(&xn, head, c.vocab))
+        Ok(matmul(&xn, head, c.vocab, self.act_q8))
     }
 }

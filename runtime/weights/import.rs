@@ -6,10 +6,10 @@
 //!   - `model.layers.{i}.self_attn.o_proj.weight`, `…mlp.down_proj.weight` (q4_1 tiles);
 //!   - `model.layers.{i}.mlp.gate_up_proj.weight`: rows of gate, then up (q4_1 tiles);
 //!   - `model.embed_tokens.weight` (Q8 tiles from GGUF Q8_0, or q4_1 from Q4_1) — also the
-//!     lm_head when tied; `lm_head.weight` when the GGUF has `output.weight`.
-//!   Tiles are plain column-major ("1.0.3") with f16 scales by default (bit-exact to GGUF);
-//!   Llama's Q/K rotary row interleave is undone (per head, rows `(p, 2)` → `(2, p)`);
-//!   K is zero-padded to a multiple of 256.
+//!     lm_head when tied; `lm_head.weight` when the GGUF has `output.weight`;
+//!   - tiles are plain column-major ("1.0.3") with f16 scales by default (bit-exact to GGUF);
+//!     Llama's Q/K rotary row interleave is undone (per head, rows `(p, 2)` → `(2, p)`);
+//!     K is zero-padded to a multiple of 256.
 //! - `config.json`, `tokenizer.json`, `tokenizer_config.json` (HF formats).
 //!
 //! Memory stays bounded: one row block of one matrix (plus the mmapped GGUF) at a time.
@@ -93,6 +93,12 @@ pub struct LlamaParams {
     pub tied: bool,
 }
 
+/// An f32 metadata value as the f64 with the same shortest decimal form (1e-5, not
+/// 9.999999747378752e-6), as HF configs write it.
+fn shortest(v: f64) -> f64 {
+    format!("{}", v as f32).parse().unwrap_or(v)
+}
+
 fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
     let arch = f
         .architecture()
@@ -133,8 +139,12 @@ fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
         vocab,
         eps: f
             .get_f64(&k("attention.layer_norm_rms_epsilon"))
+            .map(shortest)
             .unwrap_or(1e-5),
-        rope_theta: f.get_f64(&k("rope.freq_base")).unwrap_or(10000.0),
+        rope_theta: f
+            .get_f64(&k("rope.freq_base"))
+            .map(shortest)
+            .unwrap_or(10000.0),
         context: f.get_u64(&k("context_length")).unwrap_or(2048) as usize,
         tied: f.tensor("output.weight").is_none(),
         arch,
@@ -319,17 +329,15 @@ pub fn gguf_row_for_hf_row(r: usize, rows: usize, heads: Option<usize>) -> usize
 }
 
 /// Source (tensor view, GGUF row) for output row `r` of a planned matrix.
-fn source_row<'a>(views: &[(GgufTensor<'a>, &Part)], r: usize) -> (GgufTensor<'a>, usize) {
+fn source_row<'a>(views: &[(GgufTensor<'a>, &Part)], r: usize) -> Option<(GgufTensor<'a>, usize)> {
     let mut r = r;
     for (t, p) in views {
         if r < p.rows {
-            return (*t, gguf_row_for_hf_row(r, p.rows, p.unpermute_heads));
+            return Some((*t, gguf_row_for_hf_row(r, p.rows, p.unpermute_heads)));
         }
         r -= p.rows;
     }
-    // Unreachable for r < total rows; return the last row of the last part to stay total.
-    let (t, p) = views[views.len() - 1];
-    (t, p.rows - 1)
+    None
 }
 
 /// Build row block `pb` (32 rows, all column tiles) of a planned matrix into `out`.
@@ -345,7 +353,12 @@ fn build_row_block(
     let q_tiles = format.padded_cols(cols) / tiles::TILE_COLS;
     let blocks_per_row = cols / 32;
     for r in 0..tiles::TILE_ROWS {
-        let (t, src) = source_row(views, pb * tiles::TILE_ROWS + r);
+        let (t, src) = source_row(views, pb * tiles::TILE_ROWS + r).ok_or_else(|| {
+            WeightsError::Other(format!(
+                "row {} beyond the source tensors",
+                pb * tiles::TILE_ROWS + r
+            ))
+        })?;
         let row = t.row_data(src)?;
         for q in 0..q_tiles {
             let tile = &mut out[q * tb..(q + 1) * tb];
@@ -495,6 +508,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
                     w.write(name, &block)?;
                     bar.inc(block.len() as u64);
                 }
+                f.release_pages();
             }
         }
     }
@@ -613,6 +627,13 @@ pub fn tokenizer_json(tok: &Tokenizer) -> serde_json::Value {
             "pretokenizers": [
                 { "type": "Split", "pattern": { "Regex": "\\p{N}" }, "behavior": "Isolated", "invert": false },
                 byte_level.clone(),
+            ]
+        }),
+        p @ (PreTokenizer::Llama3 | PreTokenizer::Qwen2) => serde_json::json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                { "type": "Split", "pattern": { "Regex": p.pattern() }, "behavior": "Isolated", "invert": false },
+                { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
             ]
         }),
     };

@@ -487,11 +487,28 @@ impl Package {
         }
     }
 
+    /// Rows of the embedding / lm_head tensor: what the file records (ours), the plain tensor's
+    /// own shape (FastFlowLM bf16, possibly fewer rows than a padded config vocab), else the
+    /// config's `vocab_size`.
+    fn vocab_rows(&self, name: &str) -> usize {
+        match (self.weights.recorded_shape(name), self.weights.tensor(name)) {
+            (Some((r, _)), _) => r,
+            (None, Some(t)) if t.shape.len() == 2 && t.dtype != Dtype::I8 => t.shape[0],
+            _ => self.config.vocab_size,
+        }
+    }
+
+    /// The output projection `[vocab, hidden]`: `lm_head.weight`, or the embedding when tied.
+    pub fn lm_head(&self) -> Result<MatrixView<'_>, WeightsError> {
+        let name = self.lm_head_name();
+        self.matrix(name, self.vocab_rows(name), self.config.hidden_size)
+    }
+
     /// Decode the embedding row of `token` into `out` (`out.len() == hidden_size`).
     pub fn embedding_row(&self, token: u32, out: &mut [f32]) -> Result<(), WeightsError> {
         let name = self.embedding_name();
-        let (vocab, hidden) = (self.config.vocab_size, self.config.hidden_size);
-        let m = self.matrix(name, vocab, hidden)?;
+        let vocab = self.vocab_rows(name);
+        let m = self.matrix(name, vocab, self.config.hidden_size)?;
         if token as usize >= vocab {
             return Err(WeightsError::tensor(
                 self.weights.path(),

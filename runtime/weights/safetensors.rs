@@ -167,11 +167,11 @@ impl std::fmt::Debug for SafeTensors {
     }
 }
 
+/// A parsed header: entries (file order), `__metadata__`, header length N.
+pub type Header = (Vec<Entry>, BTreeMap<String, String>, usize);
+
 /// Parse and validate a header; returns (entries in file order, metadata, header length N).
-pub fn parse_header(
-    path: &Path,
-    buf: &[u8],
-) -> Result<(Vec<Entry>, BTreeMap<String, String>, usize), WeightsError> {
+pub fn parse_header(path: &Path, buf: &[u8]) -> Result<Header, WeightsError> {
     let inv = |what: String| WeightsError::invalid(path, what);
     if buf.len() < 8 {
         return Err(inv(format!(

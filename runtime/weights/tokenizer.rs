@@ -8,7 +8,11 @@
 //! - [`PreTokenizer::Gpt2`]: the GPT-2 pattern
 //!   `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`;
 //! - [`PreTokenizer::SmolLm`] (llama.cpp `smollm`, HF `Sequence[Split(\p{N}, Isolated),
-//!   ByteLevel(use_regex)]`): every `\p{N}` char split off first, then GPT-2 on each piece.
+//!   ByteLevel(use_regex)]`): every `\p{N}` char split off first, then GPT-2 on each piece;
+//! - [`PreTokenizer::Llama3`] / [`PreTokenizer::Qwen2`] (llama.cpp `llama-bpe` / `qwen2`, HF
+//!   `Split(pattern, Isolated)` + `ByteLevel(use_regex=false)`), for FastFlowLM packages.
+//!
+//! Other `tokenizer.json` pre-tokenizers are refused by name rather than tokenized differently.
 //!
 //! The `regex` crate has no lookaround, so `\s+(?!\S)` is done by hand: the lookahead-free
 //! pattern matches a maximal whitespace run; when a non-space follows and the run is longer than
@@ -26,6 +30,34 @@ pub enum PreTokenizer {
     Gpt2,
     /// llama.cpp `smollm`: digits isolated, then GPT-2.
     SmolLm,
+    /// llama.cpp `llama-bpe` (Llama 3): `Split(LLAMA3_PATTERN, Isolated)` + ByteLevel(no regex).
+    Llama3,
+    /// llama.cpp `qwen2`: `Split(QWEN2_PATTERN, Isolated)` + ByteLevel(no regex).
+    Qwen2,
+}
+
+/// GPT-2's split pattern (HF ByteLevel `use_regex`).
+pub const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// Llama 3's split pattern.
+pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's split pattern.
+pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+impl PreTokenizer {
+    /// The split pattern as HF and llama.cpp write it (with the `\s+(?!\S)` lookahead).
+    pub fn pattern(self) -> &'static str {
+        match self {
+            PreTokenizer::Gpt2 | PreTokenizer::SmolLm => GPT2_PATTERN,
+            PreTokenizer::Llama3 => LLAMA3_PATTERN,
+            PreTokenizer::Qwen2 => QWEN2_PATTERN,
+        }
+    }
+    /// The pattern without its only lookaround, for the `regex` crate; the lookahead is
+    /// emulated by hand in the splitter.
+    fn pattern_without_lookahead(self) -> String {
+        self.pattern().replace(r"|\s+(?!\S)", "")
+    }
 }
 
 /// A byte-level BPE tokenizer.
@@ -37,11 +69,13 @@ pub struct Tokenizer {
     /// Vocabulary string → id.
     vocab: HashMap<String, u32>,
     /// (left id, right id) → (rank, merged id).
-    merges: HashMap<(u32, u32), (u32, u32)>,
+    merges: HashMap<(u32, u32), (u32, u32), PairHash>,
     /// Byte → id of its single-char token.
     byte_ids: [Option<u32>; 256],
     /// Added tokens matched before splitting: (content, id, special).
     added: Vec<(String, u32, bool)>,
+    /// Bytes that start some added token (fast skip while scanning for them).
+    added_first: [bool; 256],
     pre: PreTokenizer,
     gpt2: regex::Regex,
     digit: regex::Regex,
@@ -58,6 +92,30 @@ impl std::fmt::Debug for Tokenizer {
             .finish()
     }
 }
+
+/// A fast hasher for (u32, u32) merge keys (FxHash-style multiply-rotate; keys are token ids
+/// from our own vocabulary, so DoS resistance is not needed).
+#[derive(Clone, Copy, Default)]
+pub struct PairHasher(u64);
+
+impl std::hash::Hasher for PairHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(v as u64);
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type PairHash = std::hash::BuildHasherDefault<PairHasher>;
 
 /// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to U+0100 onwards.
 pub fn byte_to_char_table() -> [char; 256] {
@@ -76,8 +134,6 @@ pub fn byte_to_char_table() -> [char; 256] {
     }
     table
 }
-
-const GPT2_NO_LOOKAHEAD: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
 
 impl Tokenizer {
     /// Build from a vocabulary (id order), merges (`"a b"` pairs of vocabulary strings, in rank
@@ -122,7 +178,7 @@ impl Tokenizer {
         for (b, &c) in table.iter().enumerate() {
             byte_ids[b] = vocab.get(c.to_string().as_str()).copied();
         }
-        let mut merge_map = HashMap::with_capacity(merges.len());
+        let mut merge_map = HashMap::with_capacity_and_hasher(merges.len(), PairHash::default());
         for (rank, (a, b)) in merges.iter().enumerate() {
             let (Some(&ia), Some(&ib)) = (vocab.get(a), vocab.get(b)) else {
                 return Err(err(format!(
@@ -148,7 +204,8 @@ impl Tokenizer {
         }
         // Longest first so that the first match at a position is the longest.
         added_list.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        let gpt2 = regex::Regex::new(GPT2_NO_LOOKAHEAD).map_err(|e| err(e.to_string()))?;
+        let gpt2 =
+            regex::Regex::new(&pre.pattern_without_lookahead()).map_err(|e| err(e.to_string()))?;
         let digit = regex::Regex::new(r"\p{N}").map_err(|e| err(e.to_string()))?;
         Ok(Tokenizer {
             bytes,
@@ -156,6 +213,13 @@ impl Tokenizer {
             vocab,
             merges: merge_map,
             byte_ids,
+            added_first: {
+                let mut f = [false; 256];
+                for (s, _, _) in &added_list {
+                    f[s.as_bytes()[0] as usize] = true;
+                }
+                f
+            },
             added: added_list,
             pre,
             gpt2,
@@ -212,7 +276,16 @@ impl Tokenizer {
             .collect();
         let pre = match f.get_str("tokenizer.ggml.pre").unwrap_or("gpt2") {
             "smollm" | "starcoder" | "refact" | "command-r" => PreTokenizer::SmolLm,
-            _ => PreTokenizer::Gpt2,
+            "llama3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizer::Llama3,
+            "qwen2" | "deepseek-r1-qwen" => PreTokenizer::Qwen2,
+            "gpt2" | "default" | "gpt-2" => PreTokenizer::Gpt2,
+            other => {
+                tracing::warn!(
+                    "{}: pre-tokenizer {other:?} not known; using GPT-2's",
+                    f.path().display()
+                );
+                PreTokenizer::Gpt2
+            }
         };
         Tokenizer::new(f.path(), tokens, &merges, &added, pre)
     }
@@ -298,12 +371,13 @@ impl Tokenizer {
                 merges.push(pair.ok_or_else(|| err(format!("merge #{i} is malformed")))?);
             }
         }
-        let pre_json = json["pre_tokenizer"].to_string();
-        let pre = if pre_json.contains(r"\\p{N}") && pre_json.contains("Split") {
-            PreTokenizer::SmolLm
-        } else {
-            PreTokenizer::Gpt2
-        };
+        let pre = pre_tokenizer_of(&json["pre_tokenizer"]).ok_or_else(|| {
+            err(format!(
+                "unsupported pre_tokenizer {} (supported: ByteLevel; Split(\\p{{N}}) + ByteLevel; \
+                 Split(Llama-3 or Qwen2 pattern) + ByteLevel(use_regex=false))",
+                json["pre_tokenizer"]
+            ))
+        })?;
         Tokenizer::new(path, tokens, &merges, &added, pre)
     }
 
@@ -376,6 +450,10 @@ impl Tokenizer {
                 i += 1;
                 continue;
             }
+            if !self.added_first[b[i] as usize] {
+                i += 1;
+                continue;
+            }
             let rest = &text[i..];
             let hit = self.added.iter().find(|(s, _, special)| {
                 (allow_special || !special) && rest.starts_with(s.as_str())
@@ -398,7 +476,9 @@ impl Tokenizer {
             return;
         }
         match self.pre {
-            PreTokenizer::Gpt2 => self.encode_gpt2(text, out),
+            PreTokenizer::Gpt2 | PreTokenizer::Llama3 | PreTokenizer::Qwen2 => {
+                self.encode_gpt2(text, out)
+            }
             PreTokenizer::SmolLm => {
                 let mut last = 0;
                 for m in self.digit.find_iter(text) {
@@ -415,7 +495,9 @@ impl Tokenizer {
     pub fn pre_tokenize<'t>(&self, text: &'t str) -> Vec<&'t str> {
         let mut pieces = Vec::new();
         match self.pre {
-            PreTokenizer::Gpt2 => self.split_gpt2(text, &mut pieces),
+            PreTokenizer::Gpt2 | PreTokenizer::Llama3 | PreTokenizer::Qwen2 => {
+                self.split_gpt2(text, &mut pieces)
+            }
             PreTokenizer::SmolLm => {
                 let mut last = 0;
                 for m in self.digit.find_iter(text) {
@@ -443,7 +525,13 @@ impl Tokenizer {
             let s = m.as_str();
             let mut end = m.end();
             // `\s+(?!\S)`: a whitespace run followed by a non-space gives back its last char.
-            if end < text.len() && s.chars().all(char::is_whitespace) {
+            // (Llama 3 / Qwen2 try `\s*[\r\n]+` first: a run holding a line break is that
+            // alternative's match and is kept whole.)
+            let newline_alt = matches!(self.pre, PreTokenizer::Llama3 | PreTokenizer::Qwen2);
+            if end < text.len()
+                && s.chars().all(char::is_whitespace)
+                && !(newline_alt && s.contains(['\r', '\n']))
+            {
                 if let Some((last, _)) = s.char_indices().next_back() {
                     if last > 0 {
                         end = m.start() + last;
@@ -464,29 +552,66 @@ impl Tokenizer {
     }
 
     /// Byte-level BPE of one pre-tokenized piece: repeatedly merge the lowest-ranked adjacent
-    /// pair (leftmost on ties), as HF `BPE::merge_word` does.
+    /// pair, leftmost on ties, as HF `BPE::merge_word` does (min-heap of (rank, position) over a
+    /// linked list of symbols, stale entries skipped: O(n log n) even for very long pieces).
     fn bpe(&self, piece: &[u8], out: &mut Vec<u32>) {
-        let mut word: Vec<u32> = Vec::with_capacity(piece.len());
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        const NONE: usize = usize::MAX;
+        let mut ids: Vec<u32> = Vec::with_capacity(piece.len());
         for &b in piece {
             match self.byte_ids[b as usize] {
-                Some(id) => word.push(id),
+                Some(id) => ids.push(id),
                 None => return, // vocabulary lacks this byte: HF drops it too (no unk, no fallback)
             }
         }
-        loop {
-            let mut best: Option<(u32, usize, u32)> = None;
-            for i in 0..word.len().saturating_sub(1) {
-                if let Some(&(rank, id)) = self.merges.get(&(word[i], word[i + 1])) {
-                    if best.is_none_or(|(r, _, _)| rank < r) {
-                        best = Some((rank, i, id));
-                    }
+        let n = ids.len();
+        if n < 2 {
+            out.extend_from_slice(&ids);
+            return;
+        }
+        let mut next: Vec<usize> = (1..=n).map(|i| if i == n { NONE } else { i }).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+        let mut alive = vec![true; n];
+        // (rank, left position, left id, right id)
+        let mut heap: BinaryHeap<Reverse<(u32, usize, u32, u32)>> = BinaryHeap::new();
+        for i in 0..n - 1 {
+            if let Some(&(rank, _)) = self.merges.get(&(ids[i], ids[i + 1])) {
+                heap.push(Reverse((rank, i, ids[i], ids[i + 1])));
+            }
+        }
+        while let Some(Reverse((_, i, a, b))) = heap.pop() {
+            let j = next[i];
+            if !alive[i] || j == NONE || ids[i] != a || ids[j] != b {
+                continue; // stale
+            }
+            let Some(&(_, merged)) = self.merges.get(&(a, b)) else {
+                continue;
+            };
+            ids[i] = merged;
+            alive[j] = false;
+            next[i] = next[j];
+            if next[j] != NONE {
+                prev[next[j]] = i;
+            }
+            if prev[i] != NONE {
+                let p = prev[i];
+                if let Some(&(rank, _)) = self.merges.get(&(ids[p], ids[i])) {
+                    heap.push(Reverse((rank, p, ids[p], ids[i])));
                 }
             }
-            let Some((_, i, id)) = best else { break };
-            word[i] = id;
-            word.remove(i + 1);
+            if next[i] != NONE {
+                let q = next[i];
+                if let Some(&(rank, _)) = self.merges.get(&(ids[i], ids[q])) {
+                    heap.push(Reverse((rank, i, ids[i], ids[q])));
+                }
+            }
         }
-        out.extend_from_slice(&word);
+        let mut i = 0;
+        while i != NONE {
+            out.push(ids[i]);
+            i = next[i];
+        }
     }
 
     /// Decode ids to text (invalid UTF-8 replaced by U+FFFD).
@@ -504,6 +629,36 @@ impl Tokenizer {
             tok: self,
             pending: Vec::new(),
         }
+    }
+}
+
+/// Recognize an HF `pre_tokenizer` object.
+pub fn pre_tokenizer_of(v: &serde_json::Value) -> Option<PreTokenizer> {
+    let byte_level = |b: &serde_json::Value| -> Option<bool> {
+        (b["type"] == "ByteLevel").then(|| b["use_regex"].as_bool().unwrap_or(true))
+    };
+    if let Some(true) = byte_level(v) {
+        return Some(PreTokenizer::Gpt2);
+    }
+    if v["type"] != "Sequence" {
+        return None;
+    }
+    let list = v["pretokenizers"].as_array()?;
+    let [split, bl] = list.as_slice() else {
+        return None;
+    };
+    let use_regex = byte_level(bl)?;
+    if split["type"] != "Split"
+        || split["behavior"] != "Isolated"
+        || split["invert"].as_bool() == Some(true)
+    {
+        return None;
+    }
+    match (split["pattern"]["Regex"].as_str()?, use_regex) {
+        (r"\p{N}", true) => Some(PreTokenizer::SmolLm),
+        (p, false) if p == LLAMA3_PATTERN => Some(PreTokenizer::Llama3),
+        (p, false) if p == QWEN2_PATTERN => Some(PreTokenizer::Qwen2),
+        _ => None,
     }
 }
 

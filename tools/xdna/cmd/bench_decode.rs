@@ -1,8 +1,103 @@
-//! Placeholder subcommand (being written).
+//! `xdna bench decode`: prefill and greedy decode speed against the memory-bandwidth limit.
+
+use std::path::PathBuf;
+use std::time::Instant;
+use xdna::model::bandwidth::read_bandwidth;
+use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::model::sample::argmax;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Runs (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Prompt tokens to prefill.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens to decode per run.
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// auto | host | xdna.
+    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
+    backend: String,
+    /// Kernel set directory.
+    #[arg(long, env = "XDNA_KERNELS")]
+    kernels: Option<PathBuf>,
+    /// MiB streamed by the bandwidth probe.
+    #[arg(long, default_value_t = 512)]
+    probe_mib: usize,
+}
 
-pub fn run(_args: Args) -> xdna::Result<()> {
-    Err(xdna::Error::Usage("not yet implemented".into()))
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+pub fn run(args: Args) -> xdna::Result<()> {
+    let opts = LoadOptions {
+        backend: args.backend.parse::<Backend>()?,
+        kernels: args.kernels.clone(),
+        exact: false,
+    };
+    let ctx = args.prompt_tokens + args.decode_tokens + 1;
+    let (pkg, mut model) = open_model(args.model.as_deref(), ctx, &opts)?;
+    if model.context() < ctx {
+        return Err(xdna::Error::Usage(format!(
+            "prompt + decode tokens ({ctx}) exceed the model's {} positions",
+            model.context()
+        )));
+    }
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(64);
+    let mut prompt = pkg.tokenizer().encode(&text, false);
+    prompt.resize(args.prompt_tokens.max(1), 0);
+    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    for _ in 0..args.runs.max(1) {
+        model.reset();
+        let t0 = Instant::now();
+        let mut next = argmax(model.prefill(&prompt)?);
+        pre.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
+        let t1 = Instant::now();
+        for _ in 0..args.decode_tokens {
+            next = argmax(model.step(next)?);
+        }
+        dec.push(args.decode_tokens as f64 / t1.elapsed().as_secs_f64());
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let bw = read_bandwidth(args.probe_mib << 20, threads, 3);
+    let bytes = model.weights().bytes_per_token() as f64;
+    let limit = bw / bytes;
+    let (prefill, decode) = (median(&mut pre), median(&mut dec));
+    let frac = decode / limit;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "prefill_tok_s": prefill, "decode_tok_s": decode, "limit_tok_s": limit,
+                "fraction_of_limit": frac, "read_bandwidth_gb_s": bw / 1e9,
+                "weight_bytes_per_token": bytes as u64, "runs": args.runs.max(1),
+                "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
+                "threads": threads, "backend": model.weights().backend,
+            })
+        );
+    } else {
+        println!("{:<28} {:>12}", "metric", "value");
+        println!("{:<28} {:>12.1}", "prefill tok/s (median)", prefill);
+        println!("{:<28} {:>12.1}", "decode tok/s (median)", decode);
+        println!("{:<28} {:>12.2}", "read bandwidth GB/s", bw / 1e9);
+        println!("{:<28} {:>12.1}", "weight MB per token", bytes / 1e6);
+        println!("{:<28} {:>12.1}", "limit tok/s", limit);
+        println!("{:<28} {:>11.1}%", "fraction of limit", 100.0 * frac);
+        println!("{:<28} {:>12}", "backend", model.weights().backend);
+    }
+    Ok(())
 }

@@ -1,8 +1,197 @@
-//! Placeholder subcommand (being written).
+//! `xdna run`: generate text from a model, streaming it to stdout.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::model::sample::{Sampler, SamplerConfig};
+use xdna::model::text::{StopFilter, Utf8Stream};
+use xdna::model::ModelError;
+use xdna::weights::Package;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct, fetched on first use).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in the package's chat template (one user message).
+    #[arg(long)]
+    chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampler's PRNG.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this string appears (not printed); repeatable.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// auto | host | xdna.
+    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
+    backend: String,
+    /// Kernel set directory (default: the package's `kernels/`).
+    #[arg(long, env = "XDNA_KERNELS")]
+    kernels: Option<PathBuf>,
+    /// Context length (KV cache positions).
+    #[arg(long, default_value_t = 2048)]
+    ctx: usize,
+}
 
-pub fn run(_args: Args) -> xdna::Result<()> {
-    Err(xdna::Error::Usage("not yet implemented".into()))
+/// Render the package's chat template for one user message.
+pub fn apply_chat_template(pkg: &Package, user: &str) -> Result<String, ModelError> {
+    let tpl = pkg.chat_template().ok_or_else(|| ModelError::Unsupported {
+        what: format!(
+            "--chat: the package {} has no chat template",
+            pkg.dir().display()
+        ),
+    })?;
+    let tok = pkg.tokenizer();
+    let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
+    let bos = name(pkg.bos_token_id());
+    let eos = name(pkg.eos_token_ids().first().copied());
+    let mut env = minijinja::Environment::new();
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    let bad = |e: minijinja::Error| ModelError::Other(format!("chat template: {e}"));
+    env.add_template("chat", tpl).map_err(bad)?;
+    let t = env.get_template("chat").map_err(bad)?;
+    t.render(minijinja::context! {
+        messages => vec![minijinja::context! { role => "user", content => user }],
+        add_generation_prompt => true,
+        bos_token => bos,
+        eos_token => eos,
+    })
+    .map_err(bad)
+}
+
+/// Token ids of the prompt: chat template or raw, with BOS when the package says so.
+pub fn prompt_tokens(pkg: &Package, prompt: &str, chat: bool) -> Result<Vec<u32>, ModelError> {
+    if prompt.is_empty() {
+        return Err(ModelError::Context {
+            what: "empty prompt".into(),
+        });
+    }
+    let (text, special) = if chat {
+        (apply_chat_template(pkg, prompt)?, true)
+    } else {
+        (prompt.to_string(), false)
+    };
+    let mut ids = Vec::new();
+    if pkg.add_bos() {
+        if let Some(b) = pkg.bos_token_id() {
+            if !(chat && text.starts_with(pkg.tokenizer().token_str(b).unwrap_or("\u{0}"))) {
+                ids.push(b);
+            }
+        }
+    }
+    ids.extend(pkg.tokenizer().encode(&text, special));
+    Ok(ids)
+}
+
+pub fn run(args: Args) -> xdna::Result<()> {
+    let backend: Backend = args.backend.parse()?;
+    let opts = LoadOptions {
+        backend,
+        kernels: args.kernels.clone(),
+        exact: false,
+    };
+    let (pkg, mut model) = open_model(args.model.as_deref(), args.ctx, &opts)?;
+    let ids = prompt_tokens(&pkg, &args.prompt, args.chat)?;
+    if ids.len() + 1 > model.context() {
+        return Err(ModelError::Context {
+            what: format!(
+                "the prompt has {} tokens, the context holds {} (use --ctx)",
+                ids.len(),
+                model.context()
+            ),
+        }
+        .into());
+    }
+    let eos: Vec<u32> = pkg.eos_token_ids().to_vec();
+    let mut sampler = Sampler::new(
+        SamplerConfig {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+        },
+        args.seed,
+    );
+    let t0 = Instant::now();
+    let mut next = sampler.sample(model.prefill(&ids)?);
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let tok = pkg.tokenizer();
+    let mut utf8 = Utf8Stream::default();
+    let mut stops = StopFilter::new(args.stop.clone());
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut text = String::new();
+    let mut generated = 0usize;
+    let t1 = Instant::now();
+    let mut decode_steps = 0usize;
+    let emit = |s: &str, out: &mut std::io::StdoutLock| {
+        if !s.is_empty() {
+            let _ = out.write_all(s.as_bytes());
+            let _ = out.flush();
+        }
+    };
+    loop {
+        if eos.contains(&next) {
+            break;
+        }
+        generated += 1;
+        text.clear();
+        utf8.push(tok.token_bytes(next), &mut text);
+        let shown = stops.push(&text);
+        emit(&shown, &mut out);
+        if stops.stopped()
+            || generated >= args.max_tokens
+            || model.position() + 1 >= model.context()
+        {
+            break;
+        }
+        next = sampler.sample(model.step(next)?);
+        decode_steps += 1;
+    }
+    if !stops.stopped() {
+        text.clear();
+        utf8.finish(&mut text);
+        let mut tail = stops.push(&text);
+        if !stops.stopped() {
+            tail.push_str(&stops.finish());
+        }
+        emit(&tail, &mut out);
+    }
+    let _ = out.write_all(b"\n");
+    let decode_s = t1.elapsed().as_secs_f64();
+    let st = model.stats();
+    eprintln!(
+        "[stats] prompt {} tok, prefill {:.1} tok/s, decode {:.1} tok/s ({} tokens), backend {}, families m16 {} passes / m128 {} passes",
+        ids.len(),
+        ids.len() as f64 / prefill_s.max(1e-9),
+        decode_steps as f64 / decode_s.max(1e-9),
+        generated,
+        model.weights().backend,
+        st.m16_passes,
+        st.m128_passes
+    );
+    Ok(())
 }

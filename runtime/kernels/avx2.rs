@@ -1,0 +1,828 @@
+//! AVX2 + FMA + F16C kernels over the Q4NX tile layouts (q4nx-container.md §2), read in place.
+//!
+//! # Why outer-product over columns
+//!
+//! In a column-major q4_1 tile a column's 32 rows are 16 contiguous bytes, so instead of transposing
+//! tiles into ggml's row-major blocks, a kernel takes 4 columns at a time (64 bytes) and rearranges
+//! them in registers into four `u8 × 32` vectors whose every 4-byte slot is one row's 4 codes
+//! (8 rows per vector, all 32 rows in 4 vectors). One broadcast of the 4 matching activation bytes
+//! then feeds `maddubs` (u8·i8 pairs → i16) for 32 rows at once; eight such column quads (one
+//! 32-column group) are summed in i16 (|Σ| ≤ 16·15·127 = 30480, no overflow) and widened once with
+//! `madd(·, 1)`. The float work is one FMA per (group, 8 rows) with the weight scales converted 8 at a
+//! time (`cvtph` for f16, a 16-bit shift for bf16) — ggml's `ggml_vec_dot_q4_1_q8_1` arithmetic,
+//! transposed. Rows come out in a fixed slot order (see `Q4_SLOT_ROWS`), so the scale vectors are
+//! permuted to match, once per group, and results are un-permuted once per block.
+//!
+//! For several activation rows, each group is unpacked once into a 1-2 KiB stack buffer and reused by
+//! every row: that keeps the M = 16 cost at a few times M = 1.
+//!
+//! Q8 tiles use ggml's sign trick (`maddubs(|w|, sign(a, w))`, `ggml_vec_dot_q8_0_q8_0`) and a 4×32
+//! byte transpose; the legacy 32×128 q8 tile and the 16-row-lane orders only change the loads.
+
+#[cfg(target_arch = "x86_64")]
+pub use imp::*;
+
+/// Slot order of the 32 rows in the four q4 result vectors (vector-major).
+pub const Q4_SLOT_ROWS: [usize; 32] = [
+    0, 2, 4, 6, 16, 18, 20, 22, 1, 3, 5, 7, 17, 19, 21, 23, 8, 10, 12, 14, 24, 26, 28, 30, 9, 11,
+    13, 15, 25, 27, 29, 31,
+];
+/// Slot order of the 32 rows in the four q8 result vectors (vector-major).
+pub const Q8_SLOT_ROWS: [usize; 32] = [
+    0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13,
+    14, 15, 28, 29, 30, 31,
+];
+
+/// How a 4-bit tile stores its per-(group, row) scale and min.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Q4Scales {
+    /// q4_1: bf16 d at `[0, 512)`, bf16 m at `[512, 1024)`.
+    Bf16,
+    /// q4_1: f16 d and m.
+    F16,
+    /// Q4_K: u8 s8/m8 times per-row bf16 super scale/min.
+    Q4K,
+}
+
+/// Geometry of a 4-bit tile kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Q4Layout {
+    pub scales: Q4Scales,
+    /// Plain column-major (true) or two 16-row planes (false).
+    pub column_major: bool,
+    /// Offset of the code area in the tile.
+    pub codes: usize,
+    /// Bytes per tile.
+    pub tile_bytes: usize,
+}
+
+/// Geometry of an 8-bit tile kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Q8Layout {
+    /// f16 (true) or bf16 scales at `[0, 512)`.
+    pub f16_scales: bool,
+    /// Plain column-major (true) or two 16-row planes (false).
+    pub column_major: bool,
+    /// Offset of the code area in the tile.
+    pub codes: usize,
+    /// Offset of the second 16-row plane from the first (16-row-lane order only).
+    pub plane: usize,
+    /// Columns per tile (256, or 128 for the legacy tile).
+    pub tile_cols: usize,
+    /// Bytes per tile.
+    pub tile_bytes: usize,
+}
+
+/// Most activation rows one kernel call handles (its stack accumulators are sized for this).
+pub const MAX_ROWS: usize = 128;
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use super::*;
+    use crate::kernels::quant::QuantizedRows;
+    use crate::tiles::{GROUP, TILE_ROWS};
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    /// Does this CPU have AVX2, FMA and F16C? Detected once.
+    pub fn available() -> bool {
+        static DETECTED: OnceLock<bool> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            std::env::var_os("XDNA_FORCE_SCALAR").is_none()
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+
+    // ---- scales -------------------------------------------------------------------------------
+
+    /// 8 bf16 values → f32 (bf16 is the top half of an f32).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bf16x8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 16 readable bytes at `p`.
+        let v = unsafe { _mm_loadu_si128(p as *const __m128i) };
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16))
+    }
+
+    /// 8 f16 values → f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16x8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 16 readable bytes at `p`.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) })
+    }
+
+    /// 8 u8 values → f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn u8x8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bytes at `p`.
+        let v = unsafe { _mm_loadl_epi64(p as *const __m128i) };
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+    }
+
+    /// Natural-order (rows 0-7, 8-15, 16-23, 24-31) scale and min vectors of group `g`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_group_scales(
+        kind: Q4Scales,
+        tile: *const u8,
+        g: usize,
+    ) -> ([__m256; 4], [__m256; 4]) {
+        // SAFETY (whole body): `tile` points at a full tile (checked by the caller), and every
+        // offset below is inside the tile's scale/min areas for g < 8.
+        unsafe {
+            match kind {
+                Q4Scales::Bf16 => {
+                    let d = tile.add(g * 64);
+                    let m = tile.add(512 + g * 64);
+                    (
+                        [
+                            bf16x8(d),
+                            bf16x8(d.add(16)),
+                            bf16x8(d.add(32)),
+                            bf16x8(d.add(48)),
+                        ],
+                        [
+                            bf16x8(m),
+                            bf16x8(m.add(16)),
+                            bf16x8(m.add(32)),
+                            bf16x8(m.add(48)),
+                        ],
+                    )
+                }
+                Q4Scales::F16 => {
+                    let d = tile.add(g * 64);
+                    let m = tile.add(512 + g * 64);
+                    (
+                        [
+                            f16x8(d),
+                            f16x8(d.add(16)),
+                            f16x8(d.add(32)),
+                            f16x8(d.add(48)),
+                        ],
+                        [
+                            f16x8(m),
+                            f16x8(m.add(16)),
+                            f16x8(m.add(32)),
+                            f16x8(m.add(48)),
+                        ],
+                    )
+                }
+                Q4Scales::Q4K => {
+                    let s8 = tile.add(g * 32);
+                    let m8 = tile.add(256 + g * 32);
+                    let srow = tile.add(4608);
+                    let mrow = tile.add(4672);
+                    let mut d = [_mm256_setzero_ps(); 4];
+                    let mut m = [_mm256_setzero_ps(); 4];
+                    for i in 0..4 {
+                        d[i] = _mm256_mul_ps(u8x8(s8.add(8 * i)), bf16x8(srow.add(16 * i)));
+                        m[i] = _mm256_mul_ps(u8x8(m8.add(8 * i)), bf16x8(mrow.add(16 * i)));
+                    }
+                    (d, m)
+                }
+            }
+        }
+    }
+
+    /// Natural order → q4 slot order (`Q4_SLOT_ROWS`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_slot_order(n: [__m256; 4]) -> [__m256; 4] {
+        let even = |a, b| {
+            _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(
+                _mm256_shuffle_ps::<0x88>(a, b),
+            )))
+        };
+        let odd = |a, b| {
+            _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(
+                _mm256_shuffle_ps::<0xDD>(a, b),
+            )))
+        };
+        [
+            even(n[0], n[2]),
+            odd(n[0], n[2]),
+            even(n[1], n[3]),
+            odd(n[1], n[3]),
+        ]
+    }
+
+    /// Natural order → q8 slot order (`Q8_SLOT_ROWS`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_slot_order(n: [__m256; 4]) -> [__m256; 4] {
+        [
+            _mm256_permute2f128_ps::<0x20>(n[0], n[2]),
+            _mm256_permute2f128_ps::<0x31>(n[0], n[2]),
+            _mm256_permute2f128_ps::<0x20>(n[1], n[3]),
+            _mm256_permute2f128_ps::<0x31>(n[1], n[3]),
+        ]
+    }
+
+    // ---- code unpacking ---------------------------------------------------------------------------
+
+    /// Columns `c..c+4` of a 4-bit tile as four u8 vectors, 4 codes (one row, 4 columns) per 32-bit
+    /// slot, rows in `Q4_SLOT_ROWS` order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_unpack_quad(codes: *const u8, column_major: bool, c: usize) -> [__m256i; 4] {
+        // SAFETY: the caller guarantees columns c..c+4 lie inside the tile's code area.
+        let (a, b) = unsafe {
+            if column_major {
+                // [c bytes 0-15 | c+1 bytes 0-15] → [c 0-7, c+1 0-7 | c 8-15, c+1 8-15]
+                let a = _mm256_loadu_si256(codes.add(c * 16) as *const __m256i);
+                let b = _mm256_loadu_si256(codes.add(c * 16 + 32) as *const __m256i);
+                (
+                    _mm256_permute4x64_epi64::<0xD8>(a),
+                    _mm256_permute4x64_epi64::<0xD8>(b),
+                )
+            } else {
+                // Plane 0 holds bytes 0-7 (rows 0-15) of each column, plane 1 bytes 8-15.
+                let p0 = _mm256_loadu_si256(codes.add(c * 8) as *const __m256i);
+                let p1 = _mm256_loadu_si256(codes.add(2048 + c * 8) as *const __m256i);
+                (
+                    _mm256_permute2x128_si256::<0x20>(p0, p1),
+                    _mm256_permute2x128_si256::<0x31>(p0, p1),
+                )
+            }
+        };
+        // Interleave the two columns' bytes in each lane: (c j, c+1 j) pairs.
+        let pairs = _mm256_setr_epi8(
+            0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12,
+            5, 13, 6, 14, 7, 15,
+        );
+        let a = _mm256_shuffle_epi8(a, pairs);
+        let b = _mm256_shuffle_epi8(b, pairs);
+        // (c, c+1) pairs + (c+2, c+3) pairs → 4 columns of byte j per slot.
+        let s0 = _mm256_unpacklo_epi16(a, b); // bytes 0-3 | 8-11
+        let s1 = _mm256_unpackhi_epi16(a, b); // bytes 4-7 | 12-15
+        let low = _mm256_set1_epi8(0x0F);
+        [
+            _mm256_and_si256(s0, low),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(s0), low),
+            _mm256_and_si256(s1, low),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(s1), low),
+        ]
+    }
+
+    /// Columns `c..c+4` of an 8-bit tile as four i8 vectors, rows in `Q8_SLOT_ROWS` order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_unpack_quad(codes: *const u8, layout: Q8Layout, c: usize) -> [__m256i; 4] {
+        // SAFETY: the caller guarantees columns c..c+4 lie inside the tile's code area.
+        let col = |i: usize| unsafe {
+            if layout.column_major {
+                _mm256_loadu_si256(codes.add((c + i) * 32) as *const __m256i)
+            } else {
+                let lo = _mm_loadu_si128(codes.add((c + i) * 16) as *const __m128i);
+                let hi = _mm_loadu_si128(codes.add(layout.plane + (c + i) * 16) as *const __m128i);
+                _mm256_set_m128i(hi, lo)
+            }
+        };
+        let (c0, c1, c2, c3) = (col(0), col(1), col(2), col(3));
+        let t0 = _mm256_unpacklo_epi8(c0, c1); // rows 0-7 | 16-23
+        let t1 = _mm256_unpackhi_epi8(c0, c1); // rows 8-15 | 24-31
+        let t2 = _mm256_unpacklo_epi8(c2, c3);
+        let t3 = _mm256_unpackhi_epi8(c2, c3);
+        [
+            _mm256_unpacklo_epi16(t0, t2),
+            _mm256_unpackhi_epi16(t0, t2),
+            _mm256_unpacklo_epi16(t1, t3),
+            _mm256_unpackhi_epi16(t1, t3),
+        ]
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn broadcast4(p: *const i8) -> __m256i {
+        // SAFETY: the caller guarantees 4 readable bytes at `p`.
+        _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+    }
+
+    /// Store slot-ordered accumulators into natural row order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store_rows(acc: &[__m256; 4], slot_rows: &[usize; 32], out: &mut [f32]) {
+        let mut tmp = [0f32; 32];
+        for (i, a) in acc.iter().enumerate() {
+            // SAFETY: tmp has 32 floats; 8 are written at 8·i for i < 4.
+            unsafe { _mm256_storeu_ps(tmp.as_mut_ptr().add(8 * i), *a) };
+        }
+        for (slot, &row) in slot_rows.iter().enumerate() {
+            out[row] = tmp[slot];
+        }
+    }
+
+    // ---- accumulators ------------------------------------------------------------------------------
+
+    /// `acc += dot · (d · scale_a) [+ mins · sum_a]` for the four slot vectors of one row, with the
+    /// accumulators kept in `acc_mem` (32 floats, slot order) between groups.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate_in_memory(acc_mem: &mut [f32], update: impl Fn(usize, __m256) -> __m256) {
+        debug_assert!(acc_mem.len() >= 32);
+        for i in 0..4 {
+            // SAFETY: acc_mem holds 32 floats; 8 are read and written at 8·i for i < 4.
+            unsafe {
+                let p = acc_mem.as_mut_ptr().add(8 * i);
+                _mm256_storeu_ps(p, update(i, _mm256_loadu_ps(p)));
+            }
+        }
+    }
+
+    /// Turn slot-ordered accumulators kept in `out` (32 floats per row) into natural row order.
+    fn unpermute_rows(out: &mut [f32], m: usize, slot_rows: &[usize; 32]) {
+        for row in out.chunks_exact_mut(TILE_ROWS).take(m) {
+            let mut tmp = [0f32; 32];
+            tmp.copy_from_slice(row);
+            for (slot, &r) in slot_rows.iter().enumerate() {
+                row[r] = tmp[slot];
+            }
+        }
+    }
+
+    // ---- software prefetch ---------------------------------------------------------------------------
+
+    /// Groups to prefetch ahead: ~6 × 640 B covers DRAM latency at one core's M = 1 compute rate.
+    const PREFETCH_AHEAD: usize = 6;
+
+    /// Lines holding group `ahead` of this block (or, past its end, of the next block, which
+    /// follows contiguously). The hardware prefetcher alone stalls on the tile layout: per group it
+    /// reads three separate places in the tile, and the padding past K is skipped.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_group(
+        block: &[u8],
+        groups_total: usize,
+        groups_per_tile: usize,
+        tile_bytes: usize,
+        lines: impl Fn(*const u8, usize) -> [(usize, usize); 3],
+        ahead: usize,
+    ) {
+        let (base, gg) = if ahead < groups_total {
+            (block.as_ptr(), ahead)
+        } else {
+            (
+                block.as_ptr().wrapping_add(block.len()),
+                ahead - groups_total,
+            )
+        };
+        let tile = base.wrapping_add(gg / groups_per_tile * tile_bytes);
+        for (offset, count) in lines(tile, gg % groups_per_tile) {
+            for line in 0..count {
+                // A prefetch is only a hint: it never faults, even past the end of the matrix
+                // (hence `wrapping_add`, and no dereference).
+                _mm_prefetch::<_MM_HINT_T0>(tile.wrapping_add(offset + 64 * line) as *const i8);
+            }
+        }
+    }
+
+    /// (offset, lines) of a 4-bit group's scales, mins and codes.
+    fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
+        let (scales, mins) = match layout.scales {
+            Q4Scales::Q4K => (g * 32, 256 + g * 32),
+            _ => (g * 64, 512 + g * 64),
+        };
+        if layout.column_major {
+            [(scales, 1), (mins, 1), (layout.codes + g * 512, 8)]
+        } else {
+            // Two planes of 4 lines; the second plane's lines take the mins slot's neighbour.
+            [
+                (scales, 1),
+                (layout.codes + g * 256, 4),
+                (layout.codes + 2048 + g * 256, 4),
+            ]
+        }
+    }
+
+    /// (offset, lines) of an 8-bit group's scales and codes.
+    fn q8_group_lines(layout: Q8Layout, g: usize) -> [(usize, usize); 3] {
+        if layout.column_major {
+            [(g * 64, 1), (layout.codes + g * 1024, 16), (0, 0)]
+        } else {
+            [
+                (g * 64, 1),
+                (layout.codes + g * 512, 8),
+                (layout.codes + layout.plane + g * 512, 8),
+            ]
+        }
+    }
+
+    // ---- 4-bit block kernel -----------------------------------------------------------------------
+
+    /// One group's i16 dot sums (four slot vectors) for two activation rows `a` and `b`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_two_rows(
+        unpacked: &[[__m256i; 4]; 8],
+        a: *const i8,
+        b: *const i8,
+    ) -> ([__m256i; 4], [__m256i; 4]) {
+        let mut sa = [_mm256_setzero_si256(); 4];
+        let mut sb = [_mm256_setzero_si256(); 4];
+        for (quad, w) in unpacked.iter().enumerate() {
+            // SAFETY: both activation groups hold 32 codes (caller contract).
+            let (xa, xb) = unsafe { (broadcast4(a.add(quad * 4)), broadcast4(b.add(quad * 4))) };
+            for j in 0..4 {
+                sa[j] = _mm256_add_epi16(sa[j], _mm256_maddubs_epi16(w[j], xa));
+                sb[j] = _mm256_add_epi16(sb[j], _mm256_maddubs_epi16(w[j], xb));
+            }
+        }
+        (sa, sb)
+    }
+
+    /// One 32-row block of a 4-bit tiled matrix times activation rows `rows` of `act`:
+    /// `out[(i - rows.start) * 32 + r]` for every activation row i. `block` is the row block's tiles
+    /// (`ceil(K / 256)` of them); only groups holding real columns (< `act.cols`) are read.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C (`available()`), `block` must hold
+    /// `act.cols.div_ceil(256)` tiles of `layout.tile_bytes`, `rows` must be inside `act`, and
+    /// `out.len() ≥ rows.len() * 32`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q4_block(
+        layout: Q4Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        let groups_total = act.groups();
+        let m = rows.len();
+        debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
+        debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc1 = [_mm256_setzero_ps(); 4];
+        if m > 1 {
+            out[..m * TILE_ROWS].fill(0.0);
+        }
+        let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
+        for gg in 0..groups_total {
+            let (t, g) = (gg / 8, gg % 8);
+            prefetch_group(
+                block,
+                groups_total,
+                8,
+                layout.tile_bytes,
+                |_, g| q4_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            );
+            if !layout.column_major {
+                // The 16-row-lane order's mins live apart from its scales.
+                prefetch_group(
+                    block,
+                    groups_total,
+                    8,
+                    layout.tile_bytes,
+                    |_, g| [(512 + g * 64, 1), (0, 0), (0, 0)],
+                    gg + PREFETCH_AHEAD,
+                );
+            }
+            // SAFETY: tile t exists (caller contract); all offsets are inside it.
+            let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            let codes = unsafe { tile.add(layout.codes) };
+            let (d_nat, m_nat) = unsafe { q4_group_scales(layout.scales, tile, g) };
+            let d = q4_slot_order(d_nat);
+            let mins = q4_slot_order(m_nat);
+            if m == 1 {
+                // Single row: unpack and use straight from registers, accumulate in registers.
+                let row = rows.start;
+                // SAFETY: row < act.rows and gg < groups: 32 codes readable.
+                let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
+                let mut sum16 = [_mm256_setzero_si256(); 4];
+                for quad in 0..8 {
+                    // SAFETY: column g·32 + 4·quad + 3 < 256; the activation group has 32 codes.
+                    let w =
+                        unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
+                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+                    for i in 0..4 {
+                        sum16[i] = _mm256_add_epi16(sum16[i], _mm256_maddubs_epi16(w[i], x4));
+                    }
+                }
+                let scale_a = _mm256_set1_ps(act.scales[row * groups_total + gg]);
+                let sum_a = _mm256_set1_ps(act.sums[row * groups_total + gg]);
+                for i in 0..4 {
+                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[i], ones));
+                    acc1[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[i], scale_a), acc1[i]);
+                    acc1[i] = _mm256_fmadd_ps(mins[i], sum_a, acc1[i]);
+                }
+                continue;
+            }
+            for (quad, slot) in unpacked.iter_mut().enumerate() {
+                // SAFETY: as above.
+                *slot = unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
+            }
+            // Two activation rows per pass: each unpacked weight vector is loaded once for both.
+            let mut i = 0;
+            while i < m {
+                let pair = i + 1 < m;
+                let row = rows.start + i;
+                let next = if pair { row + 1 } else { row };
+                // SAFETY: row, next < act.rows and gg < groups: 32 codes readable in each.
+                let (a, b) = unsafe {
+                    (
+                        act.codes.as_ptr().add(row * act.cols + gg * GROUP),
+                        act.codes.as_ptr().add(next * act.cols + gg * GROUP),
+                    )
+                };
+                let (sums_a, sums_b) = unsafe { q4_two_rows(&unpacked, a, b) };
+                for (offset, sum16) in [(0, sums_a), (1, sums_b)]
+                    .into_iter()
+                    .take(1 + pair as usize)
+                {
+                    let r = row + offset;
+                    let scale_a = _mm256_set1_ps(act.scales[r * groups_total + gg]);
+                    let sum_a = _mm256_set1_ps(act.sums[r * groups_total + gg]);
+                    let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    accumulate_in_memory(acc_mem, |j, acc| {
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
+                        let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc);
+                        _mm256_fmadd_ps(mins[j], sum_a, acc)
+                    });
+                }
+                i += 2;
+            }
+        }
+        if m == 1 {
+            store_rows(&acc1, &Q4_SLOT_ROWS, &mut out[..TILE_ROWS]);
+        } else {
+            unpermute_rows(out, m, &Q4_SLOT_ROWS);
+        }
+    }
+
+    // ---- 8-bit block kernel -----------------------------------------------------------------------
+
+    /// Natural-order scale vectors of group `g` of an 8-bit tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_group_scales(f16_scales: bool, tile: *const u8, g: usize) -> [__m256; 4] {
+        // SAFETY: the scale area is [0, 512); g < 8 so g·64 + 64 ≤ 512.
+        unsafe {
+            let p = tile.add(g * 64);
+            if f16_scales {
+                [
+                    f16x8(p),
+                    f16x8(p.add(16)),
+                    f16x8(p.add(32)),
+                    f16x8(p.add(48)),
+                ]
+            } else {
+                [
+                    bf16x8(p),
+                    bf16x8(p.add(16)),
+                    bf16x8(p.add(32)),
+                    bf16x8(p.add(48)),
+                ]
+            }
+        }
+    }
+
+    /// Σ over one quad of w·x for the four slot vectors, added to `sum32` (sign trick).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_quad_dot(
+        w: &[__m256i; 4],
+        magnitude: &[__m256i; 4],
+        x4: __m256i,
+        sum32: &mut [__m256i; 4],
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        for i in 0..4 {
+            // |w| · (x with w's sign) = w · x; a pair sum ≤ 2·128·127 fits i16.
+            let signed_x = _mm256_sign_epi8(x4, w[i]);
+            let pairs = _mm256_maddubs_epi16(magnitude[i], signed_x);
+            sum32[i] = _mm256_add_epi32(sum32[i], _mm256_madd_epi16(pairs, ones));
+        }
+    }
+
+    /// One 32-row block of an 8-bit tiled matrix; same contract as [`q4_block`].
+    ///
+    /// # Safety
+    /// As [`q4_block`], with `act.cols.div_ceil(layout.tile_cols)` tiles in `block`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q8_block(
+        layout: Q8Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        let groups_total = act.groups();
+        let groups_per_tile = layout.tile_cols / GROUP;
+        let m = rows.len();
+        debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
+        debug_assert!(block.len() >= groups_total.div_ceil(groups_per_tile) * layout.tile_bytes);
+        let mut acc1 = [_mm256_setzero_ps(); 4];
+        if m > 1 {
+            out[..m * TILE_ROWS].fill(0.0);
+        }
+        // Per quad: the codes (for the sign) and their magnitudes (the unsigned maddubs operand).
+        let mut unpacked = [[[_mm256_setzero_si256(); 4]; 2]; 8];
+        for gg in 0..groups_total {
+            let (t, g) = (gg / groups_per_tile, gg % groups_per_tile);
+            prefetch_group(
+                block,
+                groups_total,
+                groups_per_tile,
+                layout.tile_bytes,
+                |_, g| q8_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            );
+            // SAFETY: tile t exists (caller contract); all offsets are inside it.
+            let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            let codes = unsafe { tile.add(layout.codes) };
+            let d = q8_slot_order(unsafe { q8_group_scales(layout.f16_scales, tile, g) });
+            if m == 1 {
+                let row = rows.start;
+                // SAFETY: row < act.rows and gg < groups: 32 codes readable.
+                let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
+                let mut sum32 = [_mm256_setzero_si256(); 4];
+                for quad in 0..8 {
+                    // SAFETY: column g·32 + 4·quad + 3 < tile_cols.
+                    let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
+                    let magnitude = w.map(|v| _mm256_sign_epi8(v, v));
+                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+                    q8_quad_dot(&w, &magnitude, x4, &mut sum32);
+                }
+                let scale_a = _mm256_set1_ps(act.scales[row * groups_total + gg]);
+                for i in 0..4 {
+                    let dot = _mm256_cvtepi32_ps(sum32[i]);
+                    acc1[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[i], scale_a), acc1[i]);
+                }
+                continue;
+            }
+            for (quad, slot) in unpacked.iter_mut().enumerate() {
+                // SAFETY: column g·32 + 4·quad + 3 < tile_cols.
+                let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
+                *slot = [w, w.map(|v| _mm256_sign_epi8(v, v))];
+            }
+            // Two activation rows per pass: each unpacked weight vector is loaded once for both.
+            let mut i = 0;
+            while i < m {
+                let pair = i + 1 < m;
+                let row = rows.start + i;
+                let next = if pair { row + 1 } else { row };
+                // SAFETY: row, next < act.rows and gg < groups: 32 codes readable in each.
+                let (a, b) = unsafe {
+                    (
+                        act.codes.as_ptr().add(row * act.cols + gg * GROUP),
+                        act.codes.as_ptr().add(next * act.cols + gg * GROUP),
+                    )
+                };
+                let mut sums_a = [_mm256_setzero_si256(); 4];
+                let mut sums_b = [_mm256_setzero_si256(); 4];
+                for (quad, [w, magnitude]) in unpacked.iter().enumerate() {
+                    // SAFETY: both activation groups hold 32 codes.
+                    let (xa, xb) =
+                        unsafe { (broadcast4(a.add(quad * 4)), broadcast4(b.add(quad * 4))) };
+                    q8_quad_dot(w, magnitude, xa, &mut sums_a);
+                    q8_quad_dot(w, magnitude, xb, &mut sums_b);
+                }
+                for (offset, sum32) in [(0, sums_a), (1, sums_b)]
+                    .into_iter()
+                    .take(1 + pair as usize)
+                {
+                    let scale_a = _mm256_set1_ps(act.scales[(row + offset) * groups_total + gg]);
+                    let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    accumulate_in_memory(acc_mem, |j, acc| {
+                        let dot = _mm256_cvtepi32_ps(sum32[j]);
+                        _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc)
+                    });
+                }
+                i += 2;
+            }
+        }
+        if m == 1 {
+            store_rows(&acc1, &Q8_SLOT_ROWS, &mut out[..TILE_ROWS]);
+        } else {
+            unpermute_rows(out, m, &Q8_SLOT_ROWS);
+        }
+    }
+
+    // ---- activation quantization -------------------------------------------------------------------
+
+    /// ggml's `quantize_row_q8_1` for one full group of 32: codes into `out`, returns (d, Σq).
+    /// Bit-identical to `quant::quantize_group` (same max, same division, same product, and
+    /// `cvtps_epi32` rounds ties to even like `round_ties_even`).
+    ///
+    /// # Safety
+    /// AVX2 available; 32 floats readable at `values`, 32 bytes writable at `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_group32(values: *const f32, out: *mut i8) -> (f32, i32) {
+        // SAFETY: 32 floats readable (caller contract).
+        let v = unsafe {
+            [
+                _mm256_loadu_ps(values),
+                _mm256_loadu_ps(values.add(8)),
+                _mm256_loadu_ps(values.add(16)),
+                _mm256_loadu_ps(values.add(24)),
+            ]
+        };
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = |x| _mm256_andnot_ps(sign, x);
+        let m = _mm256_max_ps(
+            _mm256_max_ps(abs(v[0]), abs(v[1])),
+            _mm256_max_ps(abs(v[2]), abs(v[3])),
+        );
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
+        let amax = _mm_cvtss_f32(m1);
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let scale = _mm256_set1_ps(inv);
+        let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, scale)));
+        let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let t4 = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256::<1>(total),
+        );
+        let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+        let t1 = _mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2));
+        let sum = _mm_cvtsi128_si32(t1);
+        // i32 → i16 → i8 with saturation (values are within ±127), then undo the lane interleave.
+        let q16a = _mm256_packs_epi32(q[0], q[1]);
+        let q16b = _mm256_packs_epi32(q[2], q[3]);
+        let q8 = _mm256_packs_epi16(q16a, q16b);
+        let q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: 32 bytes writable (caller contract).
+        unsafe { _mm256_storeu_si256(out as *mut __m256i, q8) };
+        (d, sum)
+    }
+
+    // ---- plain formats ----------------------------------------------------------------------------
+
+    /// Horizontal sum of 8 floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum_float_8(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Element type of a plain weight row.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum PlainKind {
+        Bf16,
+        F16,
+        F32,
+    }
+
+    /// Dot product of one plain weight row (`k` elements of `kind` at `w`) with `x[..k]`.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `w` holds `k` elements; `x.len() ≥ k`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn plain_dot(kind: PlainKind, w: &[u8], x: &[f32], k: usize) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut c = 0;
+        let load = |c: usize| unsafe {
+            // SAFETY: c + 8 ≤ k, so 8 elements are readable from both rows.
+            match kind {
+                PlainKind::Bf16 => bf16x8(w.as_ptr().add(c * 2)),
+                PlainKind::F16 => f16x8(w.as_ptr().add(c * 2)),
+                PlainKind::F32 => _mm256_loadu_ps(w.as_ptr().add(c * 4) as *const f32),
+            }
+        };
+        while c + 16 <= k {
+            // SAFETY: c + 16 ≤ k ≤ x.len().
+            let (x0, x1) = unsafe {
+                (
+                    _mm256_loadu_ps(x.as_ptr().add(c)),
+                    _mm256_loadu_ps(x.as_ptr().add(c + 8)),
+                )
+            };
+            acc[0] = _mm256_fmadd_ps(load(c), x0, acc[0]);
+            acc[1] = _mm256_fmadd_ps(load(c + 8), x1, acc[1]);
+            c += 16;
+        }
+        if c + 8 <= k {
+            // SAFETY: c + 8 ≤ k ≤ x.len().
+            let x0 = unsafe { _mm256_loadu_ps(x.as_ptr().add(c)) };
+            acc[0] = _mm256_fmadd_ps(load(c), x0, acc[0]);
+            c += 8;
+        }
+        let mut sum = hsum_float_8(_mm256_add_ps(acc[0], acc[1]));
+        while c < k {
+            let v = match kind {
+                PlainKind::Bf16 => {
+                    half::bf16::from_bits(u16::from_le_bytes([w[2 * c], w[2 * c + 1]])).to_f32()
+                }
+                PlainKind::F16 => {
+                    half::f16::from_bits(u16::from_le_bytes([w[2 * c], w[2 * c + 1]])).to_f32()
+                }
+                PlainKind::F32 => {
+                    f32::from_le_bytes([w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]])
+                }
+            };
+            sum += v * x[c];
+            c += 1;
+        }
+        sum
+    }
+}

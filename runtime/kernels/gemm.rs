@@ -1,0 +1,522 @@
+//! The host GEMM executor: `y[m×N] = x[m×K] · Wᵀ` over weights in their stored tile layout.
+//!
+//! Dispatch: AVX2+FMA+F16C kernels (`avx2`) when the CPU has them (detected once), else a portable
+//! scalar path that decodes one tile at a time. Tile formats quantize the activations to q8 once per
+//! call (`quant`); plain bf16/f16/f32 weights take f32 dot products. Work is split over the global
+//! [`Pool`] in contiguous chunks of 32-row blocks.
+
+use std::cell::RefCell;
+
+use super::avx2::{self, Q4Layout, Q4Scales, Q8Layout};
+use super::pool::{ChunkCounter, Pool};
+use super::quant::QuantizedRows;
+use super::KernelError;
+use crate::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
+
+/// Activation rows handed to one block-kernel call: bounds the per-thread scratch (128 × 32 f32).
+const ROWS_PER_PASS: usize = 128;
+/// Chunks per thread in the dynamic schedule: enough to even out a noisy neighbour, few enough
+/// that every chunk is a long sequential stream.
+const CHUNKS_PER_THREAD: usize = 4;
+
+/// A `[rows = N, cols = K]` weight matrix in a stored format, borrowed (typically from an mmap).
+#[derive(Clone, Copy, Debug)]
+pub struct WeightMatrix<'a> {
+    /// Storage format.
+    pub format: WeightFormat,
+    /// Output features N (a multiple of 32 for tile formats).
+    pub rows: usize,
+    /// Logical input features K (tile formats store K zero-padded to the tile width).
+    pub cols: usize,
+    /// The stored bytes, exactly `format.matrix_bytes(rows, cols)` long.
+    pub data: &'a [u8],
+}
+
+impl<'a> WeightMatrix<'a> {
+    /// A weight matrix whose byte length matches its format and shape.
+    pub fn new(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        let weight_error = |source| KernelError::Weight {
+            format: format.name(),
+            rows,
+            cols,
+            source,
+        };
+        let expected = format.matrix_bytes(rows, cols).map_err(weight_error)?;
+        if data.len() != expected {
+            return Err(weight_error(tiles::TileError::Size {
+                what: "matrix bytes",
+                expected,
+                got: data.len(),
+            }));
+        }
+        Ok(WeightMatrix {
+            format,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    /// Bytes a GEMM actually streams from this matrix: tile padding past the last real 32-column
+    /// group is skipped, so this is less than `data.len()` when K is not a multiple of 256.
+    pub fn streamed_bytes(&self) -> usize {
+        let groups = self.cols.div_ceil(GROUP);
+        let blocks = self.rows / TILE_ROWS;
+        match self.format {
+            // scale + min (2 × 64 B) + codes (512 B) per (group, 32 rows)
+            WeightFormat::Q41 { .. } => blocks * groups * (128 + 512),
+            // scale (64 B) + codes (1024 B)
+            WeightFormat::Q8 { .. } | WeightFormat::Q8Legacy => blocks * groups * (64 + 1024),
+            // s8 + m8 (64 B) + codes (512 B) per group, row super scales (128 B) per tile
+            WeightFormat::Q4K => blocks * (groups * (64 + 512) + self.cols.div_ceil(256) * 128),
+            WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32 => self.data.len(),
+        }
+    }
+
+    /// Bytes of one 32-row block (tile formats).
+    fn block_bytes(&self) -> usize {
+        match self.format.tile_bytes() {
+            Some(tile) => self.format.padded_cols(self.cols) / self.format.tile_cols() * tile,
+            None => 0,
+        }
+    }
+}
+
+/// Which kernel runs a format on the fast path.
+#[derive(Clone, Copy, Debug)]
+enum FastKernel {
+    Q4(Q4Layout),
+    Q8(Q8Layout),
+    Plain(avx2::PlainKind),
+}
+
+fn fast_kernel(format: WeightFormat) -> FastKernel {
+    let column_major = |order| order == TileOrder::ColumnMajor;
+    match format {
+        WeightFormat::Q41 { scale, order } => FastKernel::Q4(Q4Layout {
+            scales: match scale {
+                ScaleType::Bf16 => Q4Scales::Bf16,
+                ScaleType::F16 => Q4Scales::F16,
+            },
+            column_major: column_major(order),
+            codes: tiles::Q41_CODES,
+            tile_bytes: tiles::Q41_TILE_BYTES,
+        }),
+        WeightFormat::Q4K => FastKernel::Q4(Q4Layout {
+            scales: Q4Scales::Q4K,
+            column_major: true,
+            codes: 512,
+            tile_bytes: tiles::Q4K_TILE_BYTES,
+        }),
+        WeightFormat::Q8 { scale, order } => FastKernel::Q8(Q8Layout {
+            f16_scales: scale == ScaleType::F16,
+            column_major: column_major(order),
+            codes: tiles::Q8_CODES,
+            plane: 4096,
+            tile_cols: 256,
+            tile_bytes: tiles::Q8_TILE_BYTES,
+        }),
+        WeightFormat::Q8Legacy => FastKernel::Q8(Q8Layout {
+            f16_scales: false,
+            column_major: false,
+            codes: 1024,
+            plane: 2048,
+            tile_cols: 128,
+            tile_bytes: tiles::Q8_LEGACY_TILE_BYTES,
+        }),
+        WeightFormat::Bf16 => FastKernel::Plain(avx2::PlainKind::Bf16),
+        WeightFormat::F16 => FastKernel::Plain(avx2::PlainKind::F16),
+        WeightFormat::F32 => FastKernel::Plain(avx2::PlainKind::F32),
+    }
+}
+
+thread_local! {
+    /// The calling thread's quantized activations (reused across calls: no steady-state allocation).
+    static ACTIVATIONS: RefCell<QuantizedRows> = RefCell::new(QuantizedRows::default());
+    /// Each thread's block output / accumulator scratch, and the scalar path's decoded tile.
+    static BLOCK_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Raw output pointer shared by the workers; each writes a disjoint set of columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: workers write disjoint (row block) column ranges of `y`, which outlives the pool job.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// Runs GEMMs on the host CPU (the "host executor" of a kernel descriptor).
+#[derive(Debug, Default)]
+pub struct HostExecutor {
+    /// Use the portable scalar path even when AVX2 is available (tests, comparisons).
+    force_scalar: bool,
+}
+
+impl HostExecutor {
+    /// The executor using the best path this CPU supports.
+    pub fn new() -> Self {
+        HostExecutor {
+            force_scalar: false,
+        }
+    }
+
+    /// An executor that always uses the portable scalar path.
+    pub fn scalar() -> Self {
+        HostExecutor { force_scalar: true }
+    }
+
+    /// A shared executor (it holds no state; any instance uses the global pool).
+    pub fn global() -> &'static HostExecutor {
+        static GLOBAL: HostExecutor = HostExecutor {
+            force_scalar: false,
+        };
+        &GLOBAL
+    }
+
+    /// Does this executor use the AVX2 kernels?
+    pub fn uses_avx2(&self) -> bool {
+        !self.force_scalar && fast_available()
+    }
+
+    /// `y[m×N] = x[m×K] · Wᵀ`; `x` is `m × K` row-major, `y` is `m × N` row-major.
+    pub fn gemm(
+        &self,
+        w: &WeightMatrix,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        self.gemm_strided(w, x, m, y, w.rows)
+    }
+
+    /// As [`HostExecutor::gemm`], writing row i of the result to `y[i * y_stride .. i * y_stride + N]`
+    /// (so a fused projection can write into its slice of a wider output).
+    pub fn gemm_strided(
+        &self,
+        w: &WeightMatrix,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        y_stride: usize,
+    ) -> Result<(), KernelError> {
+        if x.len() != m * w.cols {
+            return Err(KernelError::Shape {
+                what: "activations x (m × K)",
+                expected: m * w.cols,
+                got: x.len(),
+            });
+        }
+        let needed = if m == 0 {
+            0
+        } else {
+            (m - 1) * y_stride + w.rows
+        };
+        if y_stride < w.rows || y.len() < needed {
+            return Err(KernelError::Shape {
+                what: "output y ((m-1) × stride + N)",
+                expected: needed.max(m * w.rows),
+                got: y.len(),
+            });
+        }
+        // Re-validate: the fields are public, so a hand-built WeightMatrix may be inconsistent.
+        let expected =
+            w.format
+                .matrix_bytes(w.rows, w.cols)
+                .map_err(|source| KernelError::Weight {
+                    format: w.format.name(),
+                    rows: w.rows,
+                    cols: w.cols,
+                    source,
+                })?;
+        if w.data.len() != expected {
+            return Err(KernelError::Shape {
+                what: "weight bytes",
+                expected,
+                got: w.data.len(),
+            });
+        }
+        if m == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let fast = self.uses_avx2();
+        let kernel = fast_kernel(w.format);
+        let out = OutPtr(y.as_mut_ptr());
+        let blocks = w.rows.div_ceil(TILE_ROWS);
+        let run = |act: Option<&QuantizedRows>| {
+            let pool = Pool::global();
+            let counter = ChunkCounter::new(blocks, pool.threads(), CHUNKS_PER_THREAD);
+            pool.run(&|_, _| {
+                BLOCK_SCRATCH.with(|scratch| {
+                    let mut scratch = scratch.borrow_mut();
+                    let (block_out, decoded) = &mut *scratch;
+                    block_out.resize(ROWS_PER_PASS * TILE_ROWS, 0.0);
+                    while let Some(range) = counter.claim() {
+                        for block in range {
+                            run_block(
+                                w, kernel, fast, act, x, m, block, block_out, decoded, out,
+                                y_stride,
+                            );
+                        }
+                    }
+                });
+            });
+        };
+        if w.format.tile_bytes().is_some() && fast {
+            ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut act) => {
+                    act.quantize(x, m, w.cols);
+                    run(Some(&act));
+                }
+                // Re-entered on this thread (not expected): use a temporary buffer.
+                Err(_) => {
+                    let mut act = QuantizedRows::default();
+                    act.quantize(x, m, w.cols);
+                    run(Some(&act));
+                }
+            });
+        } else {
+            run(None);
+        }
+        Ok(())
+    }
+}
+
+/// Is the AVX2 path usable on this CPU?
+pub fn fast_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Compute output columns `block*32 .. block*32+32` (fewer for a plain matrix's last block) for all
+/// `m` activation rows and write them to `y`.
+#[allow(clippy::too_many_arguments)] // the per-call context of one work item
+fn run_block(
+    w: &WeightMatrix,
+    kernel: FastKernel,
+    fast: bool,
+    act: Option<&QuantizedRows>,
+    x: &[f32],
+    m: usize,
+    block: usize,
+    block_out: &mut [f32],
+    decoded: &mut Vec<f32>,
+    y: OutPtr,
+    y_stride: usize,
+) {
+    let n0 = block * TILE_ROWS;
+    let rows_here = (w.rows - n0).min(TILE_ROWS);
+    let mut row0 = 0;
+    while row0 < m {
+        let pass = (m - row0).min(ROWS_PER_PASS);
+        let out = &mut block_out[..pass * TILE_ROWS];
+        compute_block(
+            w,
+            kernel,
+            fast,
+            act,
+            x,
+            row0..row0 + pass,
+            block,
+            out,
+            decoded,
+        );
+        for i in 0..pass {
+            for r in 0..rows_here {
+                // SAFETY: (row0+i) < m and n0 + r < N, so the index is < (m-1)·stride + N ≤ y.len()
+                // (checked in gemm_strided); blocks are disjoint, so no two threads write it.
+                unsafe { *y.0.add((row0 + i) * y_stride + n0 + r) = out[i * TILE_ROWS + r] };
+            }
+        }
+        row0 += pass;
+    }
+}
+
+/// One block, activation rows `rows`: `out[(i - rows.start) * 32 + r]`.
+#[allow(clippy::too_many_arguments)] // the per-call context of one work item
+fn compute_block(
+    w: &WeightMatrix,
+    kernel: FastKernel,
+    fast: bool,
+    act: Option<&QuantizedRows>,
+    x: &[f32],
+    rows: std::ops::Range<usize>,
+    block: usize,
+    out: &mut [f32],
+    decoded: &mut Vec<f32>,
+) {
+    let k = w.cols;
+    if let Some(tile_bytes) = w.format.tile_bytes() {
+        let block_bytes = w.block_bytes();
+        let data = &w.data[block * block_bytes..(block + 1) * block_bytes];
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            if let Some(act) = act {
+                debug_assert_eq!(act.cols, k.div_ceil(GROUP) * GROUP);
+                match kernel {
+                    // SAFETY: `fast` means avx2::available(); `data` is the full row block (its
+                    // length follows from matrix_bytes, validated by the caller), rows ⊂ 0..m,
+                    // and `out` holds rows.len() × 32 floats.
+                    FastKernel::Q4(layout) => unsafe {
+                        avx2::q4_block(layout, data, act, rows, out)
+                    },
+                    // SAFETY: as above.
+                    FastKernel::Q8(layout) => unsafe {
+                        avx2::q8_block(layout, data, act, rows, out)
+                    },
+                    FastKernel::Plain(_) => {}
+                }
+                return;
+            }
+        }
+        let _ = (kernel, fast, act);
+        scalar_tiled_block(w, data, tile_bytes, x, rows, out, decoded);
+        return;
+    }
+    // Plain formats: one weight row at a time, f32 dot products.
+    let elem = w.format.plain_elem_bytes().unwrap_or(4);
+    let n0 = block * TILE_ROWS;
+    let rows_here = (w.rows - n0).min(TILE_ROWS);
+    for r in 0..rows_here {
+        let wrow = &w.data[(n0 + r) * k * elem..(n0 + r + 1) * k * elem];
+        for (slot, i) in rows.clone().enumerate() {
+            let xr = &x[i * k..(i + 1) * k];
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                if let FastKernel::Plain(kind) = kernel {
+                    // SAFETY: `fast` means the CPU has AVX2/FMA/F16C; wrow holds k elements and
+                    // xr has k floats.
+                    out[slot * TILE_ROWS + r] = unsafe { avx2::plain_dot(kind, wrow, xr, k) };
+                    continue;
+                }
+            }
+            out[slot * TILE_ROWS + r] = scalar_plain_dot(w.format, wrow, xr);
+        }
+    }
+}
+
+fn scalar_plain_dot(format: WeightFormat, wrow: &[u8], x: &[f32]) -> f32 {
+    match format {
+        WeightFormat::F32 => wrow
+            .chunks_exact(4)
+            .zip(x)
+            .map(|(b, &v)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * v)
+            .sum(),
+        WeightFormat::Bf16 => wrow
+            .chunks_exact(2)
+            .zip(x)
+            .map(|(b, &v)| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32() * v)
+            .sum(),
+        _ => wrow
+            .chunks_exact(2)
+            .zip(x)
+            .map(|(b, &v)| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32() * v)
+            .sum(),
+    }
+}
+
+/// The portable path for tile formats: decode one tile at a time, f32 dots over real columns.
+fn scalar_tiled_block(
+    w: &WeightMatrix,
+    data: &[u8],
+    tile_bytes: usize,
+    x: &[f32],
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    decoded: &mut Vec<f32>,
+) {
+    let k = w.cols;
+    let tile_cols = w.format.tile_cols();
+    decoded.resize(TILE_ROWS * tile_cols, 0.0);
+    out[..rows.len() * TILE_ROWS].fill(0.0);
+    for (t, tile) in data.chunks_exact(tile_bytes).enumerate() {
+        // The tile length is exact, so decoding cannot fail.
+        if tiles::decode_tile(w.format, tile, decoded).is_err() {
+            continue;
+        }
+        let c0 = t * tile_cols;
+        let width = (k - c0).min(tile_cols);
+        for (slot, i) in rows.clone().enumerate() {
+            let xr = &x[i * k + c0..i * k + c0 + width];
+            for r in 0..TILE_ROWS {
+                let wr = &decoded[r * tile_cols..r * tile_cols + width];
+                out[slot * TILE_ROWS + r] += wr.iter().zip(xr).map(|(a, b)| a * b).sum::<f32>();
+            }
+        }
+    }
+}
+
+/// Run a kernel descriptor on the host over raw argument buffers (what a device backend or the
+/// shim's EXEC path holds): `weight` is the tile grid, `x` is `m × K` little-endian f32, `y`
+/// receives `m × N` f32. `m` follows from `x.len()` and must fit the descriptor's row family.
+pub fn execute(
+    desc: &super::KernelDesc,
+    weight: &[u8],
+    x: &[u8],
+    y: &mut [u8],
+) -> Result<(), KernelError> {
+    if desc.op != "gemm" {
+        return Err(KernelError::Unsupported(format!(
+            "host executor has no op {:?}",
+            desc.op
+        )));
+    }
+    let (k, n) = (desc.k as usize, desc.n as usize);
+    let w = WeightMatrix::new(desc.wfmt, n, k, weight)?;
+    let row_bytes = 4 * k;
+    if row_bytes == 0 || x.len() % row_bytes != 0 {
+        return Err(KernelError::Shape {
+            what: "x bytes (m × K × 4)",
+            expected: x.len().div_ceil(row_bytes.max(1)) * row_bytes,
+            got: x.len(),
+        });
+    }
+    let m = x.len() / row_bytes;
+    if m > desc.family as usize {
+        return Err(KernelError::Shape {
+            what: "activation rows (≤ row family)",
+            expected: desc.family as usize,
+            got: m,
+        });
+    }
+    if y.len() != 4 * m * n {
+        return Err(KernelError::Shape {
+            what: "y bytes (m × N × 4)",
+            expected: 4 * m * n,
+            got: y.len(),
+        });
+    }
+    // Argument buffers are normally 4-byte aligned (BO mappings); copy only if one is not.
+    let x_owned;
+    let x_f32: &[f32] = match bytemuck::try_cast_slice(x) {
+        Ok(v) => v,
+        Err(_) => {
+            x_owned = x
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect::<Vec<f32>>();
+            &x_owned
+        }
+    };
+    match bytemuck::try_cast_slice_mut::<u8, f32>(y) {
+        Ok(y_f32) => HostExecutor::global().gemm(&w, x_f32, m, y_f32),
+        Err(_) => {
+            let mut y_f32 = vec![0f32; m * n];
+            HostExecutor::global().gemm(&w, x_f32, m, &mut y_f32)?;
+            for (dst, v) in y.chunks_exact_mut(4).zip(&y_f32) {
+                dst.copy_from_slice(&v.to_le_bytes());
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! A persistent worker pool: resident threads, a spin-then-park wake-up, and the caller as worker 0.
+//!
+//! Modelled on ggml's `ggml_barrier` / candle's `BarrierPool`: an operation is one generation bump;
+//! workers spin for a short while on the generation counter (so back-to-back GEMMs of a decode step
+//! cost no syscalls) and then park on a condition variable (so an idle process burns no CPU). Work
+//! inside an operation is claimed by the job itself (see [`ChunkCounter`]), in contiguous chunks, so
+//! each core streams a contiguous stretch of weights for the hardware prefetcher.
+//!
+//! Jobs must claim work dynamically: a worker that has not *entered* an operation by the time the
+//! caller has finished it is shut out (the entry gate closes), so on an oversubscribed machine a
+//! descheduled worker costs nothing instead of a scheduler time slice per operation. A job is
+//! therefore called by *at most* every pool thread, and by the caller always.
+//!
+//! One global pool ([`Pool::global`]) sized to the available cores, or `XDNA_THREADS`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Condvar, Mutex};
+
+/// How many times a waiting thread polls before it parks / yields. About 10-50 µs: long enough to
+/// cover the gap between two GEMMs of a decode step, short enough not to starve other processes.
+const SPIN_LIMIT: u32 = 20_000;
+/// Gate bit: workers may still enter the current operation.
+const GATE_OPEN: u64 = 1 << 31;
+/// Gate bits counting the workers inside the current operation.
+const GATE_INSIDE: u64 = GATE_OPEN - 1;
+
+/// A job: called once per participating thread with (thread index, thread count).
+type Job<'a> = dyn Fn(usize, usize) + Sync + 'a;
+
+struct Shared {
+    /// Bumped once per operation; workers run the job when they see a new value.
+    generation: AtomicUsize,
+    /// Entry gate of the current operation: `generation << 32 | OPEN | workers inside`.
+    gate: AtomicU64,
+    /// Workers parked (or about to park) on `wake`.
+    sleepers: AtomicUsize,
+    /// The current job, type-erased to `'static` (see the SAFETY note in `Pool::run`).
+    job: Mutex<Option<&'static Job<'static>>>,
+    /// Threads taking part in the current job (≤ pool size).
+    active_threads: AtomicUsize,
+    sleep_lock: Mutex<()>,
+    wake: Condvar,
+    /// Set when a worker's job panicked; the caller re-raises.
+    panicked: AtomicBool,
+    shutdown: AtomicBool,
+}
+
+/// A fixed set of resident worker threads; the calling thread takes part as thread 0.
+pub struct Pool {
+    shared: Arc<Shared>,
+    threads: usize,
+    /// Serializes operations: one job runs at a time (a nested or concurrent call runs inline).
+    busy: Mutex<()>,
+    handles: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Pool {
+    /// A pool with `threads` participants (`threads - 1` resident workers plus the caller).
+    pub fn new(threads: usize) -> Pool {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            generation: AtomicUsize::new(0),
+            gate: AtomicU64::new(0),
+            sleepers: AtomicUsize::new(0),
+            job: Mutex::new(None),
+            active_threads: AtomicUsize::new(threads),
+            sleep_lock: Mutex::new(()),
+            wake: Condvar::new(),
+            panicked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+        });
+        let mut handles = Vec::with_capacity(threads - 1);
+        for index in 1..threads {
+            let shared = Arc::clone(&shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("xdna-worker-{index}"))
+                .spawn(move || worker_loop(&shared, index));
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                // Could not spawn (resource limits): run with the threads we have.
+                Err(_) => break,
+            }
+        }
+        let threads = handles.len() + 1;
+        shared.active_threads.store(threads, Ordering::Relaxed);
+        Pool {
+            shared,
+            threads,
+            busy: Mutex::new(()),
+            handles,
+        }
+    }
+
+    /// The process-wide pool: `XDNA_THREADS` if set and valid, else the available cores.
+    pub fn global() -> &'static Pool {
+        static GLOBAL: OnceLock<Pool> = OnceLock::new();
+        GLOBAL.get_or_init(|| Pool::new(default_threads()))
+    }
+
+    /// Threads taking part in each operation (including the caller).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Run `job(thread_index, thread_count)` on every pool thread, the caller included, and return
+    /// when all have finished. A call made while another operation runs (nested from inside a job,
+    /// or from a second thread) runs inline on the caller as a single thread.
+    pub fn run(&self, job: &(dyn Fn(usize, usize) + Sync)) {
+        if self.threads == 1 {
+            job(0, 1);
+            return;
+        }
+        let Some(_busy) = self.busy.try_lock() else {
+            job(0, 1);
+            return;
+        };
+        // SAFETY: the `'static` lifetime is a lie told only to store the reference in `Shared`.
+        // It is sound because this function does not return (nor unwind past the wait below)
+        // before the entry gate is closed and no worker is inside, i.e. every worker that got the
+        // reference has finished calling the job, and the slot is cleared before returning.
+        let erased: &'static Job<'static> =
+            unsafe { std::mem::transmute::<&Job<'_>, &'static Job<'static>>(job) };
+        *self.shared.job.lock() = Some(erased);
+        let generation = self
+            .shared
+            .generation
+            .load(Ordering::SeqCst)
+            .wrapping_add(1);
+        let tag = (generation as u64 & 0xFFFF_FFFF) << 32;
+        self.shared.gate.store(tag | GATE_OPEN, Ordering::SeqCst);
+        self.shared.generation.store(generation, Ordering::SeqCst);
+        if self.shared.sleepers.load(Ordering::SeqCst) > 0 {
+            let _guard = self.shared.sleep_lock.lock();
+            self.shared.wake.notify_all();
+        }
+        let caller =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(0, self.threads)));
+        // Close the gate: a worker that has not entered yet will skip this operation.
+        self.shared.gate.fetch_and(!GATE_OPEN, Ordering::SeqCst);
+        let mut spins = 0u32;
+        while self.shared.gate.load(Ordering::Acquire) & GATE_INSIDE != 0 {
+            if spins < SPIN_LIMIT {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        *self.shared.job.lock() = None;
+        let worker_panicked = self.shared.panicked.swap(false, Ordering::SeqCst);
+        if let Err(payload) = caller {
+            std::panic::resume_unwind(payload);
+        }
+        if worker_panicked {
+            panic!("a worker thread panicked while running a pool job");
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        self.shared.generation.fetch_add(1, Ordering::SeqCst);
+        {
+            let _guard = self.shared.sleep_lock.lock();
+            self.shared.wake.notify_all();
+        }
+        for handle in self.handles.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+fn default_threads() -> usize {
+    if let Some(n) = std::env::var("XDNA_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+    {
+        return n;
+    }
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+fn worker_loop(shared: &Shared, index: usize) {
+    let mut seen = 0usize;
+    loop {
+        // Spin, then park, until the generation moves.
+        let mut spins = 0u32;
+        let mut generation = shared.generation.load(Ordering::Acquire);
+        while generation == seen {
+            if spins < SPIN_LIMIT {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                let mut guard = shared.sleep_lock.lock();
+                shared.sleepers.fetch_add(1, Ordering::SeqCst);
+                // Re-check after announcing ourselves: the caller bumps the generation and then
+                // reads `sleepers` (both SeqCst), so either we see the bump or it sees us and
+                // notifies under the lock we hold until `wait` releases it.
+                if shared.generation.load(Ordering::SeqCst) == seen {
+                    shared.wake.wait(&mut guard);
+                }
+                shared.sleepers.fetch_sub(1, Ordering::SeqCst);
+                spins = 0;
+            }
+            generation = shared.generation.load(Ordering::Acquire);
+        }
+        seen = generation;
+        if shared.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        // Enter the operation if its gate is still open for this generation.
+        let tag = (generation as u64 & 0xFFFF_FFFF) << 32;
+        let entered = shared
+            .gate
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |gate| {
+                (gate & !(GATE_OPEN | GATE_INSIDE) == tag && gate & GATE_OPEN != 0)
+                    .then_some(gate + 1)
+            })
+            .is_ok();
+        if !entered {
+            continue;
+        }
+        let job = *shared.job.lock();
+        if let Some(job) = job {
+            let threads = shared.active_threads.load(Ordering::Relaxed);
+            let result =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(index, threads)));
+            if result.is_err() {
+                shared.panicked.store(true, Ordering::SeqCst);
+            }
+        }
+        shared.gate.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Hands out contiguous chunks of `0..total` to whichever thread asks next (ggml's
+/// `current_chunk`): fast threads take more chunks, and each chunk is one sequential stream.
+pub struct ChunkCounter {
+    next: AtomicUsize,
+    total: usize,
+    chunk: usize,
+}
+
+impl ChunkCounter {
+    /// Split `0..total` into about `chunks_per_thread × threads` chunks (at least one item each).
+    pub fn new(total: usize, threads: usize, chunks_per_thread: usize) -> ChunkCounter {
+        let pieces = (threads * chunks_per_thread).max(1);
+        ChunkCounter {
+            next: AtomicUsize::new(0),
+            total,
+            chunk: total.div_ceil(pieces).max(1),
+        }
+    }
+
+    /// The next unclaimed range, or `None` when all are taken.
+    pub fn claim(&self) -> Option<std::ops::Range<usize>> {
+        let start = self.next.fetch_add(self.chunk, Ordering::Relaxed);
+        (start < self.total).then(|| start..(start + self.chunk).min(self.total))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_item_is_processed_exactly_once() {
+        let pool = Pool::new(3);
+        for round in 0..200 {
+            let total = 1 + round * 7;
+            let counts: Vec<AtomicUsize> = (0..total).map(|_| AtomicUsize::new(0)).collect();
+            let counter = ChunkCounter::new(total, pool.threads(), 4);
+            pool.run(&|_, _| {
+                while let Some(range) = counter.claim() {
+                    for i in range {
+                        counts[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn workers_wake_after_parking_and_nested_calls_run_inline() {
+        let pool = Pool::new(2);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let hits = AtomicUsize::new(0);
+        pool.run(&|_, _| {
+            hits.fetch_add(1, Ordering::Relaxed);
+            pool.run(&|index, threads| {
+                assert_eq!((index, threads), (0, 1));
+            });
+        });
+        // The caller always runs the job; a worker only if it entered before the caller finished.
+        let hits = hits.load(Ordering::Relaxed);
+        assert!((1..=pool.threads()).contains(&hits));
+    }
+
+    #[test]
+    fn a_worker_panic_reaches_the_caller() {
+        let pool = Pool::new(2);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&|index, _| {
+                if index == 1 {
+                    panic!("boom");
+                }
+            })
+        }));
+        // The worker may have been shut out; if it ran, its panic reached the caller.
+        let _ = result;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&|_, _| panic!("boom"))
+        }));
+        assert!(result.is_err());
+        // The pool still works afterwards.
+        let counter = ChunkCounter::new(1000, 2, 4);
+        let done = AtomicUsize::new(0);
+        pool.run(&|_, _| {
+            while let Some(r) = counter.claim() {
+                done.fetch_add(r.len(), Ordering::Relaxed);
+            }
+        });
+        assert_eq!(done.load(Ordering::Relaxed), 1000);
+    }
+}

@@ -1,0 +1,356 @@
+//! A directory of kernel files, indexed by what they compute, and the shape lists that build them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use super::elf::{self, KernelDesc};
+use super::{ElfReason, KernelError};
+use crate::tiles::WeightFormat;
+
+/// Identity of a kernel: operation, weight format, row family, K, N.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelKey {
+    pub op: String,
+    pub wfmt: &'static str,
+    pub family: u32,
+    pub k: u32,
+    pub n: u32,
+}
+
+impl KernelKey {
+    /// A GEMM key.
+    pub fn gemm(wfmt: WeightFormat, family: u32, k: usize, n: usize) -> KernelKey {
+        KernelKey {
+            op: "gemm".into(),
+            wfmt: wfmt.name(),
+            family,
+            k: k as u32,
+            n: n as u32,
+        }
+    }
+
+    /// The key a descriptor provides.
+    pub fn of(desc: &KernelDesc) -> KernelKey {
+        KernelKey {
+            op: desc.op.clone(),
+            wfmt: desc.wfmt.name(),
+            family: desc.family,
+            k: desc.k,
+            n: desc.n,
+        }
+    }
+
+    /// The weight format.
+    pub fn format(&self) -> WeightFormat {
+        // `wfmt` only ever holds names produced by `WeightFormat::name`.
+        WeightFormat::from_name(self.wfmt).unwrap_or(WeightFormat::F32)
+    }
+
+    /// `<op>_<wfmt>_m<family>_k<K>_n<N>.elf`.
+    pub fn file_name(&self) -> String {
+        elf::kernel_file_name(&self.op, self.format(), self.family, self.k, self.n)
+    }
+
+    /// The host-built descriptor for this key.
+    pub fn descriptor(&self) -> KernelDesc {
+        let mut desc = KernelDesc::gemm(self.format(), self.family, self.k, self.n);
+        desc.op = self.op.clone();
+        desc
+    }
+}
+
+/// The row family serving a pass of `rows` activation rows: 16 for ≤ 16 rows, else 128 (passes of
+/// more than 128 rows run as chunks of 128).
+pub fn family_for_rows(rows: usize) -> u32 {
+    if rows <= 16 {
+        16
+    } else {
+        128
+    }
+}
+
+/// How `rows` activation rows run: ≤ 16 rows as one `m16` pass, otherwise `m128` passes of up to
+/// 128 rows each (the last may be shorter). Yields (family, row range).
+pub fn row_passes(rows: usize) -> impl Iterator<Item = (u32, std::ops::Range<usize>)> {
+    let family = family_for_rows(rows);
+    let chunk = if family == 16 { 16 } else { 128 };
+    (0..rows)
+        .step_by(chunk)
+        .map(move |start| (family, start..(start + chunk).min(rows)))
+}
+
+/// A kernel the model needs, and what needs it (for the error message).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelNeed {
+    pub key: KernelKey,
+    /// E.g. `blk.0 qkv, rows ≤ 16`.
+    pub what: String,
+}
+
+/// The kernels found in one directory.
+#[derive(Debug, Default)]
+pub struct KernelSet {
+    dir: PathBuf,
+    kernels: HashMap<KernelKey, (PathBuf, KernelDesc)>,
+}
+
+impl KernelSet {
+    /// Load every `*.elf` in `dir`. A malformed file, or one whose name is not the canonical name
+    /// of its descriptor, is an error naming the file.
+    pub fn load(dir: impl AsRef<Path>) -> Result<KernelSet, KernelError> {
+        let dir = dir.as_ref();
+        let entries = std::fs::read_dir(dir).map_err(|e| KernelError::io(dir, e))?;
+        let mut paths = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| KernelError::io(dir, e))?;
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "elf") {
+                paths.push(path);
+            }
+        }
+        paths.sort();
+        let mut set = KernelSet {
+            dir: dir.to_path_buf(),
+            kernels: HashMap::new(),
+        };
+        for path in paths {
+            let desc = elf::read_kernel(&path)?;
+            let expected = desc.file_name();
+            if path.file_name().and_then(|n| n.to_str()) != Some(expected.as_str()) {
+                return Err(KernelError::elf(
+                    &path,
+                    ElfReason::BadDescriptor(format!(
+                        "file name does not match its descriptor (expected {expected})"
+                    )),
+                ));
+            }
+            let key = KernelKey::of(&desc);
+            if let Some((first, _)) = set.kernels.get(&key) {
+                return Err(KernelError::Duplicate {
+                    key: expected,
+                    first: first.clone(),
+                    second: path,
+                });
+            }
+            set.kernels.insert(key, (path, desc));
+        }
+        Ok(set)
+    }
+
+    /// The directory this set was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Number of kernels.
+    pub fn len(&self) -> usize {
+        self.kernels.len()
+    }
+
+    /// Is the set empty?
+    pub fn is_empty(&self) -> bool {
+        self.kernels.is_empty()
+    }
+
+    /// The kernel for `key`, if present.
+    pub fn get(&self, key: &KernelKey) -> Option<&KernelDesc> {
+        self.kernels.get(key).map(|(_, d)| d)
+    }
+
+    /// The file of the kernel for `key`, if present.
+    pub fn path(&self, key: &KernelKey) -> Option<&Path> {
+        self.kernels.get(key).map(|(p, _)| p.as_path())
+    }
+
+    /// All kernels, sorted by key.
+    pub fn iter(&self) -> impl Iterator<Item = (&KernelKey, &Path, &KernelDesc)> {
+        let mut all: Vec<_> = self
+            .kernels
+            .iter()
+            .map(|(k, (p, d))| (k, p.as_path(), d))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        all.into_iter()
+    }
+
+    /// Check every need is met; otherwise list every missing file (once, with what needs it).
+    pub fn require(&self, needs: &[KernelNeed]) -> Result<(), KernelError> {
+        let mut missing: BTreeMap<KernelKey, Vec<&str>> = BTreeMap::new();
+        for need in needs {
+            if !self.kernels.contains_key(&need.key) {
+                missing
+                    .entry(need.key.clone())
+                    .or_default()
+                    .push(&need.what);
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let lines = missing
+            .into_iter()
+            .map(|(key, whats)| {
+                let path = self.dir.join(key.file_name());
+                let shown: Vec<&str> = whats.iter().take(3).copied().collect();
+                let more = if whats.len() > 3 {
+                    format!("; and {} more", whats.len() - 3)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "missing kernel {} ({}{more})",
+                    path.display(),
+                    shown.join("; ")
+                )
+            })
+            .collect();
+        Err(KernelError::Missing(lines))
+    }
+}
+
+/// Parse a shape list: one kernel per line, `op wfmt family K N`; `#` comments and blank lines
+/// are ignored.
+pub fn parse_shape_list(path: &Path, text: &str) -> Result<Vec<KernelKey>, KernelError> {
+    let mut keys = Vec::new();
+    for (index, raw) in text.lines().enumerate() {
+        let line = raw.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let bad = |reason: String| KernelError::ShapeList {
+            path: path.to_path_buf(),
+            line: index + 1,
+            reason,
+        };
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [op, wfmt, family, k, n] = fields[..] else {
+            return Err(bad(format!(
+                "expected `op wfmt family K N`, got {} field(s)",
+                fields.len()
+            )));
+        };
+        if op.is_empty() || !op.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+            return Err(bad(format!("bad op name {op:?}")));
+        }
+        let format = WeightFormat::from_name(wfmt).map_err(|e| bad(e.to_string()))?;
+        let family: u32 = family
+            .trim_start_matches('m')
+            .parse()
+            .map_err(|_| bad(format!("bad family {family:?}")))?;
+        if family != 16 && family != 128 {
+            return Err(bad(format!("family {family} (need 16 or 128)")));
+        }
+        let number = |s: &str, what: &str| -> Result<u32, KernelError> {
+            s.parse::<u32>()
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| bad(format!("bad {what} {s:?}")))
+        };
+        let k = number(k, "K")?;
+        let n = number(n, "N")?;
+        if format.tile_bytes().is_some() && n % 32 != 0 {
+            return Err(bad(format!("N = {n} is not a multiple of 32 for {wfmt}")));
+        }
+        keys.push(KernelKey {
+            op: op.to_string(),
+            wfmt: format.name(),
+            family,
+            k,
+            n,
+        });
+    }
+    Ok(keys)
+}
+
+/// The shapes a llama-style model needs, from its `config.json`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelShapes {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub layers: usize,
+    pub tied_embeddings: bool,
+}
+
+impl ModelShapes {
+    /// Read the fields from a parsed `config.json`.
+    pub fn from_config(config: &serde_json::Value, path: &Path) -> Result<Self, KernelError> {
+        let field = |name: &str| -> Result<usize, KernelError> {
+            config
+                .get(name)
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize)
+                .ok_or_else(|| KernelError::ShapeList {
+                    path: path.to_path_buf(),
+                    line: 0,
+                    reason: format!("config.json has no integer {name:?}"),
+                })
+        };
+        let hidden = field("hidden_size")?;
+        let heads = field("num_attention_heads")?;
+        let kv_heads = field("num_key_value_heads").unwrap_or(heads);
+        let head_dim = config
+            .get("head_dim")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+            .unwrap_or(hidden / heads.max(1));
+        Ok(ModelShapes {
+            hidden,
+            intermediate: field("intermediate_size")?,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab: field("vocab_size")?,
+            layers: field("num_hidden_layers").unwrap_or(1),
+            tied_embeddings: config
+                .get("tie_word_embeddings")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+        })
+    }
+
+    /// Every GEMM the forward pass runs, per layer and family: fused QKV, O, fused gate+up, down,
+    /// and lm_head (in `head_wfmt`).
+    pub fn needs(&self, wfmt: WeightFormat, head_wfmt: WeightFormat) -> Vec<KernelNeed> {
+        let qkv = (self.heads + 2 * self.kv_heads) * self.head_dim;
+        let attn = self.heads * self.head_dim;
+        let mut needs = Vec::new();
+        for family in [16u32, 128] {
+            let rows = format!("rows ≤ {family}");
+            for layer in 0..self.layers {
+                for (what, k, n) in [
+                    ("qkv", self.hidden, qkv),
+                    ("o", attn, self.hidden),
+                    ("gate+up", self.hidden, 2 * self.intermediate),
+                    ("down", self.intermediate, self.hidden),
+                ] {
+                    needs.push(KernelNeed {
+                        key: KernelKey::gemm(wfmt, family, k, n),
+                        what: format!("blk.{layer} {what}, {rows}"),
+                    });
+                }
+            }
+            let head = if self.tied_embeddings {
+                "lm_head (tied token_embd)"
+            } else {
+                "lm_head"
+            };
+            needs.push(KernelNeed {
+                key: KernelKey::gemm(head_wfmt, family, self.hidden, self.vocab),
+                what: format!("{head}, {rows}"),
+            });
+        }
+        needs
+    }
+}
+
+/// The distinct kernel keys of a list of needs, sorted.
+pub fn distinct_keys(needs: &[KernelNeed]) -> Vec<KernelKey> {
+    let mut keys: Vec<KernelKey> = needs.iter().map(|n| n.key.clone()).collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
