@@ -35,9 +35,11 @@ fn model_path() -> Option<PathBuf> {
 /// The model layer's own greedy generation: prefill, then argmax/step until EOS or `n` tokens.
 fn reference_greedy(path: &std::path::Path, prompt: &str, n: usize) -> String {
     use xdna::model::sample::argmax;
-    let pkg = xdna::weights::Package::open(path).expect("package");
-    let w = xdna::model::host_gguf::load(path).expect("weights");
-    let mut m = xdna::model::Model::new(w, 256).expect("model");
+    let opts = xdna::model::load::LoadOptions {
+        backend: xdna::model::load::Backend::Host,
+        ..Default::default()
+    };
+    let (pkg, mut m) = xdna::model::load::open_model(Some(path), 256, &opts).expect("model");
     let ids = pkg.tokenizer().encode(prompt, false);
     let eos = pkg.eos_token_ids().to_vec();
     let mut next = argmax(m.prefill(&ids).expect("prefill"));
@@ -68,6 +70,7 @@ async fn smollm2_greedy_matches_model_layer() {
         model: Some(path.clone()),
         backend: "host".into(),
         ctx: 256,
+        kernels: None,
     };
     let loaded = tokio::task::spawn_blocking(move || serve::engine::load(&spec))
         .await

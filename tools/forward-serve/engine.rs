@@ -111,6 +111,8 @@ pub struct LoadSpec {
     pub backend: String,
     /// KV positions per sequence.
     pub ctx: usize,
+    /// Kernel set directory (`None`: the package's own).
+    pub kernels: Option<std::path::PathBuf>,
 }
 
 // ---- the real model -------------------------------------------------------------------------
@@ -272,46 +274,46 @@ impl Engine for ModelEngine {
     }
 }
 
-/// Load the real model: tokenizer and template from the weights package, weights through the
-/// model layer (today its GGUF host path), `ctx` positions.
+/// Load the real model through the model layer's loader (package directory or GGUF; `None`: the
+/// default model), with `ctx` positions.
 pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
+    use xdna::model::load::{open_model, Backend, LoadOptions};
     let load_err = |e: &dyn std::fmt::Display| EngineError::Load(e.to_string());
-    let path = match &spec.model {
-        Some(p) => p.clone(),
-        None => xdna::weights::default_model::default_gguf().map_err(|e| load_err(&e))?,
+    let backend: Backend = spec.backend.parse().map_err(|e: ModelError| load_err(&e))?;
+    let opts = LoadOptions {
+        backend,
+        kernels: spec.kernels.clone(),
+        ..LoadOptions::default()
     };
-    let is_gguf = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-    if !is_gguf {
-        return Err(EngineError::Load(format!(
-            "{}: only GGUF files load on this branch until the model layer's package loader lands",
-            path.display()
-        )));
-    }
-    if spec.backend != "auto" && spec.backend != "host" {
-        return Err(EngineError::Load(format!(
-            "backend {:?}: only the host path is wired in the model layer yet",
-            spec.backend
-        )));
-    }
-    let pkg = Arc::new(Package::open(&path).map_err(|e| load_err(&e))?);
-    let w = xdna::model::host_gguf::load(&path).map_err(|e| load_err(&e))?;
-    let ctx = spec.ctx.min(w.config.max_position_embeddings).max(2);
-    let model = Model::new(w, ctx).map_err(|e| load_err(&e))?;
-    let id = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
+    let (pkg, model) =
+        open_model(spec.model.as_deref(), spec.ctx, &opts).map_err(|e| load_err(&e))?;
+    let ctx = model.context();
+    let id = model_id(spec.model.as_deref(), &pkg);
     let eos = pkg.eos_token_ids().to_vec();
     tracing::info!(
-        "loaded {} ({} positions, EOS {:?})",
-        path.display(),
+        "loaded {} ({} positions, EOS {:?}, backend {})",
+        id,
         ctx,
-        eos
+        eos,
+        model.weights().backend
     );
     Ok(Loaded {
         codec: Arc::new(PackageCodec { pkg, id, ctx, eos }),
         engine: Box::new(ModelEngine::new(model)),
     })
+}
+
+/// The served model id: the file stem of a GGUF, else the package directory's name.
+fn model_id(path: Option<&std::path::Path>, pkg: &Package) -> String {
+    let from = |p: &std::path::Path| {
+        let p = if p.is_dir() {
+            p.to_path_buf()
+        } else {
+            p.with_extension("")
+        };
+        p.file_name().map(|s| s.to_string_lossy().into_owned())
+    };
+    path.and_then(from)
+        .or_else(|| from(pkg.dir()))
+        .unwrap_or_else(|| "model".into())
 }

@@ -50,6 +50,9 @@ struct Args {
     /// KV positions per sequence.
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
+    /// Kernel set directory (default: the package's `kernels/`).
+    #[arg(long, env = "XDNA_KERNELS")]
+    kernels: Option<PathBuf>,
     /// Serve the deterministic fake engine instead of a model (tests, load experiments).
     #[arg(long, hide = true)]
     fake_engine: bool,
@@ -128,6 +131,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             model: args.model.clone(),
             backend: args.backend.clone(),
             ctx: args.ctx,
+            kernels: args.kernels.clone(),
         })?
     };
     let cfg = Config {
