@@ -751,3 +751,36 @@ async fn request_timeout_and_device_error() {
     );
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_connection_cancels_non_streaming_generation() {
+    use tokio::io::AsyncWriteExt;
+    let s = TestServer::start(small_cfg(), 4096, Duration::from_millis(10)).await;
+    let body = json!({"prompt": "long", "max_tokens": 100}).to_string();
+    let mut c = tokio::net::TcpStream::connect(s.addr)
+        .await
+        .expect("connect");
+    c.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        Some(body.as_bytes()),
+        &[],
+    ))
+    .await
+    .expect("write");
+    wait_metric(&s, "forward_serve_active_sequences", |v| v == 1.0).await;
+    drop(c);
+    let t0 = Instant::now();
+    let m = wait_metric(&s, "forward_serve_active_sequences", |v| v == 0.0).await;
+    assert!(
+        t0.elapsed() < Duration::from_millis(900),
+        "cancel took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(
+        metric(&m, "forward_serve_cancelled_total"),
+        Some(1.0),
+        "{m}"
+    );
+    s.stop().await;
+}
