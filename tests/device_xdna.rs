@@ -4,7 +4,7 @@
 //! nothing unless they are that child.
 //!
 //! Needs `target/<profile>/libxdna_shim.so` (`cargo build --workspace`); the
-//! parents skip with a note when it is missing.
+//! parents fail, saying so, when it is missing.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -29,15 +29,21 @@ fn shim() -> Option<PathBuf> {
 }
 
 /// Runs child `name` under the shim with `env`; returns (ok, stdout+stderr,
-/// stats lines). None when the shim is not built.
-fn run_child(name: &str, env: &[(&str, &str)]) -> Option<(bool, String, Vec<String>)> {
+/// stats lines). Fails the test when the shim is not built.
+fn run_child(name: &str, env: &[(&str, &str)]) -> (bool, String, Vec<String>) {
     let Some(so) = shim() else {
-        eprintln!("skipping {name}: libxdna_shim.so not built (cargo build --workspace)");
-        return None;
+        panic!("{name}: libxdna_shim.so is not built next to the test binary; run `cargo build --workspace` first");
     };
-    let stats = std::env::temp_dir().join(format!("xdna-dev-{name}-{}.jsonl", std::process::id()));
+    // Unique per run: several parent tests may run the same child body concurrently.
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stats = std::env::temp_dir().join(format!(
+        "xdna-dev-{name}-{}-{run}.jsonl",
+        std::process::id()
+    ));
     let _ = std::fs::remove_file(&stats);
-    let mut cmd = Command::new(std::env::current_exe().ok()?);
+    let exe = std::env::current_exe().expect("current test executable");
+    let mut cmd = Command::new(exe);
     cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, name)
         .env("LD_PRELOAD", &so)
@@ -46,7 +52,7 @@ fn run_child(name: &str, env: &[(&str, &str)]) -> Option<(bool, String, Vec<Stri
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().ok()?;
+    let out = cmd.output().expect("spawn the child test process");
     let text = format!(
         "--- stdout\n{}\n--- stderr\n{}",
         String::from_utf8_lossy(&out.stdout),
@@ -58,14 +64,12 @@ fn run_child(name: &str, env: &[(&str, &str)]) -> Option<(bool, String, Vec<Stri
         .map(str::to_string)
         .collect();
     let _ = std::fs::remove_file(&stats);
-    Some((out.status.success(), text, lines))
+    (out.status.success(), text, lines)
 }
 
 /// Child succeeded and freed every BO, context and syncobj before close.
 fn expect_ok_no_leaks(name: &str, env: &[(&str, &str)]) {
-    let Some((ok, text, stats)) = run_child(name, env) else {
-        return;
-    };
+    let (ok, text, stats) = run_child(name, env);
     assert!(ok, "{name} failed\n{text}");
     assert!(!stats.is_empty(), "{name}: device never closed\n{text}");
     for s in &stats {
@@ -167,12 +171,10 @@ fn child_round_trip() {
 
 #[test]
 fn failed_command_names_state_context_command() {
-    let Some((ok, text, _)) = run_child(
+    let (ok, text, _) = run_child(
         "child_fail_timeout",
         &[("XDNA_SHIM_FAIL_EXEC", "1:TIMEOUT")],
-    ) else {
-        return;
-    };
+    );
     assert!(ok, "{text}");
 }
 
@@ -325,9 +327,8 @@ fn open_failures_name_the_check() {
         ("child_open_sva", "OPEN:ENODEV"),
         ("child_open_eacces", "OPEN:EACCES"),
     ] {
-        if let Some((ok, text, _)) = run_child(child, &[("XDNA_SHIM_IOCTL_ERRNO", env)]) {
-            assert!(ok, "{child}\n{text}");
-        }
+        let (ok, text, _) = run_child(child, &[("XDNA_SHIM_IOCTL_ERRNO", env)]);
+        assert!(ok, "{child}\n{text}");
     }
 }
 

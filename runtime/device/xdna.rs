@@ -509,17 +509,23 @@ impl XdnaDevice {
         let sysfs = SysfsInfo::read(&path);
 
         // The heap comes first: contexts and DEV BOs need it mapped.
-        let heap = Heap::create(fd.as_fd(), &path)?;
+        let mut heap = Heap::create(fd.as_fd(), &path)?;
 
         let meta: ffi::amdxdna_drm_query_aie_metadata =
-            uapi::get_info(fd.as_fd(), ffi::DRM_AMDXDNA_QUERY_AIE_METADATA).map_err(|source| {
-                DeviceError::Ioctl {
-                    path: path.clone(),
-                    ioctl: "DRM_IOCTL_AMDXDNA_GET_INFO(QUERY_AIE_METADATA)",
-                    source,
-                    hint: String::new(),
+            match uapi::get_info(fd.as_fd(), ffi::DRM_AMDXDNA_QUERY_AIE_METADATA) {
+                Ok(meta) => meta,
+                Err(source) => {
+                    // Nothing owns the heap yet: release it here, not at fd close.
+                    heap.unmap();
+                    let _ = uapi::gem_close(fd.as_fd(), heap.handle);
+                    return Err(DeviceError::Ioctl {
+                        path: path.clone(),
+                        ioctl: "DRM_IOCTL_AMDXDNA_GET_INFO(QUERY_AIE_METADATA)",
+                        source,
+                        hint: String::new(),
+                    });
                 }
-            })?;
+            };
         let aie = AieMetadata {
             cols: meta.cols.into(),
             rows: meta.rows.into(),
@@ -687,65 +693,7 @@ impl XdnaDevice {
     /// Live hardware contexts: GET_ARRAY HW_CONTEXT_ALL when the driver has
     /// it, else the legacy QUERY_HW_CONTEXTS; None if neither works.
     pub fn hw_contexts(&self) -> Result<Option<Vec<HwContextEntry>>> {
-        if self.version().has_get_array() {
-            let r = uapi::get_array::<ffi::amdxdna_drm_hwctx_entry>(
-                self.fd(),
-                ffi::DRM_AMDXDNA_HW_CONTEXT_ALL,
-                256,
-            );
-            match r {
-                Ok((v, _)) => {
-                    return Ok(Some(
-                        v.iter()
-                            .map(|e| HwContextEntry {
-                                context_id: e.context_id,
-                                start_col: e.start_col,
-                                num_col: e.num_col,
-                                pid: e.pid,
-                                submissions: e.command_submissions,
-                                completions: e.command_completions,
-                                errors: e.errors,
-                                hwctx_id: Some(e.hwctx_id),
-                                priority: Some(e.priority),
-                                state: Some(e.state),
-                            })
-                            .collect(),
-                    ))
-                }
-                Err(e) if is_unsupported(&e) => {}
-                Err(e) => {
-                    return Err(self
-                        .inner
-                        .ioctl_err("DRM_IOCTL_AMDXDNA_GET_ARRAY(HW_CONTEXT_ALL)", e))
-                }
-            }
-        }
-        let r = uapi::get_info_array::<ffi::amdxdna_drm_query_hwctx>(
-            self.fd(),
-            ffi::DRM_AMDXDNA_QUERY_HW_CONTEXTS,
-            64,
-        );
-        Ok(self
-            .optional(r, "DRM_IOCTL_AMDXDNA_GET_INFO(QUERY_HW_CONTEXTS)")?
-            .map(|v| {
-                // Drivers differ in how they report the filled size; unused
-                // slots stay zeroed (context ids start at 1).
-                v.iter()
-                    .filter(|e| e.context_id != 0)
-                    .map(|e| HwContextEntry {
-                        context_id: e.context_id,
-                        start_col: e.start_col,
-                        num_col: e.num_col,
-                        pid: e.pid,
-                        submissions: e.command_submissions,
-                        completions: e.command_completions,
-                        errors: e.errors,
-                        hwctx_id: None,
-                        priority: None,
-                        state: None,
-                    })
-                    .collect()
-            }))
+        query_hw_contexts(self.fd(), self.version(), self.path())
     }
 
     /// Everything `xdna info` prints.
@@ -795,6 +743,129 @@ fn default_context_limit(sysfs: &SysfsInfo) -> Option<u64> {
         Some(0x1502) => Some(6),
         Some(0x17f0) => Some(16),
         _ => None,
+    }
+}
+
+/// Live hardware contexts of the device behind `fd`: GET_ARRAY HW_CONTEXT_ALL
+/// when the driver has it, else the legacy QUERY_HW_CONTEXTS; None if neither works.
+fn query_hw_contexts(
+    fd: BorrowedFd<'_>,
+    version: DriverVersion,
+    path: &Path,
+) -> Result<Option<Vec<HwContextEntry>>> {
+    let ioctl_err = |ioctl: &'static str, source: io::Error| DeviceError::Ioctl {
+        path: path.to_path_buf(),
+        ioctl,
+        source,
+        hint: String::new(),
+    };
+    if version.has_get_array() {
+        let r = uapi::get_array::<ffi::amdxdna_drm_hwctx_entry>(
+            fd,
+            ffi::DRM_AMDXDNA_HW_CONTEXT_ALL,
+            256,
+        );
+        match r {
+            Ok((v, _)) => {
+                return Ok(Some(
+                    v.iter()
+                        .map(|e| HwContextEntry {
+                            context_id: e.context_id,
+                            start_col: e.start_col,
+                            num_col: e.num_col,
+                            pid: e.pid,
+                            submissions: e.command_submissions,
+                            completions: e.command_completions,
+                            errors: e.errors,
+                            hwctx_id: Some(e.hwctx_id),
+                            priority: Some(e.priority),
+                            state: Some(e.state),
+                        })
+                        .collect(),
+                ))
+            }
+            Err(e) if is_unsupported(&e) => {}
+            Err(e) => return Err(ioctl_err("DRM_IOCTL_AMDXDNA_GET_ARRAY(HW_CONTEXT_ALL)", e)),
+        }
+    }
+    let r = uapi::get_info_array::<ffi::amdxdna_drm_query_hwctx>(
+        fd,
+        ffi::DRM_AMDXDNA_QUERY_HW_CONTEXTS,
+        64,
+    );
+    let r = match r {
+        Ok(v) => Some(v),
+        Err(e) if is_unsupported(&e) => None,
+        Err(e) => {
+            return Err(ioctl_err(
+                "DRM_IOCTL_AMDXDNA_GET_INFO(QUERY_HW_CONTEXTS)",
+                e,
+            ))
+        }
+    };
+    Ok(r.map(|v| {
+        // Drivers differ in how they report the filled size; unused
+        // slots stay zeroed (context ids start at 1).
+        v.iter()
+            .filter(|e| e.context_id != 0)
+            .map(|e| HwContextEntry {
+                context_id: e.context_id,
+                start_col: e.start_col,
+                num_col: e.num_col,
+                pid: e.pid,
+                submissions: e.command_submissions,
+                completions: e.command_completions,
+                errors: e.errors,
+                hwctx_id: None,
+                priority: None,
+                state: None,
+            })
+            .collect()
+    }))
+}
+
+/// A query-only handle on an amdxdna node: checks the driver and reads
+/// counters, but creates no heap, context or BO (cheap enough to poll, and it
+/// takes no device memory from the run it watches — `npu-hold` uses it).
+pub struct DeviceMonitor {
+    path: PathBuf,
+    fd: OwnedFd,
+    version: DriverVersion,
+}
+
+impl DeviceMonitor {
+    /// Opens `path` and checks `DRM_IOCTL_VERSION` names amdxdna.
+    pub fn open(path: impl AsRef<Path>) -> Result<DeviceMonitor> {
+        let path = path.as_ref().to_path_buf();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|source| classify_open_error(&path, source))?;
+        let fd: OwnedFd = file.into();
+        let drm = uapi::drm_version(fd.as_fd()).map_err(|source| DeviceError::Ioctl {
+            path: path.clone(),
+            ioctl: "DRM_IOCTL_VERSION",
+            source,
+            hint: String::new(),
+        })?;
+        if drm.name != ffi::AMDXDNA_DRIVER_NAME_STR {
+            return Err(DeviceError::NotAmdxdna {
+                path,
+                driver: drm.name,
+            });
+        }
+        let version = DriverVersion {
+            major: drm.major,
+            minor: drm.minor,
+            patch: drm.patch,
+        };
+        Ok(DeviceMonitor { path, fd, version })
+    }
+
+    /// Live hardware contexts with their error counts (see [`XdnaDevice::hw_contexts`]).
+    pub fn hw_contexts(&self) -> Result<Option<Vec<HwContextEntry>>> {
+        query_hw_contexts(self.fd.as_fd(), self.version, &self.path)
     }
 }
 

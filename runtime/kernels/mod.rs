@@ -30,16 +30,18 @@
 //! directory of them and reports every missing shape at once.
 
 pub mod avx2;
+pub mod device_exec;
 pub mod elf;
 pub mod gemm;
 pub mod pool;
 pub mod quant;
 pub mod reference;
-pub mod resident;
 pub mod set;
+pub mod shim_txn;
 
 use std::path::PathBuf;
 
+pub use device_exec::{DeviceExecOptions, DeviceExecutor, Executor, WeightPath, WeightPathPref};
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
 pub use gemm::{execute, HostExecutor, WeightMatrix};
 pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};
@@ -120,6 +122,17 @@ pub enum KernelError {
     /// The request is valid but not supported (e.g. an op the host executor does not run).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A kernel carries no device control code (descriptor only) and the device is real hardware
+    /// (see `device_exec`: descriptor-only kernels run only where explicitly allowed).
+    #[error("{}: kernel has no device control code (.ctrltext); real NPU hardware cannot run a descriptor-only kernel (build it with the AIE toolchain and `xdna kernels wrap`, or set XDNA_ALLOW_DESCRIPTOR_KERNELS=1 on the fake device)", path.display())]
+    NoControlCode { path: PathBuf },
+    /// The device backend failed running a kernel.
+    #[error("{}: {source}", path.display())]
+    Device {
+        path: PathBuf,
+        #[source]
+        source: crate::device::DeviceError,
+    },
 }
 
 impl KernelError {

@@ -1,8 +1,136 @@
-//! Placeholder: this layer is being written (see docs/architecture.md).
+//! Speculative decoding: drafters, the acceptance rule, the speculative loop and its statistics.
+//!
+//! The layer sits on top of the model's verify contract (see `docs/speculative.md` and the
+//! "Model state and the verify contract" section of the design):
+//!
+//! - [`VerifyTarget`]: what the target model implements — `step_batch_all` (≤ 16 rows: the pending
+//!   token and up to 15 drafts, one logit row per input row) and `commit_verify_rows(n)`.
+//! - [`Drafter`]: proposes up to k drafts (and, for sampling, the draft distribution q at each);
+//!   [`NgramDrafter`] (prompt lookup), [`DraftModelDrafter`] (any small model implementing
+//!   [`DraftModel`]) and [`LayerSkipDraftModel`] (self-speculation over [`EarlyExitModel`]).
+//! - [`decide`]: the pure acceptance rule (greedy, Leviathan sampling, one-hot drafts), with the
+//!   caller supplying every uniform so a run is reproducible.
+//! - [`SpecRunner`]: the loop — drafting, one verify pass, `decide`, commit, stop conditions,
+//!   adaptive draft length and the fallback to plain decoding when speculation does not pay.
+//! - [`SpecStats`]: rounds, drafted, accepted, τ, per-position acceptance, acceptance-length histogram.
+//!
+//! [`toy`] holds a deterministic toy language model with real verify-state semantics, used by the
+//! tests and usable as a reference target.
 
-/// Errors of this layer.
+mod decide;
+mod draft_model;
+mod drafter;
+mod ngram;
+mod runner;
+mod sampling;
+mod stats;
+mod target;
+pub mod toy;
+
+pub use decide::{
+    decide, uniforms_needed, AcceptanceRule, DecideWorkspace, Decision, DraftProbabilities,
+};
+pub use draft_model::{DraftModel, DraftModelDrafter, EarlyExitModel, LayerSkipDraftModel};
+pub use drafter::{DraftProposal, Drafter, NoDrafter};
+pub use ngram::{NgramConfig, NgramDrafter};
+pub use runner::{
+    prefill_with_verify_passes, CostModel, FallbackConfig, FinishReason, Generation, SpecConfig,
+    SpecRunner, StopConditions, UniformSource,
+};
+pub use sampling::{argmax, sample_inverse_cdf, LogitProcessor, SamplingConfig};
+pub use stats::SpecStats;
+pub use target::{LogitRows, VerifyTarget, MAX_DRAFTS, MAX_VERIFY_ROWS};
+
+/// A boxed error from a collaborator of this layer (the target model or a drafter's model).
+pub type BoxedError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors of the speculative-decoding layer.
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("{0}")]
-    Other(String),
+    /// A uniform supplied to [`decide`] is not in `[0, 1)` (or is NaN).
+    #[error("uniform #{index} = {value} is outside [0, 1)")]
+    UniformOutOfRange { index: usize, value: f64 },
+    /// [`decide`] was given the wrong number of uniforms for the rule and draft count.
+    #[error("decide needs {expected} uniforms for this rule and draft count, got {got}")]
+    UniformCount { expected: usize, got: usize },
+    /// More drafts than a verify pass can carry (at most 15 besides the pending token).
+    #[error("{drafts} drafts exceed the maximum of {max} per verify pass")]
+    TooManyDrafts { drafts: usize, max: usize },
+    /// A draft token is not in the vocabulary.
+    #[error("draft #{position} is token {token}, outside the vocabulary of {vocab}")]
+    DraftTokenOutOfVocab {
+        position: usize,
+        token: u32,
+        vocab: usize,
+    },
+    /// A logits buffer does not hold `rows × vocab` values.
+    #[error("logits buffer of {len} values is not {rows} rows × vocabulary {vocab}")]
+    LogitShape {
+        len: usize,
+        rows: usize,
+        vocab: usize,
+    },
+    /// A draft-distribution buffer does not hold `drafts × vocab` values.
+    #[error("draft distributions hold {got} values, expected {expected} (drafts × vocabulary)")]
+    DraftDistributionShape { expected: usize, got: usize },
+    /// A draft distribution has a negative, NaN or infinite entry, or sums to zero.
+    #[error("draft distribution for draft #{position} is invalid: {reason}")]
+    InvalidDraftDistribution {
+        position: usize,
+        reason: &'static str,
+    },
+    /// A logit is NaN or +∞.
+    #[error("logit row {row}, token {token} is {value} (NaN or +inf)")]
+    NonFiniteLogit {
+        row: usize,
+        token: usize,
+        value: f32,
+    },
+    /// Every logit of a row is −∞: there is no token to pick.
+    #[error("logit row {row} has no finite logit")]
+    NoFiniteLogit { row: usize },
+    /// A sampling or loop parameter is out of range.
+    #[error("invalid configuration: {field} = {value} ({expected})")]
+    InvalidConfig {
+        field: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    /// The loop's context does not match the target's state.
+    #[error(
+        "context of {context_len} tokens does not match the target: position {position} committed \
+         plus one pending token expected"
+    )]
+    ContextMismatch { context_len: usize, position: usize },
+    /// The drafter's model and the target disagree on the vocabulary.
+    #[error("drafter vocabulary {drafter} differs from target vocabulary {target}")]
+    VocabMismatch { target: usize, drafter: usize },
+    /// The target model failed in `operation`.
+    #[error("target {operation} failed: {source}")]
+    Target {
+        operation: &'static str,
+        #[source]
+        source: BoxedError,
+    },
+    /// A drafter's model failed.
+    #[error("drafter {drafter} failed: {source}")]
+    Drafter {
+        drafter: &'static str,
+        #[source]
+        source: BoxedError,
+    },
+}
+
+impl SpecError {
+    pub(crate) fn config(
+        field: &'static str,
+        value: impl std::fmt::Display,
+        expected: &'static str,
+    ) -> Self {
+        SpecError::InvalidConfig {
+            field,
+            value: value.to_string(),
+            expected,
+        }
+    }
 }
