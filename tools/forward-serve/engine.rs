@@ -244,9 +244,17 @@ impl Engine for ModelEngine {
         sink: &mut dyn FnMut(&[f32]),
     ) -> Result<(), EngineError> {
         self.check(seq)?;
-        let logits = self.model.prefill(tokens).map_err(device_err)?;
-        sink(logits);
-        Ok(())
+        match self.model.prefill(tokens) {
+            Ok(logits) => {
+                sink(logits);
+                Ok(())
+            }
+            Err(e) => {
+                // The failed pass left the committed state untouched; acknowledge it.
+                self.model.recover();
+                Err(device_err(e))
+            }
+        }
     }
     fn decode(
         &mut self,
@@ -255,8 +263,13 @@ impl Engine for ModelEngine {
     ) -> Result<(), EngineError> {
         for (i, &(seq, tok)) in rows.iter().enumerate() {
             self.check(seq)?;
-            let logits = self.model.step(tok).map_err(device_err)?;
-            sink(i, logits);
+            match self.model.step(tok) {
+                Ok(logits) => sink(i, logits),
+                Err(e) => {
+                    self.model.recover();
+                    return Err(device_err(e));
+                }
+            }
         }
         Ok(())
     }
