@@ -1,6 +1,8 @@
 //! The real `forward-serve` binary: startup on port 0, graceful shutdown on SIGTERM/SIGINT.
 
 mod serve_common;
+#[path = "support/smollm2.rs"]
+mod smollm2;
 
 use serde_json::json;
 use serve_common::*;
@@ -22,8 +24,14 @@ impl Drop for Proc {
 }
 
 fn spawn(extra: &[&str]) -> Proc {
+    let mut args = vec!["--fake-engine"];
+    args.extend_from_slice(extra);
+    spawn_with(&args)
+}
+
+fn spawn_with(extra: &[&str]) -> Proc {
     let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-        .args(["--fake-engine", "--host", "127.0.0.1", "--port", "0"])
+        .args(["--host", "127.0.0.1", "--port", "0"])
         .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -142,4 +150,34 @@ async fn sigint_cancels_after_grace_and_exits_0() {
         .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
         .collect();
     assert!(text.len() < 1000, "generation was not cut short");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_model_serves_then_sigterm_exits_0() {
+    let Some(gguf) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    let gguf = gguf.to_string_lossy().into_owned();
+    let mut p = spawn_with(&["--model", &gguf, "--backend", "host", "--ctx", "256"]);
+    let addr = p.addr;
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    assert_eq!(v["model"], "SmolLM2-135M-Instruct.Q4_1");
+    let t = post_json(addr, "/tokenize", &json!({"content": "Paris"}))
+        .await
+        .json();
+    let back = post_json(addr, "/detokenize", &json!({"tokens": t["tokens"]}))
+        .await
+        .json();
+    assert_eq!(back["content"], "Paris");
+    signal(&p, nix::sys::signal::Signal::SIGTERM);
+    let st = wait_exit(&mut p, Duration::from_secs(15));
+    assert_eq!(st.code(), Some(0), "{st:?}");
 }
