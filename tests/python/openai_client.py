@@ -1,0 +1,61 @@
+"""Drive forward-serve (started with --fake-engine) through the official OpenAI Python client.
+
+usage: openai_client.py BASE_URL
+The fake engine continues a prompt with its own bytes upper-cased, so every answer is known.
+Prints one line per check and exits non-zero on the first mismatch.
+"""
+import sys
+
+from openai import OpenAI
+
+
+def main() -> int:
+    base = sys.argv[1]
+    client = OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=30)
+
+    models = [m.id for m in client.models.list().data]
+    assert models == ["fake"], models
+    print("models ok")
+
+    r = client.completions.create(model="fake", prompt="abc", max_tokens=5, temperature=0)
+    assert r.choices[0].text == "ABCAB", r
+    assert r.choices[0].finish_reason == "length", r
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 5 and r.usage.total_tokens == 8, r
+    print("completion ok")
+
+    text = ""
+    for chunk in client.completions.create(model="fake", prompt="hi.", max_tokens=10, stream=True):
+        text += chunk.choices[0].text
+    assert text == "HI", text
+    print("completion stream ok")
+
+    r = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0
+    )
+    assert r.choices[0].message.role == "assistant", r
+    assert r.choices[0].message.content == "USER: HI\n", r
+    print("chat ok")
+
+    text = ""
+    finish = None
+    stream = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=9, stream=True
+    )
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert text == "USER: HI\n" and finish == "length", (text, finish)
+    print("chat stream ok")
+
+    try:
+        client.completions.create(model="fake", prompt="a", max_tokens=0)
+        raise AssertionError("max_tokens=0 accepted")
+    except Exception as e:  # openai.BadRequestError
+        assert getattr(e, "status_code", None) == 400, e
+    print("error ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,939 @@
+//! HTTP handlers: request validation, submission to the engine queue, JSON and SSE responses.
+
+use super::engine::{ChatMessage, SamplerConfig, TextCodec};
+use super::error::ApiError;
+use super::metrics::Metrics;
+use super::scheduler::{Event, Finish, GenRequest};
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+
+/// Server limits and settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub max_queue: usize,
+    pub max_batch: usize,
+    pub request_timeout: Duration,
+    pub max_tokens_limit: usize,
+    pub body_limit: usize,
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_queue: 64,
+            max_batch: 16,
+            request_timeout: Duration::from_secs(120),
+            max_tokens_limit: 2048,
+            body_limit: 1 << 20,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// State shared by every handler.
+pub struct App {
+    pub cfg: Config,
+    pub codec: Arc<dyn TextCodec>,
+    pub metrics: Arc<Metrics>,
+    /// The queue's only sender; taken at shutdown so the engine thread sees the queue close.
+    pub queue: Mutex<Option<mpsc::Sender<GenRequest>>>,
+    pub draining: AtomicBool,
+    next_id: AtomicU64,
+    created: u64,
+}
+
+impl App {
+    pub fn new(
+        cfg: Config,
+        codec: Arc<dyn TextCodec>,
+        metrics: Arc<Metrics>,
+        queue: mpsc::Sender<GenRequest>,
+    ) -> Self {
+        App {
+            cfg,
+            codec,
+            metrics,
+            queue: Mutex::new(Some(queue)),
+            draining: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            created: unix_now(),
+        }
+    }
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Relaxed)
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The endpoint label for metrics (bounded set).
+pub fn endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/v1/completions" => "/v1/completions",
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/models" => "/v1/models",
+        "/health" => "/health",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
+        "/completion" => "/completion",
+        "/metrics" => "/metrics",
+        _ => "other",
+    }
+}
+
+pub async fn track(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let ep = endpoint_label(req.uri().path());
+    let r = next.run(req).await;
+    app.metrics.record_request(ep, r.status().as_u16());
+    r
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+/// Read a JSON object body within the size limit.
+async fn read_json(app: &App, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+    let limit = app.cfg.body_limit;
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        if len > limit as u64 {
+            return Err(ApiError::too_large(limit));
+        }
+    }
+    let bytes: Bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::too_large(limit))?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::invalid("", format!("invalid JSON body: {e}")).code("invalid_json")
+    })?;
+    if !v.is_object() {
+        return Err(ApiError::invalid("", "the body must be a JSON object").code("invalid_json"));
+    }
+    Ok(v)
+}
+
+// ---- typed field access with the offending parameter named -------------------------------------
+
+fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    match v.get(key) {
+        None | Some(Value::Null) => None,
+        Some(x) => Some(x),
+    }
+}
+
+fn opt_i64(v: &Value, key: &str) -> Result<Option<i64>, ApiError> {
+    match field(v, key) {
+        None => Ok(None),
+        Some(x) => match x.as_i64() {
+            Some(i) => Ok(Some(i)),
+            None => match x.as_f64() {
+                Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(Some(f as i64)),
+                _ => Err(
+                    ApiError::invalid(key, format!("`{key}` must be an integer, got {x}"))
+                        .code("invalid_type"),
+                ),
+            },
+        },
+    }
+}
+
+fn opt_f64(v: &Value, key: &str) -> Result<Option<f64>, ApiError> {
+    match field(v, key) {
+        None => Ok(None),
+        Some(x) => x.as_f64().map(Some).ok_or_else(|| {
+            ApiError::invalid(key, format!("`{key}` must be a number, got {x}"))
+                .code("invalid_type")
+        }),
+    }
+}
+
+fn opt_bool(v: &Value, key: &str) -> Result<Option<bool>, ApiError> {
+    match field(v, key) {
+        None => Ok(None),
+        Some(x) => x.as_bool().map(Some).ok_or_else(|| {
+            ApiError::invalid(key, format!("`{key}` must be a boolean, got {x}"))
+                .code("invalid_type")
+        }),
+    }
+}
+
+fn stop_list(v: &Value, key: &str) -> Result<Vec<String>, ApiError> {
+    match field(v, key) {
+        None => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(a)) => {
+            if a.len() > 4 {
+                return Err(
+                    ApiError::invalid(key, "at most 4 stop sequences").code("invalid_value")
+                );
+            }
+            a.iter()
+                .map(|x| {
+                    x.as_str().map(str::to_string).ok_or_else(|| {
+                        ApiError::invalid(key, "`stop` must be a string or an array of strings")
+                            .code("invalid_type")
+                    })
+                })
+                .collect()
+        }
+        Some(_) => Err(
+            ApiError::invalid(key, "`stop` must be a string or an array of strings")
+                .code("invalid_type"),
+        ),
+    }
+}
+
+fn token_list(codec: &dyn TextCodec, a: &[Value], key: &str) -> Result<Vec<u32>, ApiError> {
+    let vocab = codec.vocab_size();
+    a.iter()
+        .map(|x| match x.as_u64() {
+            Some(t) if (t as usize) < vocab => Ok(t as u32),
+            _ => Err(ApiError::invalid(
+                key,
+                format!("token ids must be integers in 0..{vocab}, got {x}"),
+            )
+            .code("invalid_value")),
+        })
+        .collect()
+}
+
+/// Which API shape a generation answers in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Completions,
+    Chat,
+    Llama,
+}
+
+/// A validated generation request.
+#[derive(Debug)]
+pub struct Params {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplerConfig,
+    pub seed: u64,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Per-request speculative decoding settings. Accepted and ignored for now: speculation plugs
+    /// in with the spec layer (the response says nothing about it yet).
+    pub speculative: Option<Value>,
+}
+
+fn check_model(app: &App, v: &Value) -> Result<(), ApiError> {
+    match field(v, "model") {
+        None => Ok(()),
+        Some(Value::String(m)) => {
+            if m == app.codec.model_id() {
+                Ok(())
+            } else {
+                Err(ApiError::model_not_found(m))
+            }
+        }
+        Some(x) => Err(
+            ApiError::invalid("model", format!("`model` must be a string, got {x}"))
+                .code("invalid_type"),
+        ),
+    }
+}
+
+fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+    let Some(msgs) = field(v, "messages") else {
+        return Err(ApiError::invalid("messages", "`messages` is required")
+            .code("missing_required_parameter"));
+    };
+    let Some(arr) = msgs.as_array() else {
+        return Err(
+            ApiError::invalid("messages", "`messages` must be an array").code("invalid_type")
+        );
+    };
+    if arr.is_empty() {
+        return Err(
+            ApiError::invalid("messages", "`messages` must not be empty").code("invalid_value"),
+        );
+    }
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, m) in arr.iter().enumerate() {
+        let p = format!("messages[{i}]");
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid(&p, format!("`{p}.role` must be a string")).code("invalid_type")
+        })?;
+        let content = match m.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut s = String::new();
+                for part in parts {
+                    match (
+                        part.get("type").and_then(Value::as_str),
+                        part.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => s.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                &p,
+                                "only text content parts are supported",
+                            )
+                            .code("invalid_value"))
+                        }
+                    }
+                }
+                s
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    &p,
+                    format!("`{p}.content` must be a string or an array of parts"),
+                )
+                .code("invalid_type"))
+            }
+        };
+        out.push(ChatMessage {
+            role: role.to_string(),
+            content,
+        });
+    }
+    Ok(out)
+}
+
+/// Validate a generation request body.
+pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError> {
+    let codec = &*app.codec;
+    check_model(app, v)?;
+    // The prompt.
+    let prompt: Vec<u32> = match kind {
+        Kind::Chat => {
+            let msgs = chat_messages(v)?;
+            let text = codec
+                .chat_prompt(&msgs)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()).code("invalid_value"))?;
+            codec
+                .prompt_tokens(&text, true)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+        }
+        Kind::Completions | Kind::Llama => match field(v, "prompt") {
+            None => return Err(ApiError::invalid("prompt", "`prompt` is required").code("missing_required_parameter")),
+            Some(Value::String(s)) => {
+                if s.is_empty() {
+                    return Err(ApiError::invalid("prompt", "`prompt` is empty").code("invalid_value"));
+                }
+                codec.prompt_tokens(s, false).map_err(|e| ApiError::invalid("prompt", e.to_string()))?
+            }
+            Some(Value::Array(a)) => match a.as_slice() {
+                [Value::String(s)] => {
+                    if s.is_empty() {
+                        return Err(ApiError::invalid("prompt", "`prompt` is empty").code("invalid_value"));
+                    }
+                    codec.prompt_tokens(s, false).map_err(|e| ApiError::invalid("prompt", e.to_string()))?
+                }
+                [] => return Err(ApiError::invalid("prompt", "`prompt` is empty").code("invalid_value")),
+                xs if xs.iter().all(Value::is_number) => token_list(codec, xs, "prompt")?,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        "`prompt` must be a string, one string in an array, or an array of token ids (n = 1 only)",
+                    )
+                    .code("invalid_type"))
+                }
+            },
+            Some(x) => return Err(ApiError::invalid("prompt", format!("`prompt` must be a string, got {x}")).code("invalid_type")),
+        },
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt has no tokens").code("invalid_value"));
+    }
+    let ctx = codec.context_len();
+    if prompt.len() >= ctx {
+        return Err(ApiError::invalid(
+            if kind == Kind::Chat { "messages" } else { "prompt" },
+            format!(
+                "the prompt has {} tokens; this model's context holds {ctx} (prompt and completion together)",
+                prompt.len()
+            ),
+        )
+        .code("context_length_exceeded"));
+    }
+    // max_tokens.
+    let limit = app.cfg.max_tokens_limit;
+    let (key, requested) = match kind {
+        Kind::Completions => ("max_tokens", opt_i64(v, "max_tokens")?),
+        Kind::Chat => match opt_i64(v, "max_completion_tokens")? {
+            Some(x) => ("max_completion_tokens", Some(x)),
+            None => ("max_tokens", opt_i64(v, "max_tokens")?),
+        },
+        Kind::Llama => ("n_predict", opt_i64(v, "n_predict")?.filter(|&n| n >= 0)),
+    };
+    let max_tokens = match requested {
+        Some(n) if n <= 0 => {
+            return Err(
+                ApiError::invalid(key, format!("`{key}` must be at least 1, got {n}"))
+                    .code("invalid_value"),
+            )
+        }
+        Some(n) if n as u64 > limit as u64 => {
+            return Err(ApiError::invalid(
+                key,
+                format!("`{key}` is {n}; this server allows at most {limit}"),
+            )
+            .code("invalid_value"))
+        }
+        Some(n) => n as usize,
+        None => match kind {
+            Kind::Completions => 16.min(limit),
+            Kind::Chat | Kind::Llama => limit,
+        },
+    };
+    let max_tokens = max_tokens.min(ctx - prompt.len());
+    // Sampling.
+    let default_t = if kind == Kind::Llama { 0.8 } else { 1.0 };
+    let temperature = opt_f64(v, "temperature")?.unwrap_or(default_t);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(
+            ApiError::invalid("temperature", "`temperature` must be in [0, 2]")
+                .code("invalid_value"),
+        );
+    }
+    let top_p = opt_f64(v, "top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p", "`top_p` must be in (0, 1]").code("invalid_value"));
+    }
+    let top_k = match kind {
+        Kind::Llama => opt_i64(v, "top_k")?.unwrap_or(0).max(0) as usize,
+        _ => 0,
+    };
+    let seed = match opt_i64(v, "seed")? {
+        Some(s) if s >= 0 => s as u64,
+        _ => {
+            // No (or a "random" -1) seed: vary per request.
+            unix_now() ^ app.next_id().wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        }
+    };
+    if let Some(n) = opt_i64(v, "n")? {
+        if n != 1 {
+            return Err(ApiError::invalid("n", "only `n` = 1 is supported").code("invalid_value"));
+        }
+    }
+    let stop = stop_list(v, "stop")?;
+    let stream = opt_bool(v, "stream")?.unwrap_or(false);
+    let include_usage = match field(v, "stream_options") {
+        None => false,
+        Some(o) => opt_bool(o, "include_usage")?.unwrap_or(false),
+    };
+    let speculative = field(v, "speculative").cloned();
+    if let Some(s) = &speculative {
+        if !s.is_object() && !s.is_boolean() {
+            return Err(ApiError::invalid(
+                "speculative",
+                "`speculative` must be an object or a boolean",
+            )
+            .code("invalid_type"));
+        }
+    }
+    Ok(Params {
+        prompt,
+        max_tokens,
+        sampling: SamplerConfig {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+        },
+        seed,
+        stop,
+        stream,
+        include_usage,
+        speculative,
+    })
+}
+
+/// Sets the request's cancel flag when dropped (handler future or SSE stream gone).
+pub struct CancelGuard(Arc<AtomicBool>);
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        self.0.store(true, Relaxed);
+    }
+}
+
+fn submit(
+    app: &App,
+    p: &Params,
+) -> Result<(mpsc::UnboundedReceiver<Event>, CancelGuard, Instant), ApiError> {
+    if app.draining.load(Relaxed) {
+        return Err(ApiError::shutting_down());
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let deadline = Instant::now() + app.cfg.request_timeout;
+    let req = GenRequest {
+        prompt: p.prompt.clone(),
+        max_tokens: p.max_tokens,
+        sampling: p.sampling.clone(),
+        seed: p.seed,
+        stop: p.stop.clone(),
+        deadline,
+        cancel: cancel.clone(),
+        events: tx,
+    };
+    let guard = app
+        .queue
+        .lock()
+        .map_err(|_| ApiError::engine("queue lock poisoned"))?;
+    let Some(q) = guard.as_ref() else {
+        return Err(ApiError::shutting_down());
+    };
+    app.metrics.queue_depth.fetch_add(1, Relaxed);
+    match q.try_send(req) {
+        Ok(()) => Ok((rx, CancelGuard(cancel), deadline)),
+        Err(e) => {
+            app.metrics.queue_depth.fetch_sub(1, Relaxed);
+            match e {
+                mpsc::error::TrySendError::Full(_) => {
+                    app.metrics.rejected_full.fetch_add(1, Relaxed);
+                    Err(ApiError::queue_full())
+                }
+                mpsc::error::TrySendError::Closed(_) => Err(ApiError::shutting_down()),
+            }
+        }
+    }
+}
+
+/// The outcome of a whole (non-streamed) generation.
+struct Outcome {
+    text: String,
+    finish: Finish,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    eos: bool,
+    stopped_word: bool,
+}
+
+async fn collect(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    deadline: Instant,
+) -> Result<Outcome, ApiError> {
+    let mut text = String::new();
+    // The engine enforces the deadline; this backstop covers an engine stuck in a pass.
+    let backstop = tokio::time::Instant::from_std(deadline) + Duration::from_secs(5);
+    loop {
+        let ev = match tokio::time::timeout_at(backstop, rx.recv()).await {
+            Err(_) => return Err(ApiError::timeout()),
+            Ok(None) => return Err(ApiError::engine("the engine dropped the request")),
+            Ok(Some(ev)) => ev,
+        };
+        match ev {
+            Event::Text(t) => text.push_str(&t),
+            Event::Error(m) => return Err(ApiError::engine(m)),
+            Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+                eos,
+                stopped_word,
+            } => {
+                return match finish {
+                    Finish::Timeout => Err(ApiError::timeout()),
+                    Finish::Cancelled => Err(ApiError::shutting_down()),
+                    _ => Ok(Outcome {
+                        text,
+                        finish,
+                        prompt_tokens,
+                        completion_tokens,
+                        eos,
+                        stopped_word,
+                    }),
+                }
+            }
+        }
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// Build one streamed chunk's JSON.
+struct Shape {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    prompt_len: usize,
+    started: Instant,
+}
+
+impl Shape {
+    fn text_chunk(&self, text: &str, first: bool) -> Value {
+        match self.kind {
+            Kind::Completions => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": null}]
+            }),
+            Kind::Chat => {
+                let delta = if first {
+                    json!({"role": "assistant", "content": text})
+                } else {
+                    json!({"content": text})
+                };
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]
+                })
+            }
+            Kind::Llama => json!({"content": text, "stop": false}),
+        }
+    }
+    fn final_chunks(
+        &self,
+        finish: Finish,
+        completion: usize,
+        eos: bool,
+        stopped_word: bool,
+    ) -> Vec<Value> {
+        let fr = finish.openai();
+        let mut out = Vec::new();
+        match self.kind {
+            Kind::Completions => out.push(json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": fr}]
+            })),
+            Kind::Chat => out.push(json!({
+                "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": {}, "logprobs": null, "finish_reason": fr}]
+            })),
+            Kind::Llama => {
+                out.push(self.llama_final("", finish, completion, eos, stopped_word));
+                return out;
+            }
+        }
+        if self.include_usage {
+            let object = if self.kind == Kind::Chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
+            out.push(json!({
+                "id": self.id, "object": object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage(self.prompt_len, completion)
+            }));
+        }
+        out
+    }
+    fn llama_final(
+        &self,
+        content: &str,
+        finish: Finish,
+        completion: usize,
+        eos: bool,
+        stopped_word: bool,
+    ) -> Value {
+        let secs = self.started.elapsed().as_secs_f64();
+        json!({
+            "content": content,
+            "stop": true,
+            "model": self.model,
+            "tokens_predicted": completion,
+            "tokens_evaluated": self.prompt_len,
+            "stopped_eos": eos,
+            "stopped_word": stopped_word,
+            "stopped_limit": finish == Finish::Length,
+            "truncated": false,
+            "timings": {
+                "prompt_n": self.prompt_len,
+                "predicted_n": completion,
+                "predicted_per_second": if secs > 0.0 { completion as f64 / secs } else { 0.0 },
+            }
+        })
+    }
+    fn whole(&self, o: &Outcome) -> Value {
+        let fr = o.finish.openai();
+        match self.kind {
+            Kind::Completions => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": o.text, "logprobs": null, "finish_reason": fr}],
+                "usage": usage(o.prompt_tokens, o.completion_tokens)
+            }),
+            Kind::Chat => json!({
+                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": null, "finish_reason": fr}],
+                "usage": usage(o.prompt_tokens, o.completion_tokens)
+            }),
+            Kind::Llama => self.llama_final(
+                &o.text,
+                o.finish,
+                o.completion_tokens,
+                o.eos,
+                o.stopped_word,
+            ),
+        }
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+struct StreamState {
+    rx: mpsc::UnboundedReceiver<Event>,
+    _guard: CancelGuard,
+    shape: Shape,
+    out: VecDeque<Bytes>,
+    first: bool,
+    ended: bool,
+    backstop: tokio::time::Instant,
+}
+
+fn sse_response(s: StreamState) -> Response {
+    let stream = futures_util::stream::unfold(s, |mut st| async move {
+        loop {
+            if let Some(b) = st.out.pop_front() {
+                return Some((Ok::<Bytes, std::convert::Infallible>(b), st));
+            }
+            if st.ended {
+                return None;
+            }
+            let ev = match tokio::time::timeout_at(st.backstop, st.rx.recv()).await {
+                Ok(Some(ev)) => ev,
+                Ok(None) => Event::Error("the engine dropped the request".into()),
+                Err(_) => Event::Error("the request timed out".into()),
+            };
+            match ev {
+                Event::Text(t) => {
+                    let c = st.shape.text_chunk(&t, st.first);
+                    st.first = false;
+                    st.out.push_back(sse(&c));
+                }
+                Event::Error(m) => {
+                    st.ended = true;
+                    st.out.push_back(sse(&ApiError::engine(m).body()));
+                    if st.shape.kind != Kind::Llama {
+                        st.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    }
+                }
+                Event::Done {
+                    finish,
+                    completion_tokens,
+                    eos,
+                    stopped_word,
+                    ..
+                } => {
+                    st.ended = true;
+                    if finish == Finish::Timeout {
+                        st.out.push_back(sse(&ApiError::timeout().body()));
+                    }
+                    if st.first && st.shape.kind == Kind::Chat {
+                        // Always announce the role once.
+                        st.out.push_back(sse(&st.shape.text_chunk("", true)));
+                    }
+                    for c in st
+                        .shape
+                        .final_chunks(finish, completion_tokens, eos, stopped_word)
+                    {
+                        st.out.push_back(sse(&c));
+                    }
+                    if st.shape.kind != Kind::Llama {
+                        st.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    }
+                }
+            }
+        }
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+async fn generate(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Body,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let v = read_json(&app, &headers, body).await?;
+    let p = parse_params(&app, &v, kind)?;
+    if p.speculative.is_some() {
+        tracing::debug!("`speculative` given: ignored until speculative decoding is plugged in");
+    }
+    let (rx, guard, deadline) = submit(&app, &p)?;
+    let n = app.next_id();
+    let shape = Shape {
+        kind,
+        id: match kind {
+            Kind::Chat => format!("chatcmpl-{n:016x}"),
+            _ => format!("cmpl-{n:016x}"),
+        },
+        created: unix_now(),
+        model: app.codec.model_id().to_string(),
+        include_usage: p.include_usage,
+        prompt_len: p.prompt.len(),
+        started: Instant::now(),
+    };
+    if p.stream {
+        Ok(sse_response(StreamState {
+            rx,
+            _guard: guard,
+            shape,
+            out: VecDeque::new(),
+            first: true,
+            ended: false,
+            backstop: tokio::time::Instant::from_std(deadline) + Duration::from_secs(5),
+        }))
+    } else {
+        let o = collect(rx, deadline).await?;
+        drop(guard);
+        Ok(json_response(StatusCode::OK, &shape.whole(&o)))
+    }
+}
+
+pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    generate(app, headers, body, Kind::Completions)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generate(app, headers, body, Kind::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn llama_completion(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generate(app, headers, body, Kind::Llama)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn models(State(app): State<Arc<App>>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [{
+            "id": app.codec.model_id(), "object": "model", "created": app.created, "owned_by": "xdna",
+            "context_length": app.codec.context_len(),
+        }]}),
+    )
+}
+
+pub async fn health(State(app): State<Arc<App>>) -> Response {
+    if app.draining.load(Relaxed) {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "shutting down"}),
+        )
+    } else {
+        json_response(StatusCode::OK, &json!({"status": "ok"}))
+    }
+}
+
+pub async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn tokenize_inner(app: &App, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = read_json(app, &headers, body).await?;
+    let content = match field(&v, "content") {
+        Some(Value::String(s)) => s,
+        Some(x) => {
+            return Err(ApiError::invalid(
+                "content",
+                format!("`content` must be a string, got {x}"),
+            )
+            .code("invalid_type"))
+        }
+        None => {
+            return Err(ApiError::invalid("content", "`content` is required")
+                .code("missing_required_parameter"))
+        }
+    };
+    let special = opt_bool(&v, "add_special")?.unwrap_or(false);
+    let tokens = if special {
+        app.codec.prompt_tokens(content, true)
+    } else {
+        app.codec.tokenize(content, false)
+    }
+    .map_err(|e| ApiError::invalid("content", e.to_string()))?;
+    Ok(json_response(StatusCode::OK, &json!({"tokens": tokens})))
+}
+
+pub async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    tokenize_inner(&app, headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn detokenize_inner(app: &App, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = read_json(app, &headers, body).await?;
+    let tokens = match field(&v, "tokens") {
+        Some(Value::Array(a)) => token_list(&*app.codec, a, "tokens")?,
+        Some(x) => {
+            return Err(
+                ApiError::invalid("tokens", format!("`tokens` must be an array, got {x}"))
+                    .code("invalid_type"),
+            )
+        }
+        None => {
+            return Err(ApiError::invalid("tokens", "`tokens` is required")
+                .code("missing_required_parameter"))
+        }
+    };
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"content": app.codec.detokenize(&tokens)}),
+    ))
+}
+
+pub async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    detokenize_inner(&app, headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn fallback(req: Request) -> Response {
+    ApiError::not_found(req.uri().path()).into_response()
+}

@@ -1,0 +1,332 @@
+//! The engine seam: every line of `forward-serve` that touches the model layer lives in this file.
+//!
+//! The server talks to two small traits of its own:
+//! - [`TextCodec`] (shared, `Send + Sync`): tokenizer, chat template, EOS ids, context length, model id.
+//!   HTTP handlers use it to validate and tokenize before a request is queued.
+//! - [`Engine`] (owned by the single engine thread; the NPU is single-tenant): sequences, prefill and
+//!   decode passes that hand back logits.
+//!
+//! Sampling and streaming detokenization come from the model layer and are re-exported here so the
+//! rest of the server never names `xdna::model` directly.
+
+use std::sync::Arc;
+
+pub use xdna::model::sample::{Sampler, SamplerConfig};
+pub use xdna::model::text::{StopFilter, Utf8Stream};
+
+/// One sequence's handle inside an [`Engine`].
+pub type SeqId = u64;
+
+/// Errors of the engine seam.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("load: {0}")]
+    Load(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("device: {0}")]
+    Device(String),
+    #[error("no such sequence {0}")]
+    NoSequence(SeqId),
+    #[error("engine capacity: {0}")]
+    Capacity(String),
+}
+
+/// One chat message, already flattened to text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// Text side of a model: shared by the HTTP handlers and the engine thread.
+pub trait TextCodec: Send + Sync {
+    /// The model id reported by `/v1/models` and in responses.
+    fn model_id(&self) -> &str;
+    /// KV positions of one sequence.
+    fn context_len(&self) -> usize;
+    /// Tokens that end a generation.
+    fn eos_ids(&self) -> &[u32];
+    fn vocab_size(&self) -> usize;
+    /// Plain tokenization (no BOS); `special` lets special-token text map to its id.
+    fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError>;
+    /// Token ids of a prompt: BOS when the model wants one, then the text.
+    fn prompt_tokens(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError> {
+        self.tokenize(text, special)
+    }
+    /// The raw bytes of one token (may be part of a UTF-8 character).
+    fn token_bytes(&self, id: u32) -> Vec<u8>;
+    /// Render a chat into the prompt text (template with the generation prompt appended).
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
+    /// Decode ids to text (invalid UTF-8 becomes U+FFFD).
+    fn detokenize(&self, ids: &[u32]) -> String {
+        let mut u = Utf8Stream::default();
+        let mut out = String::new();
+        for &id in ids {
+            u.push(&self.token_bytes(id), &mut out);
+        }
+        u.finish(&mut out);
+        out
+    }
+}
+
+/// Compute side of a model: lives on the engine thread only.
+pub trait Engine {
+    /// How many sequences can be resident at once (the scheduler admits at most this many).
+    fn max_sequences(&self) -> usize;
+    /// Start an empty sequence.
+    fn new_sequence(&mut self) -> Result<SeqId, EngineError>;
+    /// Feed a prompt to a fresh sequence; `sink` gets the logits predicting the first new token.
+    fn prefill(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sink: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), EngineError>;
+    /// One decode step for each `(seq, token)` row (the token is fed and committed); `sink(i, logits)`
+    /// gets row `i`'s logits for the next token. Rows belong to distinct sequences.
+    fn decode(
+        &mut self,
+        rows: &[(SeqId, u32)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError>;
+    /// Committed positions of a sequence.
+    fn position(&self, seq: SeqId) -> usize;
+    /// Forget a sequence and free its state.
+    fn release(&mut self, seq: SeqId);
+}
+
+/// A loaded model: its codec and a factory that builds the engine on the engine thread.
+pub struct Loaded {
+    pub codec: Arc<dyn TextCodec>,
+    pub engine: Box<dyn Engine + Send>,
+}
+
+/// Options for loading the real model.
+#[derive(Clone, Debug)]
+pub struct LoadSpec {
+    /// Package directory or GGUF file; `None`: the default model.
+    pub model: Option<std::path::PathBuf>,
+    /// auto | host | xdna
+    pub backend: String,
+    /// KV positions per sequence.
+    pub ctx: usize,
+    /// Kernel set directory (`None`: the package's own).
+    pub kernels: Option<std::path::PathBuf>,
+}
+
+// ---- the real model -------------------------------------------------------------------------
+
+use xdna::model::{Model, ModelError};
+use xdna::weights::Package;
+
+fn device_err(e: ModelError) -> EngineError {
+    EngineError::Device(e.to_string())
+}
+
+/// Codec over a weights package: its tokenizer, chat template and EOS ids.
+pub struct PackageCodec {
+    pkg: Arc<Package>,
+    id: String,
+    ctx: usize,
+    eos: Vec<u32>,
+}
+
+impl TextCodec for PackageCodec {
+    fn model_id(&self) -> &str {
+        &self.id
+    }
+    fn context_len(&self) -> usize {
+        self.ctx
+    }
+    fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+    fn vocab_size(&self) -> usize {
+        self.pkg.tokenizer().vocab_size()
+    }
+    fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError> {
+        Ok(self.pkg.tokenizer().encode(text, special))
+    }
+    fn prompt_tokens(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError> {
+        let tok = self.pkg.tokenizer();
+        let mut ids = Vec::new();
+        if self.pkg.add_bos() {
+            if let Some(b) = self.pkg.bos_token_id() {
+                let bos_text = tok.token_str(b).unwrap_or("\u{0}");
+                if !(special && text.starts_with(bos_text)) {
+                    ids.push(b);
+                }
+            }
+        }
+        ids.extend(tok.encode(text, special));
+        Ok(ids)
+    }
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.pkg.tokenizer().token_bytes(id).to_vec()
+    }
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        let tpl = self.pkg.chat_template().ok_or_else(|| {
+            EngineError::Template(format!("the model {} has no chat template", self.id))
+        })?;
+        let tok = self.pkg.tokenizer();
+        let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
+        let mut env = minijinja::Environment::new();
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        let bad = |e: minijinja::Error| EngineError::Template(e.to_string());
+        env.add_template("chat", tpl).map_err(bad)?;
+        let t = env.get_template("chat").map_err(bad)?;
+        let msgs: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|m| minijinja::context! { role => m.role.clone(), content => m.content.clone() })
+            .collect();
+        t.render(minijinja::context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => name(self.pkg.bos_token_id()),
+            eos_token => name(self.eos.first().copied()),
+        })
+        .map_err(bad)
+    }
+}
+
+/// The real model behind the [`Engine`] seam. The model layer has one KV cache per `Model`, so this
+/// adapter holds one resident sequence (see docs/serving.md).
+pub struct ModelEngine {
+    model: Model,
+    resident: Option<SeqId>,
+    next: SeqId,
+}
+
+impl ModelEngine {
+    pub fn new(model: Model) -> Self {
+        ModelEngine {
+            model,
+            resident: None,
+            next: 1,
+        }
+    }
+    fn check(&self, seq: SeqId) -> Result<(), EngineError> {
+        if self.resident == Some(seq) {
+            Ok(())
+        } else {
+            Err(EngineError::NoSequence(seq))
+        }
+    }
+}
+
+impl Engine for ModelEngine {
+    fn max_sequences(&self) -> usize {
+        1
+    }
+    fn new_sequence(&mut self) -> Result<SeqId, EngineError> {
+        if self.resident.is_some() {
+            return Err(EngineError::Capacity("the model holds one sequence".into()));
+        }
+        self.model.reset();
+        let id = self.next;
+        self.next += 1;
+        self.resident = Some(id);
+        Ok(id)
+    }
+    fn prefill(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sink: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), EngineError> {
+        self.check(seq)?;
+        match self.model.prefill(tokens) {
+            Ok(logits) => {
+                sink(logits);
+                Ok(())
+            }
+            Err(e) => {
+                // The failed pass left the committed state untouched; acknowledge it.
+                self.model.recover();
+                Err(device_err(e))
+            }
+        }
+    }
+    fn decode(
+        &mut self,
+        rows: &[(SeqId, u32)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError> {
+        for (i, &(seq, tok)) in rows.iter().enumerate() {
+            self.check(seq)?;
+            match self.model.step(tok) {
+                Ok(logits) => sink(i, logits),
+                Err(e) => {
+                    self.model.recover();
+                    return Err(device_err(e));
+                }
+            }
+        }
+        Ok(())
+    }
+    fn position(&self, seq: SeqId) -> usize {
+        if self.resident == Some(seq) {
+            self.model.position()
+        } else {
+            0
+        }
+    }
+    fn release(&mut self, seq: SeqId) {
+        if self.resident == Some(seq) {
+            self.resident = None;
+        }
+    }
+}
+
+/// Load the real model through the model layer's loader (package directory or GGUF; `None`: the
+/// default model), with `ctx` positions.
+pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
+    use xdna::model::load::{open_model, Backend, LoadOptions};
+    let load_err = |e: &dyn std::fmt::Display| EngineError::Load(e.to_string());
+    let backend: Backend = spec.backend.parse().map_err(|e: ModelError| load_err(&e))?;
+    let opts = LoadOptions {
+        backend,
+        kernels: spec.kernels.clone(),
+        ..LoadOptions::default()
+    };
+    let (pkg, model) =
+        open_model(spec.model.as_deref(), spec.ctx, &opts).map_err(|e| load_err(&e))?;
+    let ctx = model.context();
+    let id = model_id(spec.model.as_deref(), &pkg);
+    let eos = pkg.eos_token_ids().to_vec();
+    tracing::info!(
+        "loaded {} ({} positions, EOS {:?}, backend {})",
+        id,
+        ctx,
+        eos,
+        model.weights().backend
+    );
+    Ok(Loaded {
+        codec: Arc::new(PackageCodec { pkg, id, ctx, eos }),
+        engine: Box::new(ModelEngine::new(model)),
+    })
+}
+
+/// The served model id: the file stem of a GGUF, else the package directory's name.
+fn model_id(path: Option<&std::path::Path>, pkg: &Package) -> String {
+    let from = |p: &std::path::Path| {
+        let p = if p.is_dir() {
+            p.to_path_buf()
+        } else {
+            p.with_extension("")
+        };
+        p.file_name().map(|s| s.to_string_lossy().into_owned())
+    };
+    path.and_then(from)
+        .or_else(|| from(pkg.dir()))
+        .unwrap_or_else(|| "model".into())
+}

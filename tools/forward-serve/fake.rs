@@ -1,0 +1,196 @@
+//! A deterministic fake engine for tests and for running the server without a model.
+//!
+//! Vocabulary: the 256 byte values plus EOS (id 256). The tokenizer maps bytes to ids. The "model"
+//! continues a prompt `p` (as bytes) with `upper(p[k % len])` for k = 0, 1, ...; when that byte is `.`
+//! it emits EOS instead. So the expected completion of a prompt is a pure function of the prompt
+//! ([`expected_text`]), which is what the concurrency tests check.
+
+use super::engine::{ChatMessage, Engine, EngineError, SeqId, TextCodec};
+use std::collections::HashMap;
+use std::time::Duration;
+
+pub const FAKE_EOS: u32 = 256;
+pub const FAKE_VOCAB: usize = 257;
+
+/// The fake codec.
+pub struct FakeCodec {
+    pub ctx: usize,
+    eos: [u32; 1],
+}
+
+impl FakeCodec {
+    pub fn new(ctx: usize) -> Self {
+        FakeCodec {
+            ctx,
+            eos: [FAKE_EOS],
+        }
+    }
+}
+
+impl TextCodec for FakeCodec {
+    fn model_id(&self) -> &str {
+        "fake"
+    }
+    fn context_len(&self) -> usize {
+        self.ctx
+    }
+    fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+    fn vocab_size(&self) -> usize {
+        FAKE_VOCAB
+    }
+    fn tokenize(&self, text: &str, _special: bool) -> Result<Vec<u32>, EngineError> {
+        Ok(text.bytes().map(u32::from).collect())
+    }
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match u8::try_from(id) {
+            Ok(b) => vec![b],
+            Err(_) => Vec::new(),
+        }
+    }
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        Ok(chat_text(messages))
+    }
+}
+
+/// The fake chat template: `role: content\n` per message.
+pub fn chat_text(messages: &[ChatMessage]) -> String {
+    messages
+        .iter()
+        .map(|m| format!("{}: {}\n", m.role, m.content))
+        .collect()
+}
+
+/// The fake model's next byte after `k` generated tokens (None = EOS).
+pub fn next_byte(prompt: &[u8], k: usize) -> Option<u8> {
+    if prompt.is_empty() {
+        return None;
+    }
+    let b = prompt[k % prompt.len()].to_ascii_uppercase();
+    (b != b'.').then_some(b)
+}
+
+/// The text the fake engine generates for `prompt` with at most `max_tokens` tokens and an
+/// unbounded context, and whether it ended on EOS (used by the tests).
+#[allow(dead_code)]
+pub fn expected_text(prompt: &str, max_tokens: usize) -> (String, bool) {
+    let p = prompt.as_bytes();
+    let mut out = Vec::new();
+    for k in 0..max_tokens {
+        match next_byte(p, k) {
+            Some(b) => out.push(b),
+            None => return (String::from_utf8_lossy(&out).into_owned(), true),
+        }
+    }
+    (String::from_utf8_lossy(&out).into_owned(), false)
+}
+
+struct Seq {
+    prompt: Vec<u8>,
+    generated: usize,
+    position: usize,
+}
+
+/// The fake engine.
+pub struct FakeEngine {
+    seqs: HashMap<SeqId, Seq>,
+    next_id: SeqId,
+    max_seqs: usize,
+    /// Sleep per decode pass (and per prefill), to make timing tests possible.
+    pub step_delay: Duration,
+    logits: Vec<f32>,
+}
+
+impl FakeEngine {
+    pub fn new(max_seqs: usize, step_delay: Duration) -> Self {
+        FakeEngine {
+            seqs: HashMap::new(),
+            next_id: 1,
+            max_seqs: max_seqs.max(1),
+            step_delay,
+            logits: vec![0.0; FAKE_VOCAB],
+        }
+    }
+
+    fn fill(&mut self, seq: SeqId) -> Result<(), EngineError> {
+        let s = self.seqs.get(&seq).ok_or(EngineError::NoSequence(seq))?;
+        let next = next_byte(&s.prompt, s.generated).map_or(FAKE_EOS, u32::from);
+        self.logits.iter_mut().for_each(|l| *l = 0.0);
+        self.logits[next as usize] = 50.0;
+        Ok(())
+    }
+}
+
+impl Engine for FakeEngine {
+    fn max_sequences(&self) -> usize {
+        self.max_seqs
+    }
+    fn new_sequence(&mut self) -> Result<SeqId, EngineError> {
+        if self.seqs.len() >= self.max_seqs {
+            return Err(EngineError::Capacity(format!(
+                "{} sequences resident",
+                self.seqs.len()
+            )));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(
+            id,
+            Seq {
+                prompt: Vec::new(),
+                generated: 0,
+                position: 0,
+            },
+        );
+        Ok(id)
+    }
+    fn prefill(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sink: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), EngineError> {
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
+        }
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(EngineError::NoSequence(seq))?;
+        if tokens.iter().any(|&t| t >= 256) {
+            return Err(EngineError::Device("fake: special token in prompt".into()));
+        }
+        s.prompt.extend(tokens.iter().map(|&t| t as u8));
+        s.position += tokens.len();
+        self.fill(seq)?;
+        sink(&self.logits);
+        Ok(())
+    }
+    fn decode(
+        &mut self,
+        rows: &[(SeqId, u32)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError> {
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
+        }
+        for (i, &(seq, _tok)) in rows.iter().enumerate() {
+            let s = self
+                .seqs
+                .get_mut(&seq)
+                .ok_or(EngineError::NoSequence(seq))?;
+            s.generated += 1;
+            s.position += 1;
+            self.fill(seq)?;
+            sink(i, &self.logits);
+        }
+        Ok(())
+    }
+    fn position(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.position)
+    }
+    fn release(&mut self, seq: SeqId) {
+        self.seqs.remove(&seq);
+    }
+}

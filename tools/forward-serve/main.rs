@@ -1,0 +1,161 @@
+//! `forward-serve`: OpenAI-compatible HTTP server with xdna as its device backend.
+//! See docs/serving.md.
+
+#[path = "lib.rs"]
+mod serve;
+
+use clap::Parser;
+use serve::api::Config;
+use serve::engine::{self, LoadSpec, Loaded};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "forward-serve",
+    version,
+    about = "OpenAI-compatible server over the xdna runtime"
+)]
+struct Args {
+    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// auto | host | xdna.
+    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
+    backend: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (printed on stdout).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Requests waiting for a slot before new ones get 503.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Sequences generated at once.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Per-request time limit (e.g. 120s, 500ms, 2m).
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    request_timeout: Duration,
+    /// Largest `max_tokens` a request may ask for.
+    #[arg(long, default_value_t = 2048)]
+    max_tokens_limit: usize,
+    /// Largest request body in bytes (413 above).
+    #[arg(long, default_value_t = 1 << 20)]
+    body_limit: usize,
+    /// Time in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    shutdown_grace: Duration,
+    /// KV positions per sequence.
+    #[arg(long, default_value_t = 2048)]
+    ctx: usize,
+    /// Kernel set directory (default: the package's `kernels/`).
+    #[arg(long, env = "XDNA_KERNELS")]
+    kernels: Option<PathBuf>,
+    /// Serve the deterministic fake engine instead of a model (tests, load experiments).
+    #[arg(long, hide = true)]
+    fake_engine: bool,
+    /// Fake engine: delay per decode pass, e.g. 20ms.
+    #[arg(long, hide = true, default_value = "0ms", value_parser = parse_duration)]
+    fake_step_delay: Duration,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, mult) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("bad duration {s:?} (e.g. 120s, 500ms, 2m)"))?;
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!("bad duration {s:?}"));
+    }
+    Ok(Duration::from_secs_f64(v * mult))
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    match (term, int) {
+        (Ok(mut t), Ok(mut i)) => {
+            tokio::select! {
+                _ = t.recv() => tracing::info!("SIGTERM"),
+                _ = i.recv() => tracing::info!("SIGINT"),
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match real_main(args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("forward-serve: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let loaded = if args.fake_engine {
+        Loaded {
+            codec: Arc::new(serve::fake::FakeCodec::new(args.ctx)),
+            engine: Box::new(serve::fake::FakeEngine::new(
+                args.max_batch,
+                args.fake_step_delay,
+            )),
+        }
+    } else {
+        engine::load(&LoadSpec {
+            model: args.model.clone(),
+            backend: args.backend.clone(),
+            ctx: args.ctx,
+            kernels: args.kernels.clone(),
+        })?
+    };
+    let cfg = Config {
+        max_queue: args.max_queue,
+        max_batch: args.max_batch,
+        request_timeout: args.request_timeout,
+        max_tokens_limit: args.max_tokens_limit,
+        body_limit: args.body_limit,
+        shutdown_grace: args.shutdown_grace,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
+        let addr = listener.local_addr()?;
+        tracing::info!("model {} ready", loaded.codec.model_id());
+        println!("forward-serve listening on http://{addr}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        serve::server::run(listener, cfg, loaded, shutdown_signal()).await?;
+        Ok::<(), Box<dyn std::error::Error>>(())
+    })?;
+    tracing::info!("exit");
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! Counters and gauges, rendered in the Prometheus text format by `GET /metrics`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+
+#[derive(Default)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    /// Decode rows run and the nanoseconds the decode passes took (for tok/s).
+    pub decode_rows: AtomicU64,
+    pub decode_nanos: AtomicU64,
+    pub queue_depth: AtomicU64,
+    pub active_sequences: AtomicU64,
+    pub device_errors: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub timeouts: AtomicU64,
+    pub rejected_full: AtomicU64,
+}
+
+impl Metrics {
+    pub fn record_request(&self, endpoint: &str, status: u16) {
+        if let Ok(mut m) = self.requests.lock() {
+            *m.entry((endpoint.to_string(), status)).or_insert(0) += 1;
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "# HELP forward_serve_requests_total HTTP requests by endpoint and status."
+        );
+        let _ = writeln!(s, "# TYPE forward_serve_requests_total counter");
+        if let Ok(m) = self.requests.lock() {
+            for ((ep, st), n) in m.iter() {
+                let _ = writeln!(
+                    s,
+                    "forward_serve_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}"
+                );
+            }
+        }
+        let counter = |s: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(s, "# HELP {name} {help}");
+            let _ = writeln!(s, "# TYPE {name} counter");
+            let _ = writeln!(s, "{name} {v}");
+        };
+        let gauge = |s: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(s, "# HELP {name} {help}");
+            let _ = writeln!(s, "# TYPE {name} gauge");
+            let _ = writeln!(s, "{name} {v}");
+        };
+        counter(
+            &mut s,
+            "forward_serve_prompt_tokens_total",
+            "Prompt tokens prefilled.",
+            self.prompt_tokens.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_generated_tokens_total",
+            "Tokens generated (sampled) for clients.",
+            self.generated_tokens.load(Relaxed),
+        );
+        let rows = self.decode_rows.load(Relaxed);
+        let nanos = self.decode_nanos.load(Relaxed);
+        counter(
+            &mut s,
+            "forward_serve_decode_rows_total",
+            "Sequence rows run by decode passes.",
+            rows,
+        );
+        gauge(
+            &mut s,
+            "forward_serve_decode_seconds_total",
+            "Seconds spent in decode passes.",
+            nanos as f64 / 1e9,
+        );
+        let tps = if nanos == 0 {
+            0.0
+        } else {
+            rows as f64 / (nanos as f64 / 1e9)
+        };
+        gauge(
+            &mut s,
+            "forward_serve_decode_tokens_per_second",
+            "Decode throughput over the server's life (rows / decode seconds).",
+            tps,
+        );
+        gauge(
+            &mut s,
+            "forward_serve_queue_depth",
+            "Requests waiting for a slot.",
+            self.queue_depth.load(Relaxed) as f64,
+        );
+        gauge(
+            &mut s,
+            "forward_serve_active_sequences",
+            "Sequences being generated.",
+            self.active_sequences.load(Relaxed) as f64,
+        );
+        counter(
+            &mut s,
+            "forward_serve_device_errors_total",
+            "Failed engine passes.",
+            self.device_errors.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_cancelled_total",
+            "Generations cancelled (client gone or shutdown).",
+            self.cancelled.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_timeouts_total",
+            "Generations ended by the request timeout.",
+            self.timeouts.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_rejected_queue_full_total",
+            "Requests answered 503 because the queue was full.",
+            self.rejected_full.load(Relaxed),
+        );
+        // Speculative decoding is not plugged in yet: τ (mean tokens accepted per verify pass) stays 0.
+        gauge(
+            &mut s,
+            "forward_serve_speculative_tau",
+            "Mean tokens per verify pass (0 until speculative decoding is plugged in).",
+            0.0,
+        );
+        s
+    }
+}
