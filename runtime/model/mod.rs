@@ -2,7 +2,6 @@
 //! (`step_batch_all` / `commit_verify_rows`), the reference forward used by tests, sampling, and
 //! streaming detokenization. See `docs/model.md`.
 
-pub mod bandwidth;
 pub mod config;
 pub mod forward;
 pub mod gguf_config;

@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 use std::time::Instant;
-use xdna::model::bandwidth::read_bandwidth;
 use xdna::model::load::{open_model, Backend, LoadOptions};
 use xdna::model::sample::argmax;
 
@@ -72,8 +71,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
         }
         dec.push(args.decode_tokens as f64 / t1.elapsed().as_secs_f64());
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let bw = read_bandwidth(args.probe_mib << 20, threads, 3);
+    let threads = xdna::kernels::pool::Pool::global().threads();
+    // The same pool the kernels run on; the best run is the attainable roofline.
+    let bw = xdna::kernels::bandwidth::read_bandwidth(args.probe_mib << 20, 5).best_gbs * 1e9;
     let bytes = model.weights().bytes_per_token() as f64;
     let limit = bw / bytes;
     let (prefill, decode) = (median(&mut pre), median(&mut dec));

@@ -7,10 +7,9 @@
 //! bytes streamed, GOP/s and the cost relative to M = 1. A multi-threaded streaming read over
 //! 256 MiB through the same worker pool measures the bandwidth those GB/s are compared with.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use xdna::kernels::pool::{ChunkCounter, Pool};
+use xdna::kernels::pool::Pool;
 use xdna::kernels::{HostExecutor, WeightMatrix};
 use xdna::tiles::WeightFormat;
 
@@ -120,30 +119,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Multi-threaded streaming read of `buffer` through the pool; returns (median, best) GB/s.
-fn read_bandwidth(buffer: &[u64], runs: usize) -> (f64, f64) {
-    let pool = Pool::global();
-    let mut samples = Vec::with_capacity(runs);
-    let sink = AtomicU64::new(0);
-    for _ in 0..runs {
-        let counter = ChunkCounter::new(buffer.len(), pool.threads(), 16);
-        let start = Instant::now();
-        pool.run(&|_, _| {
-            let mut acc = 0u64;
-            while let Some(range) = counter.claim() {
-                acc = buffer[range]
-                    .chunks_exact(8)
-                    .fold(acc, |a, c| a ^ c.iter().fold(0, |x, &y| x ^ y));
-            }
-            sink.fetch_xor(acc, Ordering::Relaxed);
-        });
-        samples.push((buffer.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9);
-    }
-    std::hint::black_box(sink.load(Ordering::Relaxed));
-    let best = samples.iter().copied().fold(0.0, f64::max);
-    (median(samples), best)
-}
-
 struct Row {
     m: usize,
     seconds: f64,
@@ -187,9 +162,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
 
     let executor = HostExecutor::global();
     let threads = Pool::global().threads();
-    let probe: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
-    let (bandwidth, best_bandwidth) = read_bandwidth(&probe, 7);
-    drop(probe);
+    let probe = xdna::kernels::bandwidth::read_bandwidth(256 << 20, 7);
+    let (bandwidth, best_bandwidth) = (probe.median_gbs, probe.best_gbs);
 
     let mut sweep = |m: usize| -> xdna::Result<f64> {
         let start = Instant::now();
