@@ -93,42 +93,69 @@ fn formats(names: &[String], option: &str) -> xdna::Result<Vec<WeightFormat>> {
         .collect()
 }
 
-fn build(args: BuildArgs) -> xdna::Result<()> {
-    let keys: Vec<KernelKey> = if let Some(path) = &args.shapes {
-        let text = std::fs::read_to_string(path).map_err(|e| xdna::Error::io(path, e))?;
-        parse_shape_list(path, &text)?
-    } else if let Some(package) = &args.for_package {
-        let config_path = package.join("config.json");
-        let text =
-            std::fs::read_to_string(&config_path).map_err(|e| xdna::Error::io(&config_path, e))?;
-        let config: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| xdna::Error::Usage(format!("{}: not JSON: {e}", config_path.display())))?;
-        let shapes = ModelShapes::from_config(&config, &config_path)?;
-        let mut needs = Vec::new();
-        for wfmt in formats(&args.wfmt, "--wfmt")? {
-            for head in formats(&args.head_wfmt, "--head-wfmt")? {
-                needs.extend(shapes.needs(wfmt, head));
-            }
+/// Every kernel a package needs (fused QKV, O, fused gate+up, down, lm_head; families 16 and 128)
+/// for the given projection and lm_head weight formats, from its `config.json`.
+pub fn package_keys(
+    package: &Path,
+    wfmts: &[WeightFormat],
+    head_wfmts: &[WeightFormat],
+) -> xdna::Result<Vec<KernelKey>> {
+    let config_path = package.join("config.json");
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|e| xdna::Error::io(&config_path, e))?;
+    let config: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| xdna::Error::Usage(format!("{}: not JSON: {e}", config_path.display())))?;
+    let shapes = ModelShapes::from_config(&config, &config_path)?;
+    let mut needs = Vec::new();
+    for &wfmt in wfmts {
+        for &head in head_wfmts {
+            needs.extend(shapes.needs(wfmt, head));
         }
-        distinct_keys(&needs)
-    } else {
-        return Err(xdna::Error::Usage(
-            "give --shapes FILE or --for PACKAGE".into(),
-        ));
-    };
-    std::fs::create_dir_all(&args.out).map_err(|e| xdna::Error::io(&args.out, e))?;
+    }
+    Ok(distinct_keys(&needs))
+}
+
+/// Writes the kernel files of `keys` into `out` (plus `shapes.txt` when `with_shape_list`),
+/// returning the paths written.
+pub fn write_kernels(
+    keys: &[KernelKey],
+    out: &Path,
+    with_shape_list: bool,
+) -> xdna::Result<Vec<std::path::PathBuf>> {
+    std::fs::create_dir_all(out).map_err(|e| xdna::Error::io(out, e))?;
     let mut shape_list = String::from("# op wfmt family K N  (xdna kernels build --shapes)\n");
-    for key in &keys {
-        let path = elf::write_kernel(&args.out, &key.descriptor())?;
-        println!("{}", path.display());
+    let mut written = Vec::with_capacity(keys.len());
+    for key in keys {
+        written.push(elf::write_kernel(out, &key.descriptor())?);
         shape_list.push_str(&format!(
             "{} {} {} {} {}\n",
             key.op, key.wfmt, key.family, key.k, key.n
         ));
     }
-    if args.for_package.is_some() {
-        let path = args.out.join("shapes.txt");
+    if with_shape_list {
+        let path = out.join("shapes.txt");
         std::fs::write(&path, shape_list).map_err(|e| xdna::Error::io(&path, e))?;
+    }
+    Ok(written)
+}
+
+fn build(args: BuildArgs) -> xdna::Result<()> {
+    let keys: Vec<KernelKey> = if let Some(path) = &args.shapes {
+        let text = std::fs::read_to_string(path).map_err(|e| xdna::Error::io(path, e))?;
+        parse_shape_list(path, &text)?
+    } else if let Some(package) = &args.for_package {
+        package_keys(
+            package,
+            &formats(&args.wfmt, "--wfmt")?,
+            &formats(&args.head_wfmt, "--head-wfmt")?,
+        )?
+    } else {
+        return Err(xdna::Error::Usage(
+            "give --shapes FILE or --for PACKAGE".into(),
+        ));
+    };
+    for path in write_kernels(&keys, &args.out, args.for_package.is_some())? {
+        println!("{}", path.display());
     }
     eprintln!("{} kernel(s) written to {}", keys.len(), args.out.display());
     Ok(())

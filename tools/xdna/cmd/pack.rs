@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use xdna::tiles::ScaleType;
+use xdna::tiles::WeightFormat;
 use xdna::weights::gguf::GgufFile;
 use xdna::weights::import::{self, ImportOptions};
 use xdna::weights::safetensors::SafeTensors;
@@ -72,7 +73,25 @@ pub fn run(args: Args) -> xdna::Result<()> {
                     progress: !quiet,
                 },
             )?;
-            eprintln!("wrote {}", output.display());
+            // The package's kernel set: every shape it needs, in the weight formats it was
+            // written with (f16 scales → q41h / q8h, bf16 → q41 / q8).
+            let (wfmt, head) = match scale {
+                ScaleType::F16 => ("q41h", "q8h"),
+                ScaleType::Bf16 => ("q41", "q8"),
+            };
+            let keys = super::kernels::package_keys(
+                &output,
+                &[WeightFormat::from_name(wfmt).map_err(|e| xdna::Error::Usage(e.to_string()))?],
+                &[WeightFormat::from_name(head).map_err(|e| xdna::Error::Usage(e.to_string()))?],
+            )?;
+            let kernels = output.join("kernels");
+            let written = super::kernels::write_kernels(&keys, &kernels, true)?;
+            eprintln!(
+                "wrote {} ({} kernels in {})",
+                output.display(),
+                written.len(),
+                kernels.display()
+            );
             Ok(())
         }
         Cmd::Info { path } => info(&path),
