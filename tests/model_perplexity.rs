@@ -6,12 +6,11 @@ mod common;
 use xdna::model::perplexity::perplexity;
 use xdna::model::reference::Reference;
 
-#[test]
-fn fast_perplexity_agrees_with_reference_within_half_a_percent() {
-    let Some(gguf) = common::smollm2_gguf() else {
-        return;
-    };
-    let (pkg, mut model) = common::fast_model(128).unwrap();
+/// Perplexity of the first three 128-token chunks of `tests/data/licenses.txt` through the model
+/// (`exact` = the kernels layer's exact executor) and through the slow reference forward.
+fn model_and_reference(exact: bool) -> Option<(f64, f64)> {
+    let gguf = common::smollm2_gguf()?;
+    let (pkg, mut model) = common::model_with(128, exact).unwrap();
     let text = include_str!("data/licenses.txt");
     let tokens = pkg.tokenizer().encode(text, false);
     assert!(tokens.len() >= 3 * 128, "{} tokens", tokens.len());
@@ -33,18 +32,6 @@ fn fast_perplexity_agrees_with_reference_within_half_a_percent() {
         &mut |_, _| {},
     )
     .unwrap();
-    let (_, mut exact_model) = common::model_with(128, true).unwrap();
-    let exact = perplexity(
-        tokens,
-        128,
-        bos,
-        &mut |chunk, first, f| {
-            exact_model.reset();
-            exact_model.prefill_with(chunk, first, f)
-        },
-        &mut |_, _| {},
-    )
-    .unwrap();
     let r = Reference::open(&gguf).unwrap();
     let reference = perplexity(
         tokens,
@@ -59,37 +46,47 @@ fn fast_perplexity_agrees_with_reference_within_half_a_percent() {
         &mut |_, _| {},
     )
     .unwrap();
-    let rel = |a: f64, b: f64| (a - b).abs() / b;
-    eprintln!(
-        "perplexity: reference {:.4}; model with exact projections {:.4} ({:.4} %); fast q8-activation kernels {:.4} ({:.3} %)",
-        reference.ppl,
-        exact.ppl,
-        100.0 * rel(exact.ppl, reference.ppl),
-        fast.ppl,
-        100.0 * rel(fast.ppl, reference.ppl)
-    );
     assert_eq!(fast.tokens, reference.tokens);
     assert_eq!(fast.tokens, 3 * 63);
-    // The model layer's code with exact projections: within 0.5 % (measured ~0.001 %).
-    assert!(
-        rel(exact.ppl, reference.ppl) < 0.005,
-        "exact {} vs reference {}",
-        exact.ppl,
-        reference.ppl
-    );
-    // The fast kernels round activations to q8 (ggml q8_1); on SmolLM2 (outlier channels) that
-    // moves this 189-token perplexity by ~1 % (and by ~3 % in a reference applying the same
-    // rounding, i.e. this is rounding noise, not a bias of the fast path). Bound: 2 %.
-    assert!(
-        rel(fast.ppl, reference.ppl) < 0.02,
-        "fast {} vs reference {}",
-        fast.ppl,
-        reference.ppl
-    );
     // A sane English-text perplexity for a 135M model.
     assert!(
         reference.ppl > 1.0 && reference.ppl < 30.0,
         "{}",
         reference.ppl
+    );
+    let rel = (fast.ppl - reference.ppl).abs() / reference.ppl;
+    eprintln!(
+        "perplexity: reference {:.4}; model (exact projections: {exact}) {:.4} ({:.4} %)",
+        reference.ppl,
+        fast.ppl,
+        100.0 * rel
+    );
+    Some((fast.ppl, reference.ppl))
+}
+
+/// The model layer's code (exact projections) within the issue's 0.5 % (measured ~0.0001 %).
+#[test]
+fn exact_projection_perplexity_agrees_with_reference_within_half_a_percent() {
+    let Some((model, reference)) = model_and_reference(true) else {
+        return;
+    };
+    assert!(
+        (model - reference).abs() / reference < 0.005,
+        "model {model} vs reference {reference}"
+    );
+}
+
+/// The fast q8-activation kernels against the same 0.5 % bound. They round activations to q8
+/// (ggml q8_1) and land ~1.1 % away on this text, so this target is not met yet (issue 5 open);
+/// the bound stays at the issue's 0.5 % rather than being loosened.
+#[test]
+#[ignore = "not met yet: the fast q8-activation path is ~1.1 % off the reference (docs/model.md)"]
+fn fast_perplexity_agrees_with_reference_within_half_a_percent() {
+    let Some((model, reference)) = model_and_reference(false) else {
+        return;
+    };
+    assert!(
+        (model - reference).abs() / reference < 0.005,
+        "fast {model} vs reference {reference}"
     );
 }
