@@ -858,5 +858,7 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
     let dir = cache_dir()?
         .join("packages")
         .join(format!("{stem}-{:x}-{mtime:x}", meta.len()));
-    import_once(gguf, &dir, ImportOptions::default())
+    let dir = import_once(gguf, &dir, ImportOptions::default())?;
+    super::default_model::ensure_kernel_set(&dir)?;
+    Ok(dir)
 }
