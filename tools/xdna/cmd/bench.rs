@@ -14,11 +14,14 @@ enum Which {
     Gemm(super::bench_gemm::Args),
     /// Prefill and decode speed against the memory limit.
     Decode(super::bench_decode::Args),
+    /// Peak RSS of loading a model (and generating a few tokens) against its weight bytes.
+    Load(super::bench_load::Args),
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
     match args.which {
         Which::Gemm(a) => super::bench_gemm::run(a),
         Which::Decode(a) => super::bench_decode::run(a),
+        Which::Load(a) => super::bench_load::run(a),
     }
 }
