@@ -60,6 +60,7 @@ async fn smollm2_greedy_matches_model_layer() {
         backend: "host".into(),
         ctx: 256,
         kernels: None,
+        max_sequences: 16,
     };
     let loaded = tokio::task::spawn_blocking(move || serve::engine::load(&spec))
         .await
