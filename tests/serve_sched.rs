@@ -151,9 +151,23 @@ fn long_prompt_is_chunked_and_interleaved_with_decode_turns() {
             _ => None,
         })
         .collect();
+    // a (3 tokens) and b (5) start in the first turn with the long prompt's first 120 tokens; then
+    // one 128-token chunk per turn.
     assert_eq!(
         chunks,
-        vec![128, 128, 128, 128, 128, 128, 128, 104],
+        vec![120, 128, 128, 128, 128, 128, 128, 112],
+        "{log:?}"
+    );
+    assert_eq!(
+        &log[..3],
+        &[
+            Op::Prefill { seq: 1, tokens: 3 },
+            Op::Prefill { seq: 2, tokens: 5 },
+            Op::Prefill {
+                seq: 3,
+                tokens: 120
+            },
+        ],
         "{log:?}"
     );
     // Between two chunks of the long prompt there is exactly one decode pass, and it carries both
@@ -174,6 +188,18 @@ fn long_prompt_is_chunked_and_interleaved_with_decode_turns() {
             }],
             "{log:?}"
         );
+    }
+    // Never more than 128 prompt tokens between two decode passes.
+    let mut since_step = 0;
+    for op in &log {
+        match op {
+            Op::Prefill { tokens, .. } => {
+                since_step += tokens;
+                assert!(since_step <= 128, "{log:?}");
+            }
+            Op::Step { .. } => since_step = 0,
+            Op::Release(_) => {}
+        }
     }
     // Once the long prompt is read, all three share passes; every sequence is released.
     assert!(log.contains(&Op::Step {

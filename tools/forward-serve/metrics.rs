@@ -12,6 +12,8 @@ pub struct Metrics {
     pub generated_tokens: AtomicU64,
     /// Decode rows run and the nanoseconds the decode passes took (for tok/s).
     pub decode_rows: AtomicU64,
+    /// Decode passes run (rows / passes = mean batch occupancy).
+    pub decode_passes: AtomicU64,
     pub decode_nanos: AtomicU64,
     pub queue_depth: AtomicU64,
     pub active_sequences: AtomicU64,
@@ -77,6 +79,12 @@ impl Metrics {
             "forward_serve_decode_rows_total",
             "Sequence rows run by decode passes.",
             rows,
+        );
+        counter(
+            &mut s,
+            "forward_serve_decode_passes_total",
+            "Batched decode passes (rows / passes = mean rows per pass).",
+            self.decode_passes.load(Relaxed),
         );
         gauge(
             &mut s,

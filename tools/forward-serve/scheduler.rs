@@ -5,9 +5,9 @@
 //! 1. admission of queued requests while fewer than `max_batch` sequences are active (each gets
 //!    its own engine sequence — on the real model its own KV cache);
 //! 2. cancellation and timeouts;
-//! 3. at most one prefill chunk (≤ [`PREFILL_CHUNK`] prompt tokens) of the oldest sequence still
-//!    reading its prompt, so a long prompt delays the running streams by one chunk per turn, never
-//!    by its whole length;
+//! 3. at most [`PREFILL_CHUNK`] prompt tokens of prefill, oldest prompt first (several short
+//!    prompts start in one turn; a long prompt is read one ≤ 128-token chunk per turn), so a long
+//!    prompt delays the running streams by one chunk per turn, never by its whole length;
 //! 4. one decode pass ([`Engine::step`]) carrying the pending token of every generating sequence,
 //!    plus, for a speculating sequence, its n-gram drafts (as extra rows of the same pass, at most
 //!    [`MAX_STEP_ROWS`] rows in all; drafts shrink when the batch is full), then a commit per
@@ -187,12 +187,17 @@ pub fn run(
                 finish(a, Finish::Timeout, &metrics, &mut scratch);
             }
         }
-        // One prefill chunk of the oldest sequence still reading its prompt.
-        if let Some(a) = active
-            .iter_mut()
-            .find(|a| !a.done && a.fed < a.req.prompt.len())
-        {
-            prefill_chunk(&mut *engine, &*codec, a, &metrics, &mut scratch);
+        // At most PREFILL_CHUNK prompt tokens per turn, oldest prompt first: several short
+        // prompts start together, a long one is read one chunk per turn.
+        let mut budget = PREFILL_CHUNK;
+        while budget > 0 {
+            let Some(a) = active
+                .iter_mut()
+                .find(|a| !a.done && a.fed < a.req.prompt.len())
+            else {
+                break;
+            };
+            budget -= prefill_chunk(&mut *engine, &*codec, a, budget, &metrics, &mut scratch);
         }
         // One decode pass over every generating sequence.
         decode_turn(
@@ -230,16 +235,19 @@ pub fn run(
     }
 }
 
-/// Feed the next ≤ [`PREFILL_CHUNK`] prompt tokens of `a`; the last chunk samples the first token.
+/// Feed the next ≤ `budget` (≤ [`PREFILL_CHUNK`]) prompt tokens of `a`; the last chunk samples
+/// the first token. Returns the tokens spent (a failed chunk spends its whole budget).
 fn prefill_chunk(
     engine: &mut dyn Engine,
     codec: &dyn TextCodec,
     a: &mut Active,
+    budget: usize,
     metrics: &Metrics,
     scratch: &mut String,
-) {
+) -> usize {
     let len = a.req.prompt.len();
-    let end = (a.fed + PREFILL_CHUNK).min(len);
+    let end = (a.fed + budget.clamp(1, PREFILL_CHUNK)).min(len);
+    let spent = end - a.fed;
     let last = end == len;
     let mut first = None;
     let sampler = &mut a.sampler;
@@ -270,6 +278,7 @@ fn prefill_chunk(
             fail(a, &e.to_string(), metrics);
         }
     }
+    spent.max(1)
 }
 
 /// How many drafts each generating sequence may carry this pass: one row each for the pending
@@ -373,6 +382,7 @@ fn decode_turn(
         .decode_nanos
         .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
     metrics.decode_rows.fetch_add(rows as u64, Relaxed);
+    metrics.decode_passes.fetch_add(1, Relaxed);
     drop(batch);
     if let Err(e) = res {
         metrics.device_errors.fetch_add(1, Relaxed);
