@@ -199,7 +199,7 @@ impl Engine for FakeEngine {
                 "fake: a step of {rows} rows"
             )));
         }
-        for &(seq, toks) in batch {
+        for &(seq, _) in batch {
             let s = self.seqs.get(&seq).ok_or(EngineError::NoSequence(seq))?;
             if s.pending_rows.is_some() {
                 return Err(EngineError::Device(format!(
@@ -209,7 +209,6 @@ impl Engine for FakeEngine {
             if batch.iter().filter(|(o, _)| *o == seq).count() > 1 {
                 return Err(EngineError::Device(format!("fake: sequence {seq} twice")));
             }
-            let _ = toks;
         }
         for (g, &(seq, toks)) in batch.iter().enumerate() {
             let generated = self.seqs.get(&seq).map_or(0, |s| s.generated);
