@@ -38,8 +38,9 @@ pub const BENCH_PROMPTS: [&str; 16] = [
 pub struct BenchSpec {
     pub streams: usize,
     pub tokens: usize,
-    /// Single-stream runs (the median is reported).
-    pub single_runs: usize,
+    /// Rounds of (one single stream, then all streams at once), alternated so that a change in
+    /// machine load hits both phases alike; medians are reported.
+    pub rounds: usize,
 }
 
 /// Bench result (also the `--json` shape).
@@ -48,11 +49,20 @@ pub struct BenchResult {
     pub model: String,
     pub streams: usize,
     pub tokens_per_stream: usize,
+    pub rounds: usize,
+    /// Medians over the rounds: completion tokens / wall seconds, prefill included.
     pub single_tok_s: f64,
-    pub single_runs_tok_s: Vec<f64>,
     pub concurrent_tok_s: f64,
-    pub concurrent_seconds: f64,
+    /// `concurrent_tok_s / single_tok_s`.
     pub speedup: f64,
+    /// Per round, for the spread.
+    pub single_runs_tok_s: Vec<f64>,
+    pub concurrent_runs_tok_s: Vec<f64>,
+    /// Medians of decode rows / decode-pass seconds (prefill excluded), from the server's metrics.
+    pub single_decode_tok_s: f64,
+    pub concurrent_decode_tok_s: f64,
+    /// Mean rows per decode pass in the concurrent phase.
+    pub concurrent_rows_per_pass: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -132,12 +142,33 @@ fn phase(
     Ok((total, t0.elapsed().as_secs_f64()))
 }
 
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// Decode rows, decode nanoseconds and passes so far.
+fn decode_counters(m: &Metrics) -> (u64, u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    (
+        m.decode_rows.load(Relaxed),
+        m.decode_nanos.load(Relaxed),
+        m.decode_passes.load(Relaxed),
+    )
+}
+
 pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> {
     let streams = spec.streams.max(1);
+    let rounds = spec.rounds.max(1);
     let codec = loaded.codec.clone();
     let metrics = Arc::new(Metrics::default());
     let control = Arc::new(Control::default());
-    let (tx, rx) = mpsc::channel(streams.max(1) + 1);
+    let (tx, rx) = mpsc::channel(streams + 1);
     let engine = scheduler::spawn(
         loaded.engine,
         codec.clone(),
@@ -149,35 +180,49 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
     let prompts: Vec<&str> = (0..streams)
         .map(|i| BENCH_PROMPTS[i % BENCH_PROMPTS.len()])
         .collect();
+    // One phase: (tok/s wall, decode tok/s, rows per pass).
+    let measure = |ps: &[&str]| -> Result<(f64, f64, f64), BenchError> {
+        let (r0, n0, p0) = decode_counters(&metrics);
+        let (n, secs) = phase(&tx, &*codec, &metrics, ps, spec.tokens)?;
+        if n != ps.len() * spec.tokens {
+            return Err(BenchError::Failed(format!(
+                "{n} tokens generated, {} expected",
+                ps.len() * spec.tokens
+            )));
+        }
+        let (r1, n1, p1) = decode_counters(&metrics);
+        let decode = (r1 - r0) as f64 / ((n1 - n0) as f64 / 1e9).max(1e-9);
+        let per_pass = (r1 - r0) as f64 / ((p1 - p0) as f64).max(1.0);
+        Ok((n as f64 / secs, decode, per_pass))
+    };
     let result = (|| {
         // Warm-up: fault the weights in and size every buffer.
         phase(&tx, &*codec, &metrics, &prompts[..1], 4)?;
-        let mut singles = Vec::new();
-        for i in 0..spec.single_runs.max(1) {
-            let p = prompts[i % prompts.len()];
-            let (n, s) = phase(&tx, &*codec, &metrics, &[p], spec.tokens)?;
-            singles.push(n as f64 / s);
+        let (mut single, mut single_dec) = (Vec::new(), Vec::new());
+        let (mut conc, mut conc_dec, mut per_pass) = (Vec::new(), Vec::new(), Vec::new());
+        for r in 0..rounds {
+            let (t, d, _) = measure(&[prompts[r % prompts.len()]])?;
+            single.push(t);
+            single_dec.push(d);
+            let (t, d, p) = measure(&prompts)?;
+            conc.push(t);
+            conc_dec.push(d);
+            per_pass.push(p);
         }
-        let (n, secs) = phase(&tx, &*codec, &metrics, &prompts, spec.tokens)?;
-        if n != streams * spec.tokens {
-            return Err(BenchError::Failed(format!(
-                "{n} tokens generated, {} expected",
-                streams * spec.tokens
-            )));
-        }
-        let mut sorted = singles.clone();
-        sorted.sort_by(f64::total_cmp);
-        let single = sorted[sorted.len() / 2];
-        let concurrent = n as f64 / secs;
+        let (s, c) = (median(&single), median(&conc));
         Ok(BenchResult {
             model: codec.model_id().to_string(),
             streams,
             tokens_per_stream: spec.tokens,
-            single_tok_s: single,
-            single_runs_tok_s: singles,
-            concurrent_tok_s: concurrent,
-            concurrent_seconds: secs,
-            speedup: concurrent / single,
+            rounds,
+            single_tok_s: s,
+            concurrent_tok_s: c,
+            speedup: c / s,
+            single_runs_tok_s: single,
+            concurrent_runs_tok_s: conc,
+            single_decode_tok_s: median(&single_dec),
+            concurrent_decode_tok_s: median(&conc_dec),
+            concurrent_rows_per_pass: median(&per_pass),
         })
     })();
     drop(tx);
@@ -187,25 +232,30 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
 
 /// The human-readable table.
 pub fn table(r: &BenchResult) -> String {
-    let single_runs: Vec<String> = r
-        .single_runs_tok_s
-        .iter()
-        .map(|v| format!("{v:.1}"))
-        .collect();
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     format!(
-        "forward-serve bench: {} — greedy streams of {} tokens (EOS ignored), prefill included\n\
-         | mode       | streams | tok/s   |\n\
-         |------------|---------|---------|\n\
-         | single     | 1       | {:>7.1} |  (median of runs: {})\n\
-         | concurrent | {:<7} | {:>7.1} |  ({:.2} s)\n\
-         speedup: {:.2}×\n",
+        "forward-serve bench: {} — greedy streams of {} tokens (EOS ignored), {} rounds, medians\n\
+         | mode       | streams | tok/s (prefill incl.) | decode-only tok/s | per round            |\n\
+         |------------|---------|----------------------|-------------------|----------------------|\n\
+         | single     | 1       | {:>20.1} | {:>17.1} | {} |\n\
+         | concurrent | {:<7} | {:>20.1} | {:>17.1} | {} |\n\
+         speedup: {:.2}×   (concurrent rows per decode pass: {:.1})\n",
         r.model,
         r.tokens_per_stream,
+        r.rounds,
         r.single_tok_s,
-        single_runs.join(", "),
+        r.single_decode_tok_s,
+        list(&r.single_runs_tok_s),
         r.streams,
         r.concurrent_tok_s,
-        r.concurrent_seconds,
-        r.speedup
+        r.concurrent_decode_tok_s,
+        list(&r.concurrent_runs_tok_s),
+        r.speedup,
+        r.concurrent_rows_per_pass,
     )
 }

@@ -48,9 +48,9 @@ struct Args {
     /// Bench: tokens per stream.
     #[arg(long, default_value_t = 64)]
     bench_tokens: usize,
-    /// Bench: single-stream runs (the median is reported).
+    /// Bench: rounds of (one stream, then all at once); medians are reported.
     #[arg(long, default_value_t = 3)]
-    bench_single_runs: usize,
+    bench_rounds: usize,
     /// Bench: print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -160,7 +160,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             &serve::bench::BenchSpec {
                 streams: args.max_batch,
                 tokens: args.bench_tokens.max(1),
-                single_runs: args.bench_single_runs,
+                rounds: args.bench_rounds,
             },
         )?;
         if args.json {
