@@ -852,6 +852,23 @@ async fn speculative_greedy_equals_plain_and_reports_tau() {
         .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
         .collect();
     assert_eq!(text, expected_text("abcd", 30).0);
+    // A sampled request speculates with the rejection-sampling rule; the fake's logits (50 vs 0)
+    // leave no real choice, so its text is still the expected one and more rounds are counted.
+    let rounds_before = metric(&s.metrics().await, "forward_serve_speculative_rounds_total");
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "sampled", "max_tokens": 50, "temperature": 0.8, "top_p": 0.95, "seed": 3, "speculative": {"draft_max": 5}}),
+    )
+    .await;
+    assert_eq!(
+        r.json()["choices"][0]["text"].as_str(),
+        Some(expected_text("sampled", 50).0.as_str())
+    );
+    assert!(
+        metric(&s.metrics().await, "forward_serve_speculative_rounds_total") > rounds_before,
+        "no speculative round for a sampled request"
+    );
     // Bad settings are 400s naming the field.
     for bad in [
         json!({"drafter": "eagle"}),

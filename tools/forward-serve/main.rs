@@ -35,7 +35,7 @@ struct Args {
     /// Sequences generated at once (each with its own KV cache of `--ctx` positions; ≤ 16).
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
-    /// Speculative decoding for every greedy request: none | ngram (requests may override).
+    /// Speculative decoding for every request: none | ngram (requests may override).
     #[arg(long, default_value = "none", value_parser = ["none", "ngram"])]
     speculate: String,
     /// Drafts per speculative round at most (1..=15).

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use xdna::spec::{
-    AcceptanceRule, DecideWorkspace, DraftProbabilities, DraftProposal, Drafter, LogitRows,
-    NgramConfig, NgramDrafter,
+    uniforms_needed, AcceptanceRule, DecideWorkspace, DraftProbabilities, DraftProposal, Drafter,
+    LogitRows, NgramConfig, NgramDrafter, SamplingConfig, UniformSource,
 };
 
 /// Why a generation ended.
@@ -80,7 +80,9 @@ pub struct GenRequest {
     pub cancel: Arc<AtomicBool>,
     pub events: mpsc::UnboundedSender<Event>,
     /// Speculative decoding with the n-gram drafter: at most this many drafts per pass (1..=15);
-    /// `None`: plain decoding. Only greedy requests speculate (sampled ones decode plainly).
+    /// `None`: plain decoding. Greedy requests use the greedy acceptance rule (same text as plain
+    /// greedy); sampled ones the spec layer's rejection-sampling rule (same distribution, drawn
+    /// with the request's seed through its own uniform stream).
     pub speculate: Option<usize>,
     /// Keep generating past EOS (fixed-length streams for `forward-serve --bench`).
     pub ignore_eos: bool,
@@ -110,6 +112,10 @@ struct Active {
 
 /// A speculating sequence's drafter state.
 struct Speculation {
+    /// Greedy, or rejection sampling with the request's temperature / top-k / top-p.
+    rule: AcceptanceRule,
+    /// Uniforms for the sampling rule (seeded by the request's seed).
+    uniforms: UniformSource,
     draft_max: usize,
     drafter: NgramDrafter,
     /// Prompt and emitted tokens; the last one is the pending token (the drafter's convention).
@@ -410,17 +416,22 @@ fn decode_turn(
             take_token(a, t, codec, before + 1, metrics, scratch);
             continue;
         }
-        // A speculative round: greedy acceptance over the pending row and the drafts.
+        // A speculative round: the acceptance rule over the pending row and the drafts.
         let drafts = &s.tokens[1..];
-        let decision = LogitRows::new(&logits, s.tokens.len(), vocab).and_then(|rows| {
-            decide_ws.decide(
-                rows,
-                drafts,
-                DraftProbabilities::OneHot,
-                &AcceptanceRule::Greedy,
-                &[],
-            )
-        });
+        let decision = match a.spec.as_mut() {
+            Some(sp) => {
+                let u: Vec<f64> = (0..uniforms_needed(&sp.rule, drafts.len()))
+                    .map(|_| sp.uniforms.next_uniform())
+                    .collect();
+                LogitRows::new(&logits, s.tokens.len(), vocab).and_then(|rows| {
+                    decide_ws.decide(rows, drafts, DraftProbabilities::OneHot, &sp.rule, &u)
+                })
+            }
+            None => {
+                fail(a, "drafts without a drafter", metrics);
+                continue;
+            }
+        };
         let decision = match decision {
             Ok(d) => d,
             Err(e) => {
@@ -467,7 +478,7 @@ fn propose(
         sp.begun = true;
     }
     sp.drafter
-        .propose(&sp.context, k, &AcceptanceRule::Greedy, &mut sp.proposal)
+        .propose(&sp.context, k, &sp.rule, &mut sp.proposal)
 }
 
 fn admit(
@@ -501,14 +512,26 @@ fn admit(
         }
     };
     let greedy = req.sampling.temperature <= 0.0 || req.sampling.top_k == 1;
+    let rule = if greedy {
+        AcceptanceRule::Greedy
+    } else {
+        AcceptanceRule::Sampling(SamplingConfig {
+            temperature: req.sampling.temperature,
+            top_k: req.sampling.top_k,
+            top_p: req.sampling.top_p,
+        })
+    };
     let spec = match req.speculate {
-        Some(k) if greedy && k > 0 => {
+        Some(k) if k > 0 => {
             let config = NgramConfig {
                 max_drafts: k.min(MAX_STEP_ROWS - 1),
                 ..NgramConfig::default()
             };
             match NgramDrafter::new(config) {
                 Ok(drafter) => Some(Speculation {
+                    rule,
+                    // A stream apart from the plain sampler's (which draws from `seed` itself).
+                    uniforms: UniformSource::new(req.seed ^ 0x5bec_0000_0000_0000),
                     draft_max: k.min(MAX_STEP_ROWS - 1),
                     drafter,
                     context: Vec::new(),
