@@ -66,6 +66,7 @@ fn small_cfg() -> Config {
         max_tokens_limit: 100,
         body_limit: 4096,
         shutdown_grace: Duration::from_secs(5),
+        speculate: None,
     }
 }
 
@@ -213,11 +214,12 @@ async fn completions_non_streaming() {
     )
     .await;
     assert_eq!(r.json()["choices"][0]["text"], "ABC");
-    // Token-id prompt; default max_tokens 16; seed and top_p accepted; speculative accepted (ignored).
+    // Token-id prompt; default max_tokens 16; seed and top_p accepted; speculative accepted (a
+    // sampled request decodes plainly).
     let r = post_json(
         s.addr,
         "/v1/completions",
-        &json!({"prompt": [120, 121], "seed": 7, "top_p": 0.9, "temperature": 0.7, "speculative": {"k": 4}}),
+        &json!({"prompt": [120, 121], "seed": 7, "top_p": 0.9, "temperature": 0.7, "speculative": {"drafter": "ngram", "draft_max": 4}}),
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
@@ -782,5 +784,170 @@ async fn closed_connection_cancels_non_streaming_generation() {
         Some(1.0),
         "{m}"
     );
+    s.stop().await;
+}
+
+/// Greedy speculative decoding (n-gram drafts verified as extra rows of the batched pass) returns
+/// exactly the plain greedy text — per request and per server — and τ shows up in /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_greedy_equals_plain_and_reports_tau() {
+    let s = TestServer::start(
+        Config {
+            max_batch: 16,
+            ..small_cfg()
+        },
+        256,
+        Duration::ZERO,
+    )
+    .await;
+    // The fake continues a prompt cyclically, so after one cycle the n-gram drafter hits.
+    let prompts = ["abcdefg", "hello world", "xyz", "the cat sat on the mat"];
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        for spec in [
+            json!(false),
+            json!({"drafter": "ngram", "draft_max": 1 + i * 4}),
+        ] {
+            let addr = s.addr;
+            let p = p.to_string();
+            tasks.push(tokio::spawn(async move {
+                let r = post_json(
+                    addr,
+                    "/v1/completions",
+                    &json!({"prompt": p, "max_tokens": 60, "temperature": 0, "speculative": spec}),
+                )
+                .await;
+                assert_eq!(r.status, 200, "{}", r.text());
+                (p, r.json())
+            }));
+        }
+    }
+    for t in tasks {
+        let (p, v) = t.await.expect("join");
+        let (want, _) = expected_text(&p, 60);
+        assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()), "{p}");
+        assert_eq!(v["usage"]["completion_tokens"], 60);
+    }
+    let body = s.metrics().await;
+    let rounds = metric(&body, "forward_serve_speculative_rounds_total").unwrap_or(0.0);
+    let accepted = metric(&body, "forward_serve_speculative_accepted_total").unwrap_or(0.0);
+    let tau = metric(&body, "forward_serve_speculative_tau").unwrap_or(0.0);
+    assert!(rounds > 0.0 && accepted > 0.0, "{body}");
+    assert!((tau - (1.0 + accepted / rounds)).abs() < 1e-9, "{body}");
+    assert!(
+        tau > 2.0,
+        "the cyclic fake should accept most drafts: {body}"
+    );
+    // Streaming with speculation gives the same text too.
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "abcd", "max_tokens": 30, "temperature": 0, "stream": true, "speculative": true}),
+    )
+    .await;
+    let text: String = r
+        .sse()
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, expected_text("abcd", 30).0);
+    // A sampled request speculates with the rejection-sampling rule; the fake's logits (50 vs 0)
+    // leave no real choice, so its text is still the expected one and more rounds are counted.
+    let rounds_before = metric(&s.metrics().await, "forward_serve_speculative_rounds_total");
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "sampled", "max_tokens": 50, "temperature": 0.8, "top_p": 0.95, "seed": 3, "speculative": {"draft_max": 5}}),
+    )
+    .await;
+    assert_eq!(
+        r.json()["choices"][0]["text"].as_str(),
+        Some(expected_text("sampled", 50).0.as_str())
+    );
+    assert!(
+        metric(&s.metrics().await, "forward_serve_speculative_rounds_total") > rounds_before,
+        "no speculative round for a sampled request"
+    );
+    // Bad settings are 400s naming the field.
+    for bad in [
+        json!({"drafter": "eagle"}),
+        json!({"draft_max": 0}),
+        json!({"draft_max": 16}),
+        json!({"k": 4}),
+        json!("ngram"),
+    ] {
+        let r = post_json(
+            s.addr,
+            "/v1/completions",
+            &json!({"prompt": "abc", "speculative": bad}),
+        )
+        .await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        assert_eq!(err_of(&r)["param"], "speculative", "{bad}");
+    }
+    s.stop().await;
+
+    // Per server: every greedy request speculates; `"speculative": false` opts out.
+    let s = TestServer::start(
+        Config {
+            speculate: Some(6),
+            ..small_cfg()
+        },
+        256,
+        Duration::ZERO,
+    )
+    .await;
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "server side", "max_tokens": 40, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(
+        r.json()["choices"][0]["text"].as_str(),
+        Some(expected_text("server side", 40).0.as_str())
+    );
+    let body = s.metrics().await;
+    assert!(
+        metric(&body, "forward_serve_speculative_rounds_total").unwrap_or(0.0) > 0.0,
+        "{body}"
+    );
+    let before = metric(&body, "forward_serve_speculative_rounds_total");
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "opt out", "max_tokens": 40, "temperature": 0, "speculative": false}),
+    )
+    .await;
+    assert_eq!(
+        r.json()["choices"][0]["text"].as_str(),
+        Some(expected_text("opt out", 40).0.as_str())
+    );
+    let body = s.metrics().await;
+    assert_eq!(
+        metric(&body, "forward_serve_speculative_rounds_total"),
+        before
+    );
+    s.stop().await;
+}
+
+/// A prompt longer than one prefill chunk is fed in chunks and still yields the right text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompt_prefills_in_chunks() {
+    let s = TestServer::start(small_cfg(), 1024, Duration::ZERO).await;
+    let prompt: String = (0..300).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 40, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["choices"][0]["text"].as_str(),
+        Some(expected_text(&prompt, 40).0.as_str())
+    );
+    assert_eq!(r.json()["usage"]["prompt_tokens"], 300);
     s.stop().await;
 }

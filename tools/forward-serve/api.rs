@@ -25,6 +25,9 @@ pub struct Config {
     pub max_tokens_limit: usize,
     pub body_limit: usize,
     pub shutdown_grace: Duration,
+    /// Server default for speculative decoding (`--speculate ngram --draft-max K`): drafts per
+    /// round, `None` = off. A request's `speculative` field overrides it.
+    pub speculate: Option<usize>,
 }
 
 impl Default for Config {
@@ -36,6 +39,7 @@ impl Default for Config {
             max_tokens_limit: 2048,
             body_limit: 1 << 20,
             shutdown_grace: Duration::from_secs(10),
+            speculate: None,
         }
     }
 }
@@ -241,9 +245,9 @@ pub struct Params {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
-    /// Per-request speculative decoding settings. Accepted and ignored for now: speculation plugs
-    /// in with the spec layer (the response says nothing about it yet).
-    pub speculative: Option<Value>,
+    /// Speculative decoding for this request: drafts per round (`None` = plain decoding), from
+    /// the request's `speculative` field or else the server default.
+    pub speculate: Option<usize>,
 }
 
 fn check_model(app: &App, v: &Value) -> Result<(), ApiError> {
@@ -445,16 +449,7 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         None => false,
         Some(o) => opt_bool(o, "include_usage")?.unwrap_or(false),
     };
-    let speculative = field(v, "speculative").cloned();
-    if let Some(s) = &speculative {
-        if !s.is_object() && !s.is_boolean() {
-            return Err(ApiError::invalid(
-                "speculative",
-                "`speculative` must be an object or a boolean",
-            )
-            .code("invalid_type"));
-        }
-    }
+    let speculate = speculative(v, app.cfg.speculate)?;
     Ok(Params {
         prompt,
         max_tokens,
@@ -467,8 +462,63 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         stop,
         stream,
         include_usage,
-        speculative,
+        speculate,
     })
+}
+
+/// Default drafts per round when speculation is asked for without `draft_max`.
+pub const DEFAULT_DRAFT_MAX: usize = 8;
+
+/// The request's `speculative` field: `false` / `{"drafter": "none"}` turn speculation off,
+/// `true` / `{"drafter": "ngram", "draft_max": K}` (K in 1..=15, default 8 or the server's) turn it
+/// on; absent: the server default.
+fn speculative(v: &Value, server: Option<usize>) -> Result<Option<usize>, ApiError> {
+    const P: &str = "speculative";
+    let bad = |m: String| ApiError::invalid(P, m).code("invalid_value");
+    match field(v, P) {
+        None => Ok(server),
+        Some(Value::Bool(false)) => Ok(None),
+        Some(Value::Bool(true)) => Ok(Some(server.unwrap_or(DEFAULT_DRAFT_MAX))),
+        Some(o @ Value::Object(m)) => {
+            if let Some(k) = m.keys().find(|k| *k != "drafter" && *k != "draft_max") {
+                return Err(bad(format!(
+                    "unknown field `speculative.{k}` (expected `drafter`, `draft_max`)"
+                )));
+            }
+            let drafter = match field(o, "drafter") {
+                None => "ngram",
+                Some(Value::String(d)) => d.as_str(),
+                Some(x) => {
+                    return Err(ApiError::invalid(
+                        P,
+                        format!("`speculative.drafter` must be a string, got {x}"),
+                    )
+                    .code("invalid_type"))
+                }
+            };
+            let k = match opt_i64(o, "draft_max")? {
+                None => server.unwrap_or(DEFAULT_DRAFT_MAX),
+                Some(k) if (1..=15).contains(&k) => k as usize,
+                Some(k) => {
+                    return Err(bad(format!(
+                        "`speculative.draft_max` must be in 1..=15, got {k}"
+                    )))
+                }
+            };
+            match drafter {
+                "ngram" => Ok(Some(k)),
+                "none" => Ok(None),
+                d => Err(bad(format!(
+                    "unknown drafter {d:?} (this server has \"ngram\" and \"none\")"
+                ))),
+            }
+        }
+        Some(x) => Err(ApiError::invalid(
+            P,
+            format!("`speculative` must be an object or a boolean, got {x}"),
+        )
+        .code("invalid_type")),
+    }
 }
 
 /// Sets the request's cancel flag when dropped (handler future or SSE stream gone).
@@ -499,6 +549,8 @@ fn submit(
         deadline,
         cancel: cancel.clone(),
         events: tx,
+        speculate: p.speculate,
+        ignore_eos: false,
     };
     let guard = app
         .queue
@@ -782,9 +834,6 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let v = read_json(&app, &headers, body).await?;
     let p = parse_params(&app, &v, kind)?;
-    if p.speculative.is_some() {
-        tracing::debug!("`speculative` given: ignored until speculative decoding is plugged in");
-    }
     let (rx, guard, deadline) = submit(&app, &p)?;
     let n = app.next_id();
     let shape = Shape {

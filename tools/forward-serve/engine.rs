@@ -70,26 +70,39 @@ pub trait TextCodec: Send + Sync {
     }
 }
 
+/// Most rows of one [`Engine::step`] pass (the model's `m16` verify family).
+pub const MAX_STEP_ROWS: usize = 16;
+/// Most prompt tokens of one [`Engine::prefill`] call: the scheduler feeds longer prompts in chunks
+/// between decode turns so a long prompt never stalls the running streams for long.
+pub const PREFILL_CHUNK: usize = 128;
+
 /// Compute side of a model: lives on the engine thread only.
 pub trait Engine {
     /// How many sequences can be resident at once (the scheduler admits at most this many).
     fn max_sequences(&self) -> usize;
-    /// Start an empty sequence.
+    /// Start an empty sequence (its state is allocated here and freed by [`Engine::release`]).
     fn new_sequence(&mut self) -> Result<SeqId, EngineError>;
-    /// Feed a prompt to a fresh sequence; `sink` gets the logits predicting the first new token.
+    /// Feed one chunk (≤ [`PREFILL_CHUNK`] tokens) of a sequence's prompt; the chunk is committed.
+    /// When `last`, `sink` gets the logits predicting the first new token.
     fn prefill(
         &mut self,
         seq: SeqId,
         tokens: &[u32],
+        last: bool,
         sink: &mut dyn FnMut(&[f32]),
     ) -> Result<(), EngineError>;
-    /// One decode step for each `(seq, token)` row (the token is fed and committed); `sink(i, logits)`
-    /// gets row `i`'s logits for the next token. Rows belong to distinct sequences.
-    fn decode(
+    /// One batched pass: every `(seq, tokens)` segment feeds its tokens at the sequence's own next
+    /// positions (1.. tokens per segment, ≤ [`MAX_STEP_ROWS`] rows in all, distinct sequences).
+    /// `sink(segment, row, logits)` gets each row's logits (row `j` predicts the token after input
+    /// `j`). Every segment's sequence then waits for [`Engine::commit`]; on failure no sequence's
+    /// committed state changed (and none waits for a commit).
+    fn step(
         &mut self,
-        rows: &[(SeqId, u32)],
-        sink: &mut dyn FnMut(usize, &[f32]),
+        batch: &[(SeqId, &[u32])],
+        sink: &mut dyn FnMut(usize, usize, &[f32]),
     ) -> Result<(), EngineError>;
+    /// Keep the first `n` rows of `seq`'s segment of the last [`Engine::step`].
+    fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), EngineError>;
     /// Committed positions of a sequence.
     fn position(&self, seq: SeqId) -> usize;
     /// Forget a sequence and free its state.
@@ -113,11 +126,14 @@ pub struct LoadSpec {
     pub ctx: usize,
     /// Kernel set directory (`None`: the package's own).
     pub kernels: Option<std::path::PathBuf>,
+    /// Sequences resident at once (each with its own KV cache of `ctx` positions; ≤ 16).
+    pub max_sequences: usize,
 }
 
 // ---- the real model -------------------------------------------------------------------------
 
-use xdna::model::{Model, ModelError};
+use std::collections::HashMap;
+use xdna::model::{Model, ModelError, SequenceState};
 use xdna::weights::Package;
 
 fn device_err(e: ModelError) -> EngineError {
@@ -198,92 +214,128 @@ impl TextCodec for PackageCodec {
     }
 }
 
-/// The real model behind the [`Engine`] seam. The model layer has one KV cache per `Model`, so this
-/// adapter holds one resident sequence (see docs/serving.md).
+/// The real model behind the [`Engine`] seam: the shared weights (one [`Model`]) and one
+/// [`SequenceState`] (KV cache of `ctx` positions) per resident sequence, at most `capacity`.
+/// A state is allocated when a request is admitted and dropped when it ends, so KV memory is
+/// bounded by `capacity × ctx` positions.
 pub struct ModelEngine {
     model: Model,
-    resident: Option<SeqId>,
+    ctx: usize,
+    capacity: usize,
+    seqs: HashMap<SeqId, SequenceState>,
     next: SeqId,
 }
 
 impl ModelEngine {
-    pub fn new(model: Model) -> Self {
+    /// `capacity` sequences of `ctx` positions each (capacity is capped at [`MAX_STEP_ROWS`]: one
+    /// decode row per sequence must fit one pass).
+    pub fn new(model: Model, ctx: usize, capacity: usize) -> Self {
         ModelEngine {
             model,
-            resident: None,
+            ctx,
+            capacity: capacity.clamp(1, MAX_STEP_ROWS),
+            seqs: HashMap::new(),
             next: 1,
-        }
-    }
-    fn check(&self, seq: SeqId) -> Result<(), EngineError> {
-        if self.resident == Some(seq) {
-            Ok(())
-        } else {
-            Err(EngineError::NoSequence(seq))
         }
     }
 }
 
 impl Engine for ModelEngine {
     fn max_sequences(&self) -> usize {
-        1
+        self.capacity
     }
     fn new_sequence(&mut self) -> Result<SeqId, EngineError> {
-        if self.resident.is_some() {
-            return Err(EngineError::Capacity("the model holds one sequence".into()));
+        if self.seqs.len() >= self.capacity {
+            return Err(EngineError::Capacity(format!(
+                "{} sequences resident (the most this engine holds)",
+                self.seqs.len()
+            )));
         }
-        self.model.reset();
+        let state = self.model.new_sequence(self.ctx).map_err(device_err)?;
         let id = self.next;
         self.next += 1;
-        self.resident = Some(id);
+        self.seqs.insert(id, state);
         Ok(id)
     }
     fn prefill(
         &mut self,
         seq: SeqId,
         tokens: &[u32],
+        last: bool,
         sink: &mut dyn FnMut(&[f32]),
     ) -> Result<(), EngineError> {
-        self.check(seq)?;
-        match self.model.prefill(tokens) {
-            Ok(logits) => {
-                sink(logits);
-                Ok(())
-            }
-            Err(e) => {
-                // The failed pass left the committed state untouched; acknowledge it.
-                self.model.recover();
-                Err(device_err(e))
-            }
+        let mut state = self.seqs.remove(&seq).ok_or(EngineError::NoSequence(seq))?;
+        // Only the chunk's last row is wanted (and only for the prompt's last chunk).
+        let first_logit_row = if last {
+            tokens.len().saturating_sub(1)
+        } else {
+            usize::MAX
+        };
+        let r = self
+            .model
+            .prefill_sequence(&mut state, tokens, first_logit_row, &mut |_, l| sink(l));
+        if r.is_err() {
+            // The failed chunk left the committed state untouched; acknowledge it.
+            state.recover();
         }
+        self.seqs.insert(seq, state);
+        r.map_err(device_err)
     }
-    fn decode(
+    fn step(
         &mut self,
-        rows: &[(SeqId, u32)],
-        sink: &mut dyn FnMut(usize, &[f32]),
+        batch: &[(SeqId, &[u32])],
+        sink: &mut dyn FnMut(usize, usize, &[f32]),
     ) -> Result<(), EngineError> {
-        for (i, &(seq, tok)) in rows.iter().enumerate() {
-            self.check(seq)?;
-            match self.model.step(tok) {
-                Ok(logits) => sink(i, logits),
-                Err(e) => {
-                    self.model.recover();
-                    return Err(device_err(e));
+        // Take the states out of the map for the pass (distinct sequences: each is taken once).
+        let mut taken: Vec<(SeqId, SequenceState)> = Vec::with_capacity(batch.len());
+        for &(id, _) in batch {
+            match self.seqs.remove(&id) {
+                Some(s) => taken.push((id, s)),
+                None => {
+                    self.seqs.extend(taken);
+                    return Err(EngineError::NoSequence(id));
                 }
             }
         }
-        Ok(())
+        let result = {
+            let mut segments: Vec<(&mut SequenceState, &[u32])> = taken
+                .iter_mut()
+                .zip(batch)
+                .map(|((_, s), &(_, toks))| (s, toks))
+                .collect();
+            match self.model.step_sequences(&mut segments) {
+                Ok(out) => {
+                    let mut row = 0;
+                    for (g, &(_, toks)) in batch.iter().enumerate() {
+                        for j in 0..toks.len() {
+                            sink(g, j, out.logits(row));
+                            row += 1;
+                        }
+                    }
+                    Ok(())
+                }
+                Err(e) => {
+                    for (s, _) in segments.iter_mut() {
+                        s.recover();
+                    }
+                    Err(device_err(e))
+                }
+            }
+        };
+        self.seqs.extend(taken);
+        result
+    }
+    fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), EngineError> {
+        let mut state = self.seqs.remove(&seq).ok_or(EngineError::NoSequence(seq))?;
+        let r = self.model.commit_sequence(&mut state, n);
+        self.seqs.insert(seq, state);
+        r.map_err(device_err)
     }
     fn position(&self, seq: SeqId) -> usize {
-        if self.resident == Some(seq) {
-            self.model.position()
-        } else {
-            0
-        }
+        self.seqs.get(&seq).map_or(0, SequenceState::position)
     }
     fn release(&mut self, seq: SeqId) {
-        if self.resident == Some(seq) {
-            self.resident = None;
-        }
+        self.seqs.remove(&seq);
     }
 }
 
@@ -312,7 +364,7 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
     );
     Ok(Loaded {
         codec: Arc::new(PackageCodec { pkg, id, ctx, eos }),
-        engine: Box::new(ModelEngine::new(model)),
+        engine: Box::new(ModelEngine::new(model, ctx, spec.max_sequences)),
     })
 }
 

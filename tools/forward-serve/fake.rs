@@ -5,7 +5,9 @@
 //! it emits EOS instead. So the expected completion of a prompt is a pure function of the prompt
 //! ([`expected_text`]), which is what the concurrency tests check.
 
-use super::engine::{ChatMessage, Engine, EngineError, SeqId, TextCodec};
+use super::engine::{
+    ChatMessage, Engine, EngineError, SeqId, TextCodec, MAX_STEP_ROWS, PREFILL_CHUNK,
+};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -88,16 +90,21 @@ pub fn expected_text(prompt: &str, max_tokens: usize) -> (String, bool) {
 
 struct Seq {
     prompt: Vec<u8>,
+    /// Decode rows committed (the next row predicts output byte `generated + 1`).
     generated: usize,
     position: usize,
+    /// Rows of the last step waiting for a commit.
+    pending_rows: Option<usize>,
 }
 
-/// The fake engine.
+/// The fake engine. Its "model" ignores the tokens fed: row `j` of a step predicts output byte
+/// `generated + j + 1`, which is right whenever the rows before it carried the right tokens — the
+/// only rows an acceptance rule ever reads.
 pub struct FakeEngine {
     seqs: HashMap<SeqId, Seq>,
     next_id: SeqId,
     max_seqs: usize,
-    /// Sleep per decode pass (and per prefill), to make timing tests possible.
+    /// Sleep per decode pass (and per prefill chunk), to make timing tests possible.
     pub step_delay: Duration,
     logits: Vec<f32>,
 }
@@ -113,9 +120,10 @@ impl FakeEngine {
         }
     }
 
-    fn fill(&mut self, seq: SeqId) -> Result<(), EngineError> {
+    /// One-hot-ish logits for output byte `k` of `seq`.
+    fn fill(&mut self, seq: SeqId, k: usize) -> Result<(), EngineError> {
         let s = self.seqs.get(&seq).ok_or(EngineError::NoSequence(seq))?;
-        let next = next_byte(&s.prompt, s.generated).map_or(FAKE_EOS, u32::from);
+        let next = next_byte(&s.prompt, k).map_or(FAKE_EOS, u32::from);
         self.logits.iter_mut().for_each(|l| *l = 0.0);
         self.logits[next as usize] = 50.0;
         Ok(())
@@ -141,6 +149,7 @@ impl Engine for FakeEngine {
                 prompt: Vec::new(),
                 generated: 0,
                 position: 0,
+                pending_rows: None,
             },
         );
         Ok(id)
@@ -149,6 +158,7 @@ impl Engine for FakeEngine {
         &mut self,
         seq: SeqId,
         tokens: &[u32],
+        last: bool,
         sink: &mut dyn FnMut(&[f32]),
     ) -> Result<(), EngineError> {
         if !self.step_delay.is_zero() {
@@ -161,31 +171,72 @@ impl Engine for FakeEngine {
         if tokens.iter().any(|&t| t >= 256) {
             return Err(EngineError::Device("fake: special token in prompt".into()));
         }
+        if tokens.len() > PREFILL_CHUNK {
+            return Err(EngineError::Capacity(format!(
+                "fake: prefill chunk of {} tokens",
+                tokens.len()
+            )));
+        }
         s.prompt.extend(tokens.iter().map(|&t| t as u8));
         s.position += tokens.len();
-        self.fill(seq)?;
-        sink(&self.logits);
+        if last {
+            self.fill(seq, 0)?;
+            sink(&self.logits);
+        }
         Ok(())
     }
-    fn decode(
+    fn step(
         &mut self,
-        rows: &[(SeqId, u32)],
-        sink: &mut dyn FnMut(usize, &[f32]),
+        batch: &[(SeqId, &[u32])],
+        sink: &mut dyn FnMut(usize, usize, &[f32]),
     ) -> Result<(), EngineError> {
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
         }
-        for (i, &(seq, _tok)) in rows.iter().enumerate() {
-            let s = self
-                .seqs
-                .get_mut(&seq)
-                .ok_or(EngineError::NoSequence(seq))?;
-            s.generated += 1;
-            s.position += 1;
-            self.fill(seq)?;
-            sink(i, &self.logits);
+        let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
+        if rows == 0 || rows > MAX_STEP_ROWS || batch.iter().any(|(_, t)| t.is_empty()) {
+            return Err(EngineError::Capacity(format!(
+                "fake: a step of {rows} rows"
+            )));
+        }
+        for &(seq, _) in batch {
+            let s = self.seqs.get(&seq).ok_or(EngineError::NoSequence(seq))?;
+            if s.pending_rows.is_some() {
+                return Err(EngineError::Device(format!(
+                    "fake: sequence {seq} stepped without a commit"
+                )));
+            }
+            if batch.iter().filter(|(o, _)| *o == seq).count() > 1 {
+                return Err(EngineError::Device(format!("fake: sequence {seq} twice")));
+            }
+        }
+        for (g, &(seq, toks)) in batch.iter().enumerate() {
+            let generated = self.seqs.get(&seq).map_or(0, |s| s.generated);
+            for j in 0..toks.len() {
+                self.fill(seq, generated + j + 1)?;
+                sink(g, j, &self.logits);
+            }
+            if let Some(s) = self.seqs.get_mut(&seq) {
+                s.pending_rows = Some(toks.len());
+            }
         }
         Ok(())
+    }
+    fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), EngineError> {
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(EngineError::NoSequence(seq))?;
+        match s.pending_rows.take() {
+            Some(len) if (1..=len).contains(&n) => {
+                s.generated += n;
+                s.position += n;
+                Ok(())
+            }
+            other => Err(EngineError::Device(format!(
+                "fake: commit of {n} rows with {other:?} pending"
+            ))),
+        }
     }
     fn position(&self, seq: SeqId) -> usize {
         self.seqs.get(&seq).map_or(0, |s| s.position)

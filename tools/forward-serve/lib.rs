@@ -4,6 +4,7 @@
 //! tree with `#[path]`.
 
 pub mod api;
+pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod fake;

@@ -32,9 +32,28 @@ struct Args {
     /// Requests waiting for a slot before new ones get 503.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
-    /// Sequences generated at once.
+    /// Sequences generated at once (each with its own KV cache of `--ctx` positions; ≤ 16).
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
+    /// Speculative decoding for every request: none | ngram (requests may override).
+    #[arg(long, default_value = "none", value_parser = ["none", "ngram"])]
+    speculate: String,
+    /// Drafts per speculative round at most (1..=15).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=15))]
+    draft_max: u64,
+    /// Measure instead of serving: aggregate tok/s of `--max-batch` concurrent greedy streams vs
+    /// one stream (table, or JSON with `--json`), then exit.
+    #[arg(long)]
+    bench: bool,
+    /// Bench: tokens per stream.
+    #[arg(long, default_value_t = 64)]
+    bench_tokens: usize,
+    /// Bench: rounds of (one stream, then all at once); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    bench_rounds: usize,
+    /// Bench: print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
     /// Per-request time limit (e.g. 120s, 500ms, 2m).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     request_timeout: Duration,
@@ -132,8 +151,25 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             backend: args.backend.clone(),
             ctx: args.ctx,
             kernels: args.kernels.clone(),
+            max_sequences: args.max_batch,
         })?
     };
+    if args.bench {
+        let r = serve::bench::run(
+            loaded,
+            &serve::bench::BenchSpec {
+                streams: args.max_batch,
+                tokens: args.bench_tokens.max(1),
+                rounds: args.bench_rounds,
+            },
+        )?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        } else {
+            print!("{}", serve::bench::table(&r));
+        }
+        return Ok(());
+    }
     let cfg = Config {
         max_queue: args.max_queue,
         max_batch: args.max_batch,
@@ -141,6 +177,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_tokens_limit: args.max_tokens_limit,
         body_limit: args.body_limit,
         shutdown_grace: args.shutdown_grace,
+        speculate: (args.speculate == "ngram").then_some(args.draft_max as usize),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -12,6 +12,8 @@ pub struct Metrics {
     pub generated_tokens: AtomicU64,
     /// Decode rows run and the nanoseconds the decode passes took (for tok/s).
     pub decode_rows: AtomicU64,
+    /// Decode passes run (rows / passes = mean batch occupancy).
+    pub decode_passes: AtomicU64,
     pub decode_nanos: AtomicU64,
     pub queue_depth: AtomicU64,
     pub active_sequences: AtomicU64,
@@ -19,6 +21,11 @@ pub struct Metrics {
     pub cancelled: AtomicU64,
     pub timeouts: AtomicU64,
     pub rejected_full: AtomicU64,
+    /// Speculative rounds (decode passes where a sequence carried ≥ 1 draft), drafts verified and
+    /// drafts accepted.
+    pub spec_rounds: AtomicU64,
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
 }
 
 impl Metrics {
@@ -73,6 +80,12 @@ impl Metrics {
             "Sequence rows run by decode passes.",
             rows,
         );
+        counter(
+            &mut s,
+            "forward_serve_decode_passes_total",
+            "Batched decode passes (rows / passes = mean rows per pass).",
+            self.decode_passes.load(Relaxed),
+        );
         gauge(
             &mut s,
             "forward_serve_decode_seconds_total",
@@ -126,12 +139,38 @@ impl Metrics {
             "Requests answered 503 because the queue was full.",
             self.rejected_full.load(Relaxed),
         );
-        // Speculative decoding is not plugged in yet: τ (mean tokens accepted per verify pass) stays 0.
+        let rounds = self.spec_rounds.load(Relaxed);
+        let drafted = self.spec_drafted.load(Relaxed);
+        let accepted = self.spec_accepted.load(Relaxed);
+        counter(
+            &mut s,
+            "forward_serve_speculative_rounds_total",
+            "Speculative rounds (a sequence's pass carrying at least one draft).",
+            rounds,
+        );
+        counter(
+            &mut s,
+            "forward_serve_speculative_drafted_total",
+            "Draft tokens verified.",
+            drafted,
+        );
+        counter(
+            &mut s,
+            "forward_serve_speculative_accepted_total",
+            "Draft tokens accepted.",
+            accepted,
+        );
+        // τ as the spec layer reports it: 1 + accepted / rounds (the bonus/correction token counts).
+        let tau = if rounds == 0 {
+            0.0
+        } else {
+            1.0 + accepted as f64 / rounds as f64
+        };
         gauge(
             &mut s,
             "forward_serve_speculative_tau",
-            "Mean tokens per verify pass (0 until speculative decoding is plugged in).",
-            0.0,
+            "Mean tokens per speculative round, 1 + accepted/rounds (0 before the first round).",
+            tau,
         );
         s
     }

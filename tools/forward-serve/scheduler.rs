@@ -1,19 +1,32 @@
 //! The engine thread: it owns the model, takes requests from a bounded queue, keeps up to
-//! `max_batch` sequences active and runs their decode steps, streaming text back per request.
+//! `max_batch` sequences active and runs them, streaming text back per request.
 //!
-//! All active sequences go into one `Engine::decode` call per turn (one token each). Whether that is
-//! one batched device pass or a round-robin of single-sequence steps is the engine's business: the
-//! real model has one KV cache today, so its adapter holds one resident sequence and the scheduler
-//! admits one at a time (see docs/serving.md).
+//! Each turn of the loop does, in order:
+//! 1. admission of queued requests while fewer than `max_batch` sequences are active (each gets
+//!    its own engine sequence — on the real model its own KV cache);
+//! 2. cancellation and timeouts;
+//! 3. at most [`PREFILL_CHUNK`] prompt tokens of prefill, oldest prompt first (several short
+//!    prompts start in one turn; a long prompt is read one ≤ 128-token chunk per turn), so a long
+//!    prompt delays the running streams by one chunk per turn, never by its whole length;
+//! 4. one decode pass ([`Engine::step`]) carrying the pending token of every generating sequence,
+//!    plus, for a speculating sequence, its n-gram drafts (as extra rows of the same pass, at most
+//!    [`MAX_STEP_ROWS`] rows in all; drafts shrink when the batch is full), then a commit per
+//!    sequence of the rows its acceptance kept;
+//! 5. retirement of finished sequences (their engine state is released).
 
 use super::engine::{
     Engine, EngineError, Sampler, SamplerConfig, SeqId, StopFilter, TextCodec, Utf8Stream,
+    MAX_STEP_ROWS, PREFILL_CHUNK,
 };
 use super::metrics::Metrics;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use xdna::spec::{
+    uniforms_needed, AcceptanceRule, DecideWorkspace, DraftProbabilities, DraftProposal, Drafter,
+    LogitRows, NgramConfig, NgramDrafter, SamplingConfig, UniformSource,
+};
 
 /// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +79,13 @@ pub struct GenRequest {
     pub deadline: Instant,
     pub cancel: Arc<AtomicBool>,
     pub events: mpsc::UnboundedSender<Event>,
+    /// Speculative decoding with the n-gram drafter: at most this many drafts per pass (1..=15);
+    /// `None`: plain decoding. Greedy requests use the greedy acceptance rule (same text as plain
+    /// greedy); sampled ones the spec layer's rejection-sampling rule (same distribution, drawn
+    /// with the request's seed through its own uniform stream).
+    pub speculate: Option<usize>,
+    /// Keep generating past EOS (fixed-length streams for `forward-serve --bench`).
+    pub ignore_eos: bool,
 }
 
 /// Shared switches between the HTTP side and the engine thread.
@@ -82,9 +102,34 @@ struct Active {
     utf8: Utf8Stream,
     stops: StopFilter,
     generated: usize,
+    /// Prompt tokens fed so far (the prompt is read when this reaches its length).
+    fed: usize,
     /// The last sampled token, not yet fed.
     pending: Option<u32>,
     done: bool,
+    spec: Option<Speculation>,
+}
+
+/// A speculating sequence's drafter state.
+struct Speculation {
+    /// Greedy, or rejection sampling with the request's temperature / top-k / top-p.
+    rule: AcceptanceRule,
+    /// Uniforms for the sampling rule (seeded by the request's seed).
+    uniforms: UniformSource,
+    draft_max: usize,
+    drafter: NgramDrafter,
+    /// Prompt and emitted tokens; the last one is the pending token (the drafter's convention).
+    context: Vec<u32>,
+    proposal: DraftProposal,
+    begun: bool,
+}
+
+/// One sequence's part of a decode pass.
+struct Segment {
+    /// Index into the active list.
+    active: usize,
+    /// The pending token, then the drafts.
+    tokens: Vec<u32>,
 }
 
 /// The engine loop; returns when the queue is closed and every active sequence has ended.
@@ -99,6 +144,7 @@ pub fn run(
     let cap = max_batch.max(1).min(engine.max_sequences().max(1));
     let mut active: Vec<Active> = Vec::new();
     let mut scratch = String::new();
+    let mut decide_ws = DecideWorkspace::new();
     let mut closed = false;
     loop {
         // Admit.
@@ -123,7 +169,7 @@ pub fn run(
             };
             let Some(req) = next else { break };
             metrics.queue_depth.fetch_sub(1, Relaxed);
-            if let Some(a) = admit(&mut *engine, &*codec, req, &metrics, &control, &mut scratch) {
+            if let Some(a) = admit(&mut *engine, req, &metrics, &control) {
                 active.push(a);
                 metrics.active_sequences.fetch_add(1, Relaxed);
             }
@@ -142,66 +188,32 @@ pub fn run(
                 continue;
             }
             if abort || a.req.cancel.load(Relaxed) || a.req.events.is_closed() {
-                finish(
-                    a,
-                    Finish::Cancelled,
-                    codec.eos_ids(),
-                    &metrics,
-                    &mut scratch,
-                );
+                finish(a, Finish::Cancelled, &metrics, &mut scratch);
             } else if now >= a.req.deadline {
-                finish(a, Finish::Timeout, codec.eos_ids(), &metrics, &mut scratch);
+                finish(a, Finish::Timeout, &metrics, &mut scratch);
             }
         }
-        // One decode turn over every live sequence.
-        let rows: Vec<(SeqId, u32)> = active
-            .iter()
-            .filter(|a| !a.done)
-            .filter_map(|a| a.pending.map(|t| (a.seq, t)))
-            .collect();
-        if !rows.is_empty() {
-            let t0 = Instant::now();
-            let mut sampled: Vec<Option<u32>> = vec![None; rows.len()];
-            let res = {
-                let mut by_seq: Vec<&mut Active> = active
-                    .iter_mut()
-                    .filter(|a| !a.done && a.pending.is_some())
-                    .collect();
-                let r = engine.decode(&rows, &mut |i, logits| {
-                    if let Some(a) = by_seq.get_mut(i) {
-                        sampled[i] = Some(a.sampler.sample(logits));
-                    }
-                });
-                r
+        // At most PREFILL_CHUNK prompt tokens per turn, oldest prompt first: several short
+        // prompts start together, a long one is read one chunk per turn.
+        let mut budget = PREFILL_CHUNK;
+        while budget > 0 {
+            let Some(a) = active
+                .iter_mut()
+                .find(|a| !a.done && a.fed < a.req.prompt.len())
+            else {
+                break;
             };
-            metrics
-                .decode_nanos
-                .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
-            metrics.decode_rows.fetch_add(rows.len() as u64, Relaxed);
-            match res {
-                Ok(()) => {
-                    let eos = codec.eos_ids();
-                    let live = active.iter_mut().filter(|a| !a.done && a.pending.is_some());
-                    for (i, a) in live.enumerate() {
-                        let tok = sampled.get(i).copied().flatten();
-                        match tok {
-                            Some(t) => {
-                                let pos = engine.position(a.seq);
-                                take_token(a, t, &*codec, eos, pos, &metrics, &mut scratch)
-                            }
-                            None => fail(a, "engine returned no logits for the row", &metrics),
-                        }
-                    }
-                }
-                Err(e) => {
-                    metrics.device_errors.fetch_add(1, Relaxed);
-                    tracing::error!("decode pass failed: {e}");
-                    for a in active.iter_mut().filter(|a| !a.done) {
-                        fail(a, &e.to_string(), &metrics);
-                    }
-                }
-            }
+            budget -= prefill_chunk(&mut *engine, &*codec, a, budget, &metrics, &mut scratch);
         }
+        // One decode pass over every generating sequence.
+        decode_turn(
+            &mut *engine,
+            &*codec,
+            &mut active,
+            &metrics,
+            &mut scratch,
+            &mut decide_ws,
+        );
         // Retire.
         active.retain(|a| {
             if a.done {
@@ -229,13 +241,251 @@ pub fn run(
     }
 }
 
-fn admit(
+/// Feed the next ≤ `budget` (≤ [`PREFILL_CHUNK`]) prompt tokens of `a`; the last chunk samples
+/// the first token. Returns the tokens spent (a failed chunk spends its whole budget).
+fn prefill_chunk(
     engine: &mut dyn Engine,
     codec: &dyn TextCodec,
+    a: &mut Active,
+    budget: usize,
+    metrics: &Metrics,
+    scratch: &mut String,
+) -> usize {
+    let len = a.req.prompt.len();
+    let end = (a.fed + budget.clamp(1, PREFILL_CHUNK)).min(len);
+    let spent = end - a.fed;
+    let last = end == len;
+    let mut first = None;
+    let sampler = &mut a.sampler;
+    let res = engine.prefill(a.seq, &a.req.prompt[a.fed..end], last, &mut |logits| {
+        first = Some(sampler.sample(logits))
+    });
+    match res {
+        Ok(()) => {
+            metrics
+                .prompt_tokens
+                .fetch_add((end - a.fed) as u64, Relaxed);
+            a.fed = end;
+            if last {
+                match first {
+                    Some(t) => {
+                        let pos = engine.position(a.seq);
+                        take_token(a, t, codec, pos, metrics, scratch);
+                    }
+                    None => fail(a, "engine returned no logits for the prompt", metrics),
+                }
+            }
+        }
+        Err(e) => {
+            if matches!(e, EngineError::Device(_)) {
+                metrics.device_errors.fetch_add(1, Relaxed);
+            }
+            tracing::error!("prefill failed: {e}");
+            fail(a, &e.to_string(), metrics);
+        }
+    }
+    spent.max(1)
+}
+
+/// How many drafts each generating sequence may carry this pass: one row each for the pending
+/// tokens, the rest of [`MAX_STEP_ROWS`] shared among the speculating sequences (in order), each
+/// also bounded by its own `draft_max`, its context and its remaining `max_tokens`.
+fn draft_budget(active: &[Active], live: &[usize], ctx: usize) -> Vec<usize> {
+    let mut spare = MAX_STEP_ROWS.saturating_sub(live.len());
+    let mut speculating = live.iter().filter(|&&i| active[i].spec.is_some()).count();
+    live.iter()
+        .map(|&i| {
+            let a = &active[i];
+            let Some(sp) = &a.spec else { return 0 };
+            let share = spare.div_ceil(speculating.max(1));
+            speculating = speculating.saturating_sub(1);
+            let room = ctx.saturating_sub(a.req.prompt.len() + a.generated + 1);
+            let left = a.req.max_tokens.saturating_sub(a.generated + 1);
+            let k = sp.draft_max.min(share).min(room).min(left);
+            spare -= k;
+            k
+        })
+        .collect()
+}
+
+fn decode_turn(
+    engine: &mut dyn Engine,
+    codec: &dyn TextCodec,
+    active: &mut [Active],
+    metrics: &Metrics,
+    scratch: &mut String,
+    decide_ws: &mut DecideWorkspace,
+) {
+    let live: Vec<usize> = (0..active.len())
+        .filter(|&i| !active[i].done && active[i].pending.is_some())
+        .take(MAX_STEP_ROWS)
+        .collect();
+    if live.is_empty() {
+        return;
+    }
+    let budget = draft_budget(active, &live, codec.context_len());
+    let mut segments: Vec<Segment> = Vec::with_capacity(live.len());
+    for (&i, &k) in live.iter().zip(&budget) {
+        let a = &mut active[i];
+        let Some(pending) = a.pending else { continue };
+        let mut tokens = vec![pending];
+        if let Some(sp) = a.spec.as_mut() {
+            if k > 0 {
+                let drafted = propose(sp, &a.req.prompt, pending, k);
+                match drafted {
+                    Ok(()) => tokens.extend_from_slice(sp.proposal.tokens()),
+                    Err(e) => tracing::warn!("drafter: {e}; decoding plainly this turn"),
+                }
+            }
+        }
+        segments.push(Segment { active: i, tokens });
+    }
+    let vocab = codec.vocab_size();
+    let batch: Vec<(SeqId, &[u32])> = segments
+        .iter()
+        .map(|s| (active[s.active].seq, s.tokens.as_slice()))
+        .collect();
+    let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
+    let t0 = Instant::now();
+    // Per segment: the token sampled from row 0 (plain rows), or every row's logits (drafting).
+    let mut outs: Vec<(Option<u32>, Vec<f32>)> = segments
+        .iter()
+        .map(|s| {
+            (
+                None,
+                Vec::with_capacity(if s.tokens.len() > 1 {
+                    s.tokens.len() * vocab
+                } else {
+                    0
+                }),
+            )
+        })
+        .collect();
+    let res = {
+        let mut samplers: Vec<&mut Sampler> = Vec::with_capacity(segments.len());
+        let mut it = active.iter_mut().enumerate();
+        for s in &segments {
+            for (i, a) in it.by_ref() {
+                if i == s.active {
+                    samplers.push(&mut a.sampler);
+                    break;
+                }
+            }
+        }
+        let drafting: Vec<bool> = segments.iter().map(|s| s.tokens.len() > 1).collect();
+        engine.step(&batch, &mut |g, j, logits| {
+            if g >= outs.len() {
+                return;
+            }
+            if drafting[g] {
+                outs[g].1.extend_from_slice(logits);
+            } else if j == 0 {
+                outs[g].0 = Some(samplers[g].sample(logits));
+            }
+        })
+    };
+    metrics
+        .decode_nanos
+        .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+    metrics.decode_rows.fetch_add(rows as u64, Relaxed);
+    metrics.decode_passes.fetch_add(1, Relaxed);
+    drop(batch);
+    if let Err(e) = res {
+        metrics.device_errors.fetch_add(1, Relaxed);
+        tracing::error!("decode pass failed: {e}");
+        for s in &segments {
+            fail(&mut active[s.active], &e.to_string(), metrics);
+        }
+        return;
+    }
+    for (s, (sampled, logits)) in segments.into_iter().zip(outs) {
+        let a = &mut active[s.active];
+        let before = engine.position(a.seq);
+        if s.tokens.len() == 1 {
+            let Some(t) = sampled else {
+                fail(a, "engine returned no logits for the row", metrics);
+                continue;
+            };
+            if let Err(e) = engine.commit(a.seq, 1) {
+                fail(a, &e.to_string(), metrics);
+                continue;
+            }
+            if let Some(sp) = a.spec.as_mut() {
+                sp.context.push(t);
+            }
+            take_token(a, t, codec, before + 1, metrics, scratch);
+            continue;
+        }
+        // A speculative round: the acceptance rule over the pending row and the drafts.
+        let drafts = &s.tokens[1..];
+        let decision = match a.spec.as_mut() {
+            Some(sp) => {
+                let u: Vec<f64> = (0..uniforms_needed(&sp.rule, drafts.len()))
+                    .map(|_| sp.uniforms.next_uniform())
+                    .collect();
+                LogitRows::new(&logits, s.tokens.len(), vocab).and_then(|rows| {
+                    decide_ws.decide(rows, drafts, DraftProbabilities::OneHot, &sp.rule, &u)
+                })
+            }
+            None => {
+                fail(a, "drafts without a drafter", metrics);
+                continue;
+            }
+        };
+        let decision = match decision {
+            Ok(d) => d,
+            Err(e) => {
+                fail(a, &format!("speculative acceptance: {e}"), metrics);
+                continue;
+            }
+        };
+        if let Err(e) = engine.commit(a.seq, decision.rows_to_commit()) {
+            fail(a, &e.to_string(), metrics);
+            continue;
+        }
+        metrics.spec_rounds.fetch_add(1, Relaxed);
+        metrics.spec_drafted.fetch_add(drafts.len() as u64, Relaxed);
+        metrics
+            .spec_accepted
+            .fetch_add(decision.accepted as u64, Relaxed);
+        if let Some(sp) = a.spec.as_mut() {
+            sp.context.extend_from_slice(&decision.emitted);
+            if let Err(e) = sp.drafter.observe(&sp.context, decision.accepted) {
+                tracing::warn!("drafter: {e}");
+            }
+        }
+        for (i, &t) in decision.emitted.iter().enumerate() {
+            take_token(a, t, codec, before + i + 1, metrics, scratch);
+            if a.done {
+                break;
+            }
+        }
+    }
+}
+
+/// Ask a sequence's drafter for up to `k` drafts after its pending token.
+fn propose(
+    sp: &mut Speculation,
+    prompt: &[u32],
+    pending: u32,
+    k: usize,
+) -> Result<(), xdna::spec::SpecError> {
+    if !sp.begun {
+        sp.context.clear();
+        sp.context.extend_from_slice(prompt);
+        sp.context.push(pending);
+        sp.drafter.begin(&sp.context)?;
+        sp.begun = true;
+    }
+    sp.drafter
+        .propose(&sp.context, k, &sp.rule, &mut sp.proposal)
+}
+
+fn admit(
+    engine: &mut dyn Engine,
     req: GenRequest,
     metrics: &Metrics,
     control: &Control,
-    scratch: &mut String,
 ) -> Option<Active> {
     let done = |finish| Event::Done {
         finish,
@@ -261,46 +511,53 @@ fn admit(
             return None;
         }
     };
-    let mut a = Active {
+    let greedy = req.sampling.temperature <= 0.0 || req.sampling.top_k == 1;
+    let rule = if greedy {
+        AcceptanceRule::Greedy
+    } else {
+        AcceptanceRule::Sampling(SamplingConfig {
+            temperature: req.sampling.temperature,
+            top_k: req.sampling.top_k,
+            top_p: req.sampling.top_p,
+        })
+    };
+    let spec = match req.speculate {
+        Some(k) if k > 0 => {
+            let config = NgramConfig {
+                max_drafts: k.min(MAX_STEP_ROWS - 1),
+                ..NgramConfig::default()
+            };
+            match NgramDrafter::new(config) {
+                Ok(drafter) => Some(Speculation {
+                    rule,
+                    // A stream apart from the plain sampler's (which draws from `seed` itself).
+                    uniforms: UniformSource::new(req.seed ^ 0x5bec_0000_0000_0000),
+                    draft_max: k.min(MAX_STEP_ROWS - 1),
+                    drafter,
+                    context: Vec::new(),
+                    proposal: DraftProposal::new(),
+                    begun: false,
+                }),
+                Err(e) => {
+                    tracing::warn!("n-gram drafter: {e}; decoding plainly");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    Some(Active {
         seq,
         sampler: Sampler::new(req.sampling.clone(), req.seed),
         utf8: Utf8Stream::default(),
         stops: StopFilter::new(req.stop.clone()),
         generated: 0,
+        fed: 0,
         pending: None,
         done: false,
+        spec,
         req,
-    };
-    let mut first = None;
-    let res = engine.prefill(seq, &a.req.prompt, &mut |logits| {
-        first = Some(a.sampler.sample(logits))
-    });
-    match res {
-        Ok(()) => {
-            metrics
-                .prompt_tokens
-                .fetch_add(a.req.prompt.len() as u64, Relaxed);
-            match first {
-                Some(t) => {
-                    let pos = engine.position(seq);
-                    take_token(&mut a, t, codec, codec.eos_ids(), pos, metrics, scratch);
-                }
-                None => fail(&mut a, "engine returned no logits for the prompt", metrics),
-            }
-        }
-        Err(e) => {
-            if matches!(e, EngineError::Device(_)) {
-                metrics.device_errors.fetch_add(1, Relaxed);
-            }
-            tracing::error!("prefill failed: {e}");
-            fail(&mut a, &e.to_string(), metrics);
-        }
-    }
-    if a.done {
-        engine.release(seq);
-        return None;
-    }
-    Some(a)
+    })
 }
 
 fn fail(a: &mut Active, msg: &str, _metrics: &Metrics) {
@@ -314,12 +571,11 @@ fn take_token(
     a: &mut Active,
     t: u32,
     codec: &dyn TextCodec,
-    eos: &[u32],
     pos: usize,
     metrics: &Metrics,
     scratch: &mut String,
 ) {
-    if eos.contains(&t) {
+    if !a.req.ignore_eos && codec.eos_ids().contains(&t) {
         a.pending = None;
         emit_finish(a, Finish::Stop, true, metrics, scratch);
         return;
@@ -343,7 +599,7 @@ fn take_token(
     }
 }
 
-fn finish(a: &mut Active, why: Finish, _eos: &[u32], metrics: &Metrics, scratch: &mut String) {
+fn finish(a: &mut Active, why: Finish, metrics: &Metrics, scratch: &mut String) {
     match why {
         Finish::Cancelled => {
             metrics.cancelled.fetch_add(1, Relaxed);

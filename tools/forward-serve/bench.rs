@@ -1,0 +1,261 @@
+//! `forward-serve --bench`: aggregate decode throughput of N concurrent greedy streams vs one
+//! stream, through the real engine thread and scheduler (the server's request path minus HTTP).
+//!
+//! Every stream asks for the same number of tokens with EOS ignored, so the two phases generate
+//! exactly the tokens they claim. Tokens/s are completion tokens over wall time from submission to
+//! the last `Done` (prefill included, as a client sees it).
+
+use super::engine::{Loaded, SamplerConfig, TextCodec};
+use super::metrics::Metrics;
+use super::scheduler::{self, Control, Event, GenRequest};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Distinct prompts, one per stream (cycled when there are more streams).
+pub const BENCH_PROMPTS: [&str; 16] = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "Water boils at a temperature of",
+    "In computer science, a linked list is",
+    "The quick brown fox",
+    "My favourite season of the year is",
+    "The main ingredients of bread are",
+    "A good night's sleep helps",
+    "The history of the Roman Empire began",
+    "Photosynthesis is the process by which",
+    "The best way to learn a new language is",
+    "Mount Everest is located in",
+    "The moon orbits the Earth every",
+];
+
+/// Bench settings.
+#[derive(Clone, Debug)]
+pub struct BenchSpec {
+    pub streams: usize,
+    pub tokens: usize,
+    /// Rounds of (one single stream, then all streams at once), alternated so that a change in
+    /// machine load hits both phases alike; medians are reported.
+    pub rounds: usize,
+}
+
+/// Bench result (also the `--json` shape).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchResult {
+    pub model: String,
+    pub streams: usize,
+    pub tokens_per_stream: usize,
+    pub rounds: usize,
+    /// Medians over the rounds: completion tokens / wall seconds, prefill included.
+    pub single_tok_s: f64,
+    pub concurrent_tok_s: f64,
+    /// `concurrent_tok_s / single_tok_s`.
+    pub speedup: f64,
+    /// Per round, for the spread.
+    pub single_runs_tok_s: Vec<f64>,
+    pub concurrent_runs_tok_s: Vec<f64>,
+    /// Medians of decode rows / decode-pass seconds (prefill excluded), from the server's metrics.
+    pub single_decode_tok_s: f64,
+    pub concurrent_decode_tok_s: f64,
+    /// Mean rows per decode pass in the concurrent phase.
+    pub concurrent_rows_per_pass: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("bench: {0}")]
+    Failed(String),
+    #[error("bench: could not start the engine thread: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn submit(
+    tx: &mpsc::Sender<GenRequest>,
+    codec: &dyn TextCodec,
+    metrics: &Metrics,
+    prompt: &str,
+    tokens: usize,
+) -> Result<mpsc::UnboundedReceiver<Event>, BenchError> {
+    let ids = codec
+        .prompt_tokens(prompt, false)
+        .map_err(|e| BenchError::Failed(e.to_string()))?;
+    let (etx, erx) = mpsc::unbounded_channel();
+    let req = GenRequest {
+        prompt: ids,
+        max_tokens: tokens,
+        sampling: SamplerConfig {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+        },
+        seed: 0,
+        stop: Vec::new(),
+        deadline: Instant::now() + Duration::from_secs(3600),
+        cancel: Arc::new(AtomicBool::new(false)),
+        events: etx,
+        speculate: None,
+        ignore_eos: true,
+    };
+    metrics
+        .queue_depth
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tx.blocking_send(req)
+        .map_err(|_| BenchError::Failed("the engine thread is gone".into()))?;
+    Ok(erx)
+}
+
+/// Wait for a stream's end; its completion tokens.
+fn drain(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<usize, BenchError> {
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Text(_) => {}
+            Event::Done {
+                completion_tokens, ..
+            } => return Ok(completion_tokens),
+            Event::Error(e) => return Err(BenchError::Failed(e)),
+        }
+    }
+    Err(BenchError::Failed("a stream ended without Done".into()))
+}
+
+/// Run `streams` prompts at once; (completion tokens, seconds).
+fn phase(
+    tx: &mpsc::Sender<GenRequest>,
+    codec: &dyn TextCodec,
+    metrics: &Metrics,
+    prompts: &[&str],
+    tokens: usize,
+) -> Result<(usize, f64), BenchError> {
+    let t0 = Instant::now();
+    let rxs = prompts
+        .iter()
+        .map(|p| submit(tx, codec, metrics, p, tokens))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut total = 0;
+    for rx in rxs {
+        total += drain(rx)?;
+    }
+    Ok((total, t0.elapsed().as_secs_f64()))
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// Decode rows, decode nanoseconds and passes so far.
+fn decode_counters(m: &Metrics) -> (u64, u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    (
+        m.decode_rows.load(Relaxed),
+        m.decode_nanos.load(Relaxed),
+        m.decode_passes.load(Relaxed),
+    )
+}
+
+pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> {
+    let streams = spec.streams.max(1);
+    let rounds = spec.rounds.max(1);
+    let codec = loaded.codec.clone();
+    let metrics = Arc::new(Metrics::default());
+    let control = Arc::new(Control::default());
+    let (tx, rx) = mpsc::channel(streams + 1);
+    let engine = scheduler::spawn(
+        loaded.engine,
+        codec.clone(),
+        rx,
+        streams,
+        metrics.clone(),
+        control,
+    )?;
+    let prompts: Vec<&str> = (0..streams)
+        .map(|i| BENCH_PROMPTS[i % BENCH_PROMPTS.len()])
+        .collect();
+    // One phase: (tok/s wall, decode tok/s, rows per pass).
+    let measure = |ps: &[&str]| -> Result<(f64, f64, f64), BenchError> {
+        let (r0, n0, p0) = decode_counters(&metrics);
+        let (n, secs) = phase(&tx, &*codec, &metrics, ps, spec.tokens)?;
+        if n != ps.len() * spec.tokens {
+            return Err(BenchError::Failed(format!(
+                "{n} tokens generated, {} expected",
+                ps.len() * spec.tokens
+            )));
+        }
+        let (r1, n1, p1) = decode_counters(&metrics);
+        let decode = (r1 - r0) as f64 / ((n1 - n0) as f64 / 1e9).max(1e-9);
+        let per_pass = (r1 - r0) as f64 / ((p1 - p0) as f64).max(1.0);
+        Ok((n as f64 / secs, decode, per_pass))
+    };
+    let result = (|| {
+        // Warm-up: fault the weights in and size every buffer.
+        phase(&tx, &*codec, &metrics, &prompts[..1], 4)?;
+        let (mut single, mut single_dec) = (Vec::new(), Vec::new());
+        let (mut conc, mut conc_dec, mut per_pass) = (Vec::new(), Vec::new(), Vec::new());
+        for r in 0..rounds {
+            let (t, d, _) = measure(&[prompts[r % prompts.len()]])?;
+            single.push(t);
+            single_dec.push(d);
+            let (t, d, p) = measure(&prompts)?;
+            conc.push(t);
+            conc_dec.push(d);
+            per_pass.push(p);
+        }
+        let (s, c) = (median(&single), median(&conc));
+        Ok(BenchResult {
+            model: codec.model_id().to_string(),
+            streams,
+            tokens_per_stream: spec.tokens,
+            rounds,
+            single_tok_s: s,
+            concurrent_tok_s: c,
+            speedup: c / s,
+            single_runs_tok_s: single,
+            concurrent_runs_tok_s: conc,
+            single_decode_tok_s: median(&single_dec),
+            concurrent_decode_tok_s: median(&conc_dec),
+            concurrent_rows_per_pass: median(&per_pass),
+        })
+    })();
+    drop(tx);
+    let _ = scheduler::join_within(engine, Duration::from_secs(60));
+    result
+}
+
+/// The human-readable table.
+pub fn table(r: &BenchResult) -> String {
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "forward-serve bench: {} — greedy streams of {} tokens (EOS ignored), {} rounds, medians\n\
+         | mode       | streams | tok/s (prefill incl.) | decode-only tok/s | per round            |\n\
+         |------------|---------|----------------------|-------------------|----------------------|\n\
+         | single     | 1       | {:>20.1} | {:>17.1} | {} |\n\
+         | concurrent | {:<7} | {:>20.1} | {:>17.1} | {} |\n\
+         speedup: {:.2}×   (concurrent rows per decode pass: {:.1})\n",
+        r.model,
+        r.tokens_per_stream,
+        r.rounds,
+        r.single_tok_s,
+        r.single_decode_tok_s,
+        list(&r.single_runs_tok_s),
+        r.streams,
+        r.concurrent_tok_s,
+        r.concurrent_decode_tok_s,
+        list(&r.concurrent_runs_tok_s),
+        r.speedup,
+        r.concurrent_rows_per_pass,
+    )
+}
