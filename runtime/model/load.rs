@@ -7,7 +7,7 @@
 //! be present; the error names every missing file.
 
 use super::config::ModelConfig;
-use super::forward::{Embedding, Family, LayerWeights, ModelWeights, Projection};
+use super::forward::{Embedding, Family, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::{self, HostExecutor, KernelSet, WeightMatrix};
 use crate::tiles::{self, WeightFormat};
@@ -365,7 +365,7 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
         } else {
             (None, None)
         };
-        layers.push(LayerWeights {
+        layers.push(Layer::Attention(LayerWeights {
             attn_norm: pkg.vector(&n("input_layernorm.weight"))?,
             qkv: Box::new(qkv),
             qkv_bias,
@@ -380,7 +380,7 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
             ffn_norm: pkg.vector(&n("post_attention_layernorm.weight"))?,
             gate_up: Box::new(gate_up),
             down: Box::new(down),
-        });
+        }));
     }
     let emb_name = pkg.embedding_name();
     let ev = pkg.matrix(emb_name, c.vocab, c.hidden)?;

@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod forward;
+pub mod gdn;
 pub mod gguf_config;
 pub mod gguf_lite;
 pub mod load;
@@ -13,10 +14,10 @@ pub mod reference;
 pub mod sample;
 pub mod text;
 
-pub use config::{ModelConfig, RopeScaling};
+pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use forward::{
-    BatchOutput, Family, Model, ModelWeights, PassStats, SequenceState, MAX_PREFILL_ROWS,
-    MAX_VERIFY_ROWS,
+    BatchOutput, Family, Layer, LayerStateView, Model, ModelWeights, PassStats, ReplayMode,
+    SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
 };
 
 /// Errors of the model layer.
