@@ -46,6 +46,10 @@ pub trait Projection: Send + Sync {
     /// Bytes of weights read by one pass over the matrix.
     fn weight_bytes(&self) -> usize;
     fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError>;
+    /// The tile format when the matrix runs on a per-shape kernel (for kernel-set checks).
+    fn tiled_format(&self) -> Option<crate::tiles::WeightFormat> {
+        None
+    }
 }
 
 /// The token embedding table, decoded one row at a time.

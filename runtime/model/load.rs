@@ -104,6 +104,9 @@ impl Projection for KernelProjection {
     fn weight_bytes(&self) -> usize {
         self.streamed
     }
+    fn tiled_format(&self) -> Option<WeightFormat> {
+        self.format.tile_bytes().map(|_| self.format)
+    }
     fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], _family: Family) -> Result<(), ModelError> {
         if self.exact {
             kernels::reference::gemm_reference(&self.matrix()?, x, m, y)?;
@@ -115,7 +118,7 @@ impl Projection for KernelProjection {
 }
 
 /// Borrow `data` (inside `pkg`'s mapping) for as long as `pkg` lives.
-fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
+pub(super) fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
     let _ = pkg;
     // SAFETY: `data` points into the package's read-only memory map, which is neither moved nor
     // unmapped while the `Package` lives; every holder of the returned slice (a KernelProjection or
@@ -123,7 +126,7 @@ fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
     unsafe { std::slice::from_raw_parts(data.as_ptr(), data.len()) }
 }
 
-fn projection(
+pub(super) fn projection(
     opts: &LoadOptions,
     pkg: &Arc<Package>,
     names: &[&str],
@@ -172,11 +175,11 @@ fn projection(
 /// Token embeddings decoded row by row from the package's matrix (no allocation per lookup for
 /// q8 / q4_1 tiles and plain formats).
 pub struct PackageEmbedding {
-    _pkg: Arc<Package>,
-    data: &'static [u8],
-    format: WeightFormat,
-    rows: usize,
-    cols: usize,
+    pub(super) _pkg: Arc<Package>,
+    pub(super) data: &'static [u8],
+    pub(super) format: WeightFormat,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
 }
 
 impl Embedding for PackageEmbedding {
@@ -257,7 +260,7 @@ fn opt_vector(pkg: &Package, name: &str) -> Result<Option<Vec<f32>>, ModelError>
 }
 
 /// Find the kernel set: the explicit directory, else `<package>/kernels` when present.
-fn kernel_dir(pkg: &Package, opts: &LoadOptions) -> Option<PathBuf> {
+pub(super) fn kernel_dir(pkg: &Package, opts: &LoadOptions) -> Option<PathBuf> {
     opts.kernels.clone().or_else(|| {
         let d = pkg.dir().join("kernels");
         d.is_dir().then_some(d)
@@ -292,6 +295,10 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
         Backend::Host => "host",
     };
     let backend = if opts.exact { "host-exact" } else { backend };
+    // Hybrid (Gated DeltaNet / gated attention) packages: runtime/model/load_hybrid.rs.
+    if c.has_recurrent() || c.attn_output_gate {
+        return super::load_hybrid::load(pkg, opts, c, backend);
+    }
     let (qd, kvd) = (c.q_dim(), c.kv_dim());
     let fused = pkg.fused();
     let mut layers = Vec::with_capacity(c.layers);

@@ -8,6 +8,7 @@ pub mod gdn;
 pub mod gguf_config;
 pub mod gguf_lite;
 pub mod load;
+pub mod load_hybrid;
 pub mod ops;
 pub mod perplexity;
 pub mod reference;
