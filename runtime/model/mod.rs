@@ -12,12 +12,14 @@ pub mod load_hybrid;
 pub mod ops;
 pub mod perplexity;
 pub mod reference;
+pub mod replay_check;
 pub mod sample;
 pub mod text;
 
 pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use forward::{
-    BatchOutput, Family, Layer, LayerStateView, Model, ModelWeights, PassStats, ReplayMode,
+    BatchOutput, CommitFault, Family, Layer, LayerStateView, Model, ModelWeights, PassStats,
+    ReplayMode,
     SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
 };
 
