@@ -585,7 +585,12 @@ fn commit_sequence_state(
                 .iter()
                 .map(|s| s.as_ref().map(|s| s.state.clone()))
                 .collect();
-            replay_recurrent(w, scratch, seq, n)?;
+            let rows = if fault == Some(CommitFault::ReplayOneFewer) {
+                n - 1
+            } else {
+                n
+            };
+            replay_recurrent(w, scratch, seq, rows)?;
             for (l, (slot, b)) in seq.recurrent.iter().zip(&batch).enumerate() {
                 if let (Some(slot), Some(b)) = (slot, b) {
                     let (ca, _) = gdn::max_diff(&slot.state.conv, &b.conv);
