@@ -14,11 +14,14 @@ enum Which {
     Gemm(super::bench_gemm::Args),
     /// Prefill and decode speed against the memory limit.
     Decode(super::bench_decode::Args),
+    /// Verify-pass cost for M = 1..16 rows vs one step, and commit cost (keep vs replay).
+    Verify(super::bench_verify::Args),
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
     match args.which {
         Which::Gemm(a) => super::bench_gemm::run(a),
         Which::Decode(a) => super::bench_decode::run(a),
+        Which::Verify(a) => super::bench_verify::run(a),
     }
 }
