@@ -187,7 +187,10 @@ fn contract_errors_and_failed_pass_keep_committed_recurrent_state() {
     let after: Vec<Vec<f32>> = (0..6)
         .filter_map(|l| m.state().layer_state(l)?.recurrent.map(<[f32]>::to_vec))
         .collect();
-    assert_eq!(at8, after, "a failed pass changed the committed recurrent state");
+    assert_eq!(
+        at8, after,
+        "a failed pass changed the committed recurrent state"
+    );
     m.recover();
     assert_eq!(m.position(), 8);
     // Truncate cannot rewind recurrent state: refused (a no-op truncate to P is fine).

@@ -276,7 +276,10 @@ impl ModelConfig {
         let half = self.rotary_dim / 2;
         (0..half)
             .map(|j| {
-                let freq = 1.0 / self.rope_theta.powf((2 * j) as f64 / self.rotary_dim as f64);
+                let freq = 1.0
+                    / self
+                        .rope_theta
+                        .powf((2 * j) as f64 / self.rotary_dim as f64);
                 match self.rope_scaling {
                     RopeScaling::None => freq,
                     RopeScaling::Linear { factor } => freq / factor,

@@ -202,7 +202,12 @@ impl ModelWeights {
                         cd + vd,
                         c.hidden,
                     )?;
-                    check(format!("layer {i} in_proj_b‖a"), &*g.in_ba, 2 * hv, c.hidden)?;
+                    check(
+                        format!("layer {i} in_proj_b‖a"),
+                        &*g.in_ba,
+                        2 * hv,
+                        c.hidden,
+                    )?;
                     check(format!("layer {i} out_proj"), &*g.out, c.hidden, vd)?;
                     let vecs = [
                         ("input_layernorm", &l.attn_norm, c.hidden),
@@ -550,7 +555,6 @@ impl SequenceState {
         }
         Ok(())
     }
-
 }
 
 /// The GDN dimensions of a config that has recurrent layers.
@@ -752,11 +756,7 @@ impl Model {
         let seq = SequenceState::new(&c, run_layers, ctx)?;
         let r = MAX_PREFILL_ROWS;
         let half = c.rotary_dim / 2;
-        let gated = if c.attn_output_gate {
-            r * c.q_dim()
-        } else {
-            0
-        };
+        let gated = if c.attn_output_gate { r * c.q_dim() } else { 0 };
         let (gdn_proj, gdn_ba, gdn_y, gdn) = match (&c.linear, c.has_recurrent()) {
             (Some(d), true) => (
                 r * (d.conv_dim() + d.value_dim()),
@@ -1222,15 +1222,13 @@ impl Model {
                                 let at = i * qd + h * hd;
                                 s.q_compact[at..at + hd]
                                     .copy_from_slice(&row[h * q_stride..h * q_stride + hd]);
-                                s.gate[at..at + hd].copy_from_slice(
-                                    &row[h * q_stride + hd..(h + 1) * q_stride],
-                                );
+                                s.gate[at..at + hd]
+                                    .copy_from_slice(&row[h * q_stride + hd..(h + 1) * q_stride]);
                             }
                         }
                         let seq = &mut *segments[s.row_segment[i]].seq;
                         let p = s.row_position[i];
-                        seq.k_cache[l][p * kvd..(p + 1) * kvd]
-                            .copy_from_slice(&row[qr..qr + kvd]);
+                        seq.k_cache[l][p * kvd..(p + 1) * kvd].copy_from_slice(&row[qr..qr + kvd]);
                         seq.v_cache[l][p * kvd..(p + 1) * kvd]
                             .copy_from_slice(&row[qr + kvd..qkvn]);
                     }

@@ -103,6 +103,7 @@ fn l2norm_scaled(x: &mut [f32], scale: f32) {
 /// One token through a GDN layer: updates `st` (conv window and recurrent state) from `mixed`
 /// (`conv_dim`) and `ba` (`2 Hv`: b then a). With `out = Some((z, y))` also writes the gated,
 /// normed output `y` (`value_dim`) using `z` (`value_dim`); replay passes `None`.
+#[allow(clippy::too_many_arguments)] // the layer's inputs, state and scratch, all distinct
 pub fn step(
     d: &LinearAttnConfig,
     w: &GdnWeights,

@@ -211,7 +211,11 @@ pub fn synthetic_kernel_keys(c: &ModelConfig, f: WeightFormat) -> Vec<KernelKey>
     shapes.push((c.q_dim(), h));
     let mut keys: Vec<KernelKey> = [16u32, 128]
         .into_iter()
-        .flat_map(|fam| shapes.iter().map(move |&(k, n)| KernelKey::gemm(f, fam, k, n)))
+        .flat_map(|fam| {
+            shapes
+                .iter()
+                .map(move |&(k, n)| KernelKey::gemm(f, fam, k, n))
+        })
         .collect();
     keys.sort();
     keys.dedup();
@@ -456,16 +460,20 @@ pub fn write_synthetic(dir: &Path, o: &SynthOptions) -> Result<ModelConfig, Mode
     let mut meta = BTreeMap::new();
     meta.insert("xdna.scale_type".to_string(), "f16".to_string());
     meta.insert("xdna.order".to_string(), "column_major".to_string());
-    meta.insert("xdna.source".to_string(), format!("synthetic seed {}", o.seed));
+    meta.insert(
+        "xdna.source".to_string(),
+        format!("synthetic seed {}", o.seed),
+    );
     let tiled = |rows: usize| rows % tiles::TILE_ROWS == 0;
     for (name, t) in &tensors {
         match t {
             Synth::Matrix { rows, cols } if tiled(*rows) => {
-                let bytes = SYNTH_FORMAT
-                    .matrix_bytes(*rows, *cols)
-                    .map_err(|e| ModelError::Shape {
-                        what: format!("{name}: {e}"),
-                    })?;
+                let bytes =
+                    SYNTH_FORMAT
+                        .matrix_bytes(*rows, *cols)
+                        .map_err(|e| ModelError::Shape {
+                            what: format!("{name}: {e}"),
+                        })?;
                 let tb = tiles::Q8_TILE_BYTES;
                 decl.push(Declared {
                     name: name.clone(),

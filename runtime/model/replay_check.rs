@@ -105,7 +105,10 @@ fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
 
 /// One 1-row pass + commit on `seq`; returns the logits.
 fn step_seq(m: &mut Model, seq: &mut SequenceState, t: u32) -> Result<Vec<f32>, ModelError> {
-    let l = m.step_sequences(&mut [(&mut *seq, &[t][..])])?.logits(0).to_vec();
+    let l = m
+        .step_sequences(&mut [(&mut *seq, &[t][..])])?
+        .logits(0)
+        .to_vec();
     m.commit_sequence(seq, 1)?;
     Ok(l)
 }

@@ -84,9 +84,7 @@ fn run(a: &Args) -> Result<bool, String> {
             .collect::<Result<_, _>>()?,
         None => {
             let mut rng = xdna::model::sample::Rng::new(a.seed);
-            (0..need)
-                .map(|_| (rng.next_u64() % vocab) as u32)
-                .collect()
+            (0..need).map(|_| (rng.next_u64() % vocab) as u32).collect()
         }
     };
     let mode = match a.mode.as_str() {
@@ -105,7 +103,11 @@ fn run(a: &Args) -> Result<bool, String> {
         None => None,
         Some("replay-fewer") => Some(CommitFault::ReplayOneFewer),
         Some("keep-batch") => Some(CommitFault::KeepBatchState),
-        Some(f) => return Err(format!("--fault {f:?}: expected replay-fewer or keep-batch")),
+        Some(f) => {
+            return Err(format!(
+                "--fault {f:?}: expected replay-fewer or keep-batch"
+            ))
+        }
     };
     let report = replay_check::run(
         w,

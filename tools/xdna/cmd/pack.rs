@@ -99,7 +99,9 @@ fn synth(a: SynthArgs) -> xdna::Result<()> {
         kv_heads: a.kv_heads.unwrap_or(d.kv_heads),
         head_dim: a.head_dim.unwrap_or(d.head_dim),
         vocab: a.vocab.unwrap_or(d.vocab),
-        full_attention_interval: a.full_attention_interval.unwrap_or(d.full_attention_interval),
+        full_attention_interval: a
+            .full_attention_interval
+            .unwrap_or(d.full_attention_interval),
         linear_key_heads: a.linear_key_heads.unwrap_or(d.linear_key_heads),
         linear_value_heads: a.linear_value_heads.unwrap_or(d.linear_value_heads),
         linear_key_head_dim: a.linear_key_head_dim.unwrap_or(d.linear_key_head_dim),
