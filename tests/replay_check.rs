@@ -207,3 +207,55 @@ fn zero_draft_rounds_keep_every_layer_state() {
         }
     }
 }
+
+/// The binaries: `xdna pack synth` writes a loadable package with its kernel set, and
+/// `replay-check` exits 0 / 1 with a JSON verdict, honours NPU_COMMIT_FULL_REPLAY, and under
+/// NPU_REPLAY_CHECK turns a broken replay into an error (exit 2) naming the layer.
+#[test]
+fn replay_check_binary_exit_codes_and_env_modes() {
+    let dir = std::env::temp_dir().join(format!("xdna_replay_{}_cli", std::process::id()));
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_xdna"))
+        .args(["pack", "synth", "--arch", "qwen3_5", "--seed", "3", "-o"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert!(dir.join("kernels/shapes.txt").exists());
+    let run = |env: &[(&str, &str)], extra: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_replay-check"));
+        c.arg("--model")
+            .arg(&dir)
+            .args(["--max-m", "5", "--json"])
+            .args(extra)
+            .env_remove("NPU_REPLAY_CHECK")
+            .env_remove("NPU_COMMIT_FULL_REPLAY");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        (
+            o.status.code(),
+            v,
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (code, v, _) = run(&[], &[]);
+    assert_eq!(code, Some(0));
+    assert_eq!(v["verdict"], "pass");
+    assert_eq!(v["cases"], 15);
+    assert_eq!(v["layers"].as_array().unwrap().len(), 6);
+    let (code, v, _) = run(&[], &["--fault", "keep-batch"]);
+    assert_eq!((code, v["verdict"].as_str()), (Some(1), Some("fail")));
+    let (code, v, _) = run(&[("NPU_COMMIT_FULL_REPLAY", "1")], &[]);
+    assert_eq!((code, v["full_replay"].as_bool()), (Some(0), Some(true)));
+    let (code, _, err) = run(
+        &[("NPU_COMMIT_FULL_REPLAY", "1")],
+        &["--fault", "replay-fewer"],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    let (code, _, err) = run(&[("NPU_REPLAY_CHECK", "1")], &["--fault", "replay-fewer"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("NPU_REPLAY_CHECK: layer 0"), "{err}");
+}

@@ -31,9 +31,9 @@ struct Args {
     /// Largest pass size.
     #[arg(long, default_value_t = 16)]
     max_m: usize,
-    /// Commit mode: keep (batch state on full acceptance), check (NPU_REPLAY_CHECK), full
-    /// (NPU_COMMIT_FULL_REPLAY: always restore + replay).
-    #[arg(long, default_value = "keep")]
+    /// Commit mode: env (from NPU_REPLAY_CHECK / NPU_COMMIT_FULL_REPLAY), keep (batch state on
+    /// full acceptance), check (also replay and compare), full (always restore + replay).
+    #[arg(long, default_value = "env")]
     mode: String,
     /// Largest accepted difference relative to the compared quantity's magnitude.
     #[arg(long, default_value_t = 1e-3)]
@@ -88,6 +88,7 @@ fn run(a: &Args) -> Result<bool, String> {
         }
     };
     let mode = match a.mode.as_str() {
+        "env" => ReplayMode::from_env(),
         "keep" => ReplayMode::default(),
         "check" => ReplayMode {
             check: true,
@@ -97,7 +98,7 @@ fn run(a: &Args) -> Result<bool, String> {
             check: false,
             full_replay: true,
         },
-        m => return Err(format!("--mode {m:?}: expected keep, check or full")),
+        m => return Err(format!("--mode {m:?}: expected env, keep, check or full")),
     };
     let fault = match a.fault.as_deref() {
         None => None,
@@ -125,6 +126,8 @@ fn run(a: &Args) -> Result<bool, String> {
         let v = serde_json::json!({
             "model": path.display().to_string(),
             "mode": a.mode,
+            "replay_check": mode.check,
+            "full_replay": mode.full_replay,
             "verdict": report.verdict,
             "cases": report.cases,
             "tolerance": report.tolerance,
