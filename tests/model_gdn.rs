@@ -243,3 +243,43 @@ fn synthetic_llama_loads_and_is_deterministic() {
     let l = m.prefill(&[256, 1, 2, 3]).unwrap();
     assert!(l.iter().all(|v| v.is_finite()));
 }
+
+/// Two hybrid sequences in one `step_sequences` pass (as the server batches them), partial
+/// commits on both: each ends exactly where its own sequential steps end.
+#[test]
+fn two_sequences_in_one_pass_keep_separate_recurrent_state() {
+    let (_, mut m) = hybrid_model(false, 64);
+    let (pa, pb) = (&TOKENS[..5], &TOKENS[10..13]);
+    let mut a = m.new_sequence(64).unwrap();
+    let mut b = m.new_sequence(64).unwrap();
+    let mut noop = |_: usize, _: &[f32]| {};
+    m.prefill_sequence(&mut a, pa, usize::MAX, &mut noop)
+        .unwrap();
+    m.prefill_sequence(&mut b, pb, usize::MAX, &mut noop)
+        .unwrap();
+    let (da, db) = (&TOKENS[5..9], &TOKENS[13..16]);
+    let out = m.step_sequences(&mut [(&mut a, da), (&mut b, db)]).unwrap();
+    assert_eq!(out.rows(), 7);
+    let row_b1 = out.logits(5).to_vec();
+    m.commit_sequence(&mut a, 1).unwrap();
+    m.commit_sequence(&mut b, 2).unwrap();
+    // Sequential references.
+    let mut ra = m.new_sequence(64).unwrap();
+    let mut rb = m.new_sequence(64).unwrap();
+    m.prefill_sequence(&mut ra, &TOKENS[..6], usize::MAX, &mut noop)
+        .unwrap();
+    m.prefill_sequence(&mut rb, &TOKENS[10..14], usize::MAX, &mut noop)
+        .unwrap();
+    let l = m.step_sequences(&mut [(&mut rb, &TOKENS[14..15])]).unwrap();
+    assert_eq!(l.logits(0), &row_b1[..]);
+    m.commit_sequence(&mut rb, 1).unwrap();
+    for (got, want) in [(&a, &ra), (&b, &rb)] {
+        assert_eq!(got.position(), want.position());
+        for l in 0..6 {
+            let (g, w) = (got.layer_state(l).unwrap(), want.layer_state(l).unwrap());
+            assert_eq!(g.recurrent, w.recurrent, "layer {l}");
+            assert_eq!(g.conv, w.conv, "layer {l}");
+            assert_eq!(g.keys, w.keys, "layer {l}");
+        }
+    }
+}
