@@ -48,12 +48,86 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// What each layer's token mixer is (all `Attention` for Llama-family models).
+    pub layer_kinds: Vec<LayerKind>,
+    /// Gated DeltaNet dimensions (hybrid models only).
+    pub linear: Option<LinearAttnConfig>,
+    /// q_proj also emits a per-head output gate: `attn_out ⊙ sigmoid(gate)` (Qwen3-Next / 3.5).
+    pub attn_output_gate: bool,
+    /// Dimensions of each head that RoPE rotates (`head_dim · partial_rotary_factor`).
+    pub rotary_dim: usize,
+    /// The checkpoint's RMSNorm weights are zero-centred (`x · (1 + w)`, Qwen3-Next / 3.5); the
+    /// loader adds 1 so the forward uses plain `x · w`. The gated norm inside GDN is not.
+    pub zero_centered_norms: bool,
+}
+
+/// The token mixer of one decoder layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Softmax attention over the KV cache.
+    Attention,
+    /// Gated DeltaNet (recurrent state + short causal convolution).
+    Linear,
+}
+
+/// Gated DeltaNet dimensions (`linear_*` fields of `config.json`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinearAttnConfig {
+    /// `linear_num_key_heads` (Hk): q/k heads.
+    pub key_heads: usize,
+    /// `linear_num_value_heads` (Hv): v heads, one recurrent state each.
+    pub value_heads: usize,
+    /// `linear_key_head_dim` (d_k).
+    pub key_head_dim: usize,
+    /// `linear_value_head_dim` (d_v).
+    pub value_head_dim: usize,
+    /// `linear_conv_kernel_dim` (K): the causal convolution's width.
+    pub conv_kernel: usize,
+}
+
+impl LinearAttnConfig {
+    pub fn key_dim(&self) -> usize {
+        self.key_heads * self.key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.value_heads * self.value_head_dim
+    }
+    /// Channels of the short convolution: q ‖ k ‖ v.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Floats of one layer's recurrent state: `Hv × d_k × d_v`.
+    pub fn state_len(&self) -> usize {
+        self.value_heads * self.key_head_dim * self.value_head_dim
+    }
+    /// Floats of one layer's conv state: the last `K − 1` inputs.
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+    }
 }
 
 impl ModelConfig {
-    /// Rows of the fused QKV projection: q rows, then k, then v.
+    /// Rows of the fused QKV projection: q rows (per head `[q, gate]` when gated), then k, then v.
     pub fn qkv_rows(&self) -> usize {
-        (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.q_rows() + 2 * self.kv_heads * self.head_dim
+    }
+
+    /// Rows the q projection emits: `heads × head_dim`, doubled when it carries the output gate.
+    pub fn q_rows(&self) -> usize {
+        self.q_dim() * if self.attn_output_gate { 2 } else { 1 }
+    }
+
+    /// Whether any layer is recurrent (Gated DeltaNet).
+    pub fn has_recurrent(&self) -> bool {
+        self.layer_kinds.contains(&LayerKind::Linear)
+    }
+
+    /// The mixer of layer `l`.
+    pub fn layer_kind(&self, l: usize) -> LayerKind {
+        self.layer_kinds
+            .get(l)
+            .copied()
+            .unwrap_or(LayerKind::Attention)
     }
 
     /// Width of the attention output (input of o_proj).
@@ -71,7 +145,16 @@ impl ModelConfig {
         let f = Fields { v, file };
         let model_type = f.opt_str("model_type")?.unwrap_or("llama").to_string();
         let known = [
-            "llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "smollm3",
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "smollm",
+            "smollm2",
+            "smollm3",
+            "qwen3_5",
+            "qwen3_5_text",
+            "qwen3_next",
         ];
         if !known.contains(&model_type.as_str()) {
             return Err(ModelError::Unsupported {
@@ -104,16 +187,62 @@ impl ModelConfig {
             Some(s) => parse_rope_scaling(s, file)?,
         };
         let is_qwen2 = model_type == "qwen2";
+        let hybrid = matches!(
+            model_type.as_str(),
+            "qwen3_5" | "qwen3_5_text" | "qwen3_next"
+        );
         let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        let layers = f.usize("num_hidden_layers")?;
+        let (layer_kinds, linear) = if hybrid {
+            parse_hybrid_layers(&f, layers)?
+        } else {
+            (vec![LayerKind::Attention; layers], None)
+        };
+        // Qwen3.5 nests rope fields in `rope_parameters`; Qwen3-Next has them at the top level.
+        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
+        let partial = match f.opt_f64("partial_rotary_factor")? {
+            Some(p) => p,
+            None => match rope_params {
+                Some(p) => Fields { v: p, file }
+                    .opt_f64("partial_rotary_factor")?
+                    .unwrap_or(1.0),
+                None => {
+                    if hybrid {
+                        0.25
+                    } else {
+                        1.0
+                    }
+                }
+            },
+        };
+        if !(partial > 0.0 && partial <= 1.0) {
+            return Err(f.bad("partial_rotary_factor", "a number in (0, 1]"));
+        }
+        let rotary_dim = (head_dim as f64 * partial).round() as usize;
+        if rotary_dim == 0 || rotary_dim % 2 != 0 {
+            return Err(f.bad(
+                "partial_rotary_factor",
+                "a factor giving an even, non-zero number of rotated dimensions",
+            ));
+        }
+        let rope_theta = match f.opt_f64("rope_theta")? {
+            Some(t) => t,
+            None => match rope_params {
+                Some(p) => Fields { v: p, file }
+                    .opt_f64("rope_theta")?
+                    .unwrap_or(10000.0),
+                None => 10000.0,
+            },
+        };
         let cfg = ModelConfig {
             hidden,
             intermediate: f.usize("intermediate_size")?,
-            layers: f.usize("num_hidden_layers")?,
+            layers,
             heads,
             kv_heads,
             head_dim,
             rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
-            rope_theta: f.opt_f64("rope_theta")?.unwrap_or(10000.0),
+            rope_theta,
             rope_scaling,
             vocab: f.usize("vocab_size")?,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
@@ -121,7 +250,12 @@ impl ModelConfig {
             qkv_bias: is_qwen2 || attention_bias,
             o_bias: attention_bias,
             mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
-            qk_norm: model_type == "qwen3",
+            qk_norm: model_type == "qwen3" || hybrid,
+            layer_kinds,
+            linear,
+            attn_output_gate: hybrid && f.opt_bool("attn_output_gate")?.unwrap_or(true),
+            rotary_dim,
+            zero_centered_norms: hybrid,
             model_type,
         };
         for (name, val) in [
@@ -137,12 +271,15 @@ impl ModelConfig {
         Ok(cfg)
     }
 
-    /// Inverse frequencies of the rotary embedding (`head_dim / 2` values), scaling applied.
+    /// Inverse frequencies of the rotary embedding (`rotary_dim / 2` values), scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
-        let half = self.head_dim / 2;
+        let half = self.rotary_dim / 2;
         (0..half)
             .map(|j| {
-                let freq = 1.0 / self.rope_theta.powf((2 * j) as f64 / self.head_dim as f64);
+                let freq = 1.0
+                    / self
+                        .rope_theta
+                        .powf((2 * j) as f64 / self.rotary_dim as f64);
                 match self.rope_scaling {
                     RopeScaling::None => freq,
                     RopeScaling::Linear { factor } => freq / factor,
@@ -169,6 +306,73 @@ impl ModelConfig {
             })
             .collect()
     }
+}
+
+/// `layer_types` (or `full_attention_interval`) and the `linear_*` dimensions of a hybrid model.
+fn parse_hybrid_layers(
+    f: &Fields<'_>,
+    layers: usize,
+) -> Result<(Vec<LayerKind>, Option<LinearAttnConfig>), ModelError> {
+    let kinds = match f.v.get("layer_types") {
+        Some(Value::Array(a)) => {
+            if a.len() != layers {
+                return Err(f.bad("layer_types", "one entry per hidden layer"));
+            }
+            a.iter()
+                .map(|t| match t.as_str() {
+                    Some("linear_attention") => Ok(LayerKind::Linear),
+                    Some("full_attention") => Ok(LayerKind::Attention),
+                    _ => Err(f.bad(
+                        "layer_types",
+                        "entries \"linear_attention\" or \"full_attention\"",
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        None | Some(Value::Null) => {
+            let every = f.opt_usize("full_attention_interval")?.unwrap_or(4);
+            if every == 0 {
+                return Err(f.bad("full_attention_interval", "a positive integer"));
+            }
+            (0..layers)
+                .map(|i| {
+                    if (i + 1) % every == 0 {
+                        LayerKind::Attention
+                    } else {
+                        LayerKind::Linear
+                    }
+                })
+                .collect()
+        }
+        Some(_) => return Err(f.bad("layer_types", "an array")),
+    };
+    let lin = LinearAttnConfig {
+        key_heads: f.usize("linear_num_key_heads")?,
+        value_heads: f.usize("linear_num_value_heads")?,
+        key_head_dim: f.usize("linear_key_head_dim")?,
+        value_head_dim: f.usize("linear_value_head_dim")?,
+        conv_kernel: f.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+    };
+    for (name, val) in [
+        ("linear_num_key_heads", lin.key_heads),
+        ("linear_num_value_heads", lin.value_heads),
+        ("linear_key_head_dim", lin.key_head_dim),
+        ("linear_value_head_dim", lin.value_head_dim),
+    ] {
+        if val == 0 {
+            return Err(f.bad(name, "a positive integer"));
+        }
+    }
+    if lin.value_heads % lin.key_heads != 0 {
+        return Err(f.bad(
+            "linear_num_value_heads",
+            "a multiple of linear_num_key_heads",
+        ));
+    }
+    if lin.conv_kernel < 2 {
+        return Err(f.bad("linear_conv_kernel_dim", "at least 2"));
+    }
+    Ok((kinds, Some(lin)))
 }
 
 fn parse_rope_scaling(s: &Value, file: &str) -> Result<RopeScaling, ModelError> {

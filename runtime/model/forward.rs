@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use super::config::ModelConfig;
+use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
+use super::gdn::{self, GdnScratch, GdnState, GdnWeights};
 use super::ops;
 use super::ModelError;
 
@@ -45,6 +46,10 @@ pub trait Projection: Send + Sync {
     /// Bytes of weights read by one pass over the matrix.
     fn weight_bytes(&self) -> usize;
     fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError>;
+    /// The tile format when the matrix runs on a per-shape kernel (for kernel-set checks).
+    fn tiled_format(&self) -> Option<crate::tiles::WeightFormat> {
+        None
+    }
 }
 
 /// The token embedding table, decoded one row at a time.
@@ -52,7 +57,7 @@ pub trait Embedding: Send + Sync {
     fn row(&self, token: u32, out: &mut [f32]) -> Result<(), ModelError>;
 }
 
-/// Weights of one attention layer.
+/// Weights of one full-attention decoder layer (the Llama family's only kind).
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     /// Fused q‖k‖v, `[(heads + 2 kv_heads) head_dim, hidden]`, HF half-split rotary layout.
@@ -60,6 +65,7 @@ pub struct LayerWeights {
     pub qkv_bias: Option<Vec<f32>>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// Input `heads × head_dim`; with an output gate the fused q rows are per head `[q, gate]`.
     pub o: Box<dyn Projection>,
     pub o_bias: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
@@ -68,10 +74,60 @@ pub struct LayerWeights {
     pub down: Box<dyn Projection>,
 }
 
+/// Weights of one Gated DeltaNet decoder layer (hybrid models).
+pub struct LinearLayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub gdn: GdnWeights,
+    pub ffn_norm: Vec<f32>,
+    pub gate_up: Box<dyn Projection>,
+    pub down: Box<dyn Projection>,
+}
+
+/// One decoder layer: its token mixer decides what state it keeps.
+pub enum Layer {
+    /// Softmax attention: KV cache, rolled back by truncation.
+    Attention(LayerWeights),
+    /// Gated DeltaNet: conv window + recurrent state, rolled back by snapshot and replay.
+    Linear(LinearLayerWeights),
+}
+
+impl Layer {
+    pub fn kind(&self) -> LayerKind {
+        match self {
+            Layer::Attention(_) => LayerKind::Attention,
+            Layer::Linear(_) => LayerKind::Linear,
+        }
+    }
+    fn attn_norm(&self) -> &[f32] {
+        match self {
+            Layer::Attention(l) => &l.attn_norm,
+            Layer::Linear(l) => &l.attn_norm,
+        }
+    }
+    fn ffn(&self) -> (&[f32], &dyn Projection, &dyn Projection) {
+        match self {
+            Layer::Attention(l) => (&l.ffn_norm, &*l.gate_up, &*l.down),
+            Layer::Linear(l) => (&l.ffn_norm, &*l.gate_up, &*l.down),
+        }
+    }
+    fn projections(&self) -> Vec<&dyn Projection> {
+        match self {
+            Layer::Attention(l) => vec![&*l.qkv, &*l.o, &*l.gate_up, &*l.down],
+            Layer::Linear(l) => vec![
+                &*l.gdn.in_qkvz,
+                &*l.gdn.in_ba,
+                &*l.gdn.out,
+                &*l.gate_up,
+                &*l.down,
+            ],
+        }
+    }
+}
+
 /// Everything the fast forward needs.
 pub struct ModelWeights {
     pub config: ModelConfig,
-    pub layers: Vec<LayerWeights>,
+    pub layers: Vec<Layer>,
     pub final_norm: Vec<f32>,
     pub embed: Box<dyn Embedding>,
     /// Separate lm_head, or the embedding matrix itself when tied.
@@ -86,12 +142,8 @@ impl ModelWeights {
         let per_layer: usize = self
             .layers
             .iter()
-            .map(|l| {
-                l.qkv.weight_bytes()
-                    + l.o.weight_bytes()
-                    + l.gate_up.weight_bytes()
-                    + l.down.weight_bytes()
-            })
+            .flat_map(|l| l.projections())
+            .map(|p| p.weight_bytes())
             .sum();
         per_layer + self.lm_head.weight_bytes()
     }
@@ -120,21 +172,66 @@ impl ModelWeights {
                 ),
             });
         }
-        for (i, l) in self.layers.iter().enumerate() {
-            check(format!("layer {i} qkv"), &*l.qkv, c.qkv_rows(), c.hidden)?;
-            check(format!("layer {i} o_proj"), &*l.o, c.hidden, c.q_dim())?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if layer.kind() != c.layer_kind(i) {
+                return Err(ModelError::Shape {
+                    what: format!(
+                        "layer {i} loaded as {:?}, config says {:?}",
+                        layer.kind(),
+                        c.layer_kind(i)
+                    ),
+                });
+            }
+            let (_, gate_up, down) = layer.ffn();
             check(
                 format!("layer {i} gate_up"),
-                &*l.gate_up,
+                gate_up,
                 2 * c.intermediate,
                 c.hidden,
             )?;
-            check(
-                format!("layer {i} down"),
-                &*l.down,
-                c.hidden,
-                c.intermediate,
-            )?;
+            check(format!("layer {i} down"), down, c.hidden, c.intermediate)?;
+            let l = match layer {
+                Layer::Attention(l) => l,
+                Layer::Linear(l) => {
+                    let d = linear_dims(c)?;
+                    let g = &l.gdn;
+                    let (cd, vd, hv) = (d.conv_dim(), d.value_dim(), d.value_heads);
+                    check(
+                        format!("layer {i} in_proj_qkv‖z"),
+                        &*g.in_qkvz,
+                        cd + vd,
+                        c.hidden,
+                    )?;
+                    check(
+                        format!("layer {i} in_proj_b‖a"),
+                        &*g.in_ba,
+                        2 * hv,
+                        c.hidden,
+                    )?;
+                    check(format!("layer {i} out_proj"), &*g.out, c.hidden, vd)?;
+                    let vecs = [
+                        ("input_layernorm", &l.attn_norm, c.hidden),
+                        ("post_attention_layernorm", &l.ffn_norm, c.hidden),
+                        ("conv1d", &g.conv, cd * d.conv_kernel),
+                        ("dt_bias", &g.dt_bias, hv),
+                        ("A_log", &g.a_log, hv),
+                        ("norm", &g.norm, d.value_head_dim),
+                    ];
+                    for (name, v, n) in vecs {
+                        if v.len() != n {
+                            return Err(ModelError::Shape {
+                                what: format!(
+                                    "layer {i} {name}: expected {n} values, got {}",
+                                    v.len()
+                                ),
+                            });
+                        }
+                    }
+                    continue;
+                }
+            };
+            check(format!("layer {i} qkv"), &*l.qkv, c.qkv_rows(), c.hidden)?;
+            check(format!("layer {i} o_proj"), &*l.o, c.hidden, c.q_dim())?;
             let vecs = [
                 ("input_layernorm", Some(&l.attn_norm), c.hidden),
                 ("post_attention_layernorm", Some(&l.ffn_norm), c.hidden),
@@ -221,16 +318,79 @@ pub struct PassStats {
     pub m128_rows: u64,
 }
 
-/// The decoding state of one sequence: its KV cache, committed position `P` and pending pass.
+/// How `commit_verify_rows` treats recurrent layers (see `docs/model.md`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplayMode {
+    /// On full acceptance also restore + replay and compare with the batch state
+    /// (`NPU_REPLAY_CHECK=1`); a disagreement fails the commit naming the layer.
+    pub check: bool,
+    /// Always restore the snapshot and replay, even on full acceptance
+    /// (`NPU_COMMIT_FULL_REPLAY=1`).
+    pub full_replay: bool,
+}
+
+impl ReplayMode {
+    /// From `NPU_REPLAY_CHECK` and `NPU_COMMIT_FULL_REPLAY` (`1` / `true` turn them on).
+    pub fn from_env() -> Self {
+        let on = |k: &str| {
+            std::env::var(k)
+                .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+                .unwrap_or(false)
+        };
+        ReplayMode {
+            check: on("NPU_REPLAY_CHECK"),
+            full_replay: on("NPU_COMMIT_FULL_REPLAY"),
+        }
+    }
+}
+
+/// Deliberately wrong commits, for proving that `replay-check` and the tests catch them.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitFault {
+    /// Replay one accepted row too few.
+    ReplayOneFewer,
+    /// After a partial acceptance keep the batch's recurrent state (no restore, no replay).
+    KeepBatchState,
+}
+
+/// Recurrent state of one GDN layer of one sequence, with what a rollback needs.
+#[derive(Default)]
+struct RecurrentSlot {
+    state: GdnState,
+    /// The state at `P` before the pending pass.
+    snapshot: GdnState,
+    /// Replay inputs recorded by the pass, per row: `mixed` (conv input) ‖ b ‖ a.
+    tape: Vec<f32>,
+}
+
+/// Read-only view of one layer's state (for `replay-check` and tests).
+pub struct LayerStateView<'a> {
+    /// Keys / values of positions `0..P` (attention layers).
+    pub keys: Option<&'a [f32]>,
+    pub values: Option<&'a [f32]>,
+    /// The conv window (last K − 1 inputs, oldest first) and the recurrent state `[Hv, d_k, d_v]`
+    /// (GDN layers).
+    pub conv: Option<&'a [f32]>,
+    pub recurrent: Option<&'a [f32]>,
+}
+
+/// The decoding state of one sequence: its KV cache, recurrent state, committed position `P` and
+/// pending pass.
 ///
 /// A [`Model`] owns one (the state its single-sequence methods use); a server keeps one per active
 /// request and runs several of them in one batched pass with [`Model::step_sequences`].
 #[derive(Default)]
 pub struct SequenceState {
     ctx: usize,
-    /// Per layer `[ctx, kv_heads, head_dim]`.
+    kv_dim: usize,
+    /// Per layer `[ctx, kv_heads, head_dim]` (empty for GDN layers).
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
+    /// Per layer: GDN state (None for attention layers).
+    recurrent: Vec<Option<RecurrentSlot>>,
+    /// Floats per row of a slot's tape.
+    tape_stride: usize,
     pos: usize,
     pending: Pending,
 }
@@ -246,13 +406,90 @@ impl SequenceState {
             });
         }
         let kvd = config.kv_dim();
+        let is_attn = |l: usize| config.layer_kind(l) == LayerKind::Attention;
+        let kv = |l: usize| {
+            if is_attn(l) {
+                vec![0.0; ctx * kvd]
+            } else {
+                Vec::new()
+            }
+        };
+        let mut tape_stride = 0;
+        let mut recurrent = Vec::with_capacity(layers);
+        for l in 0..layers {
+            if is_attn(l) {
+                recurrent.push(None);
+                continue;
+            }
+            let d = linear_dims(config)?;
+            tape_stride = d.conv_dim() + 2 * d.value_heads;
+            recurrent.push(Some(RecurrentSlot {
+                state: GdnState::zeros(d),
+                snapshot: GdnState::zeros(d),
+                tape: vec![0.0; MAX_VERIFY_ROWS * tape_stride],
+            }));
+        }
         Ok(SequenceState {
             ctx,
-            k_cache: (0..layers).map(|_| vec![0.0; ctx * kvd]).collect(),
-            v_cache: (0..layers).map(|_| vec![0.0; ctx * kvd]).collect(),
+            kv_dim: kvd,
+            k_cache: (0..layers).map(kv).collect(),
+            v_cache: (0..layers).map(kv).collect(),
+            recurrent,
+            tape_stride,
             pos: 0,
             pending: Pending::Idle,
         })
+    }
+
+    /// Whether any layer of this state is recurrent.
+    pub fn has_recurrent(&self) -> bool {
+        self.recurrent.iter().any(Option::is_some)
+    }
+
+    /// Layers this state covers.
+    pub fn layers(&self) -> usize {
+        self.k_cache.len()
+    }
+
+    /// The committed state of layer `l` (`None` past the last layer).
+    pub fn layer_state(&self, l: usize) -> Option<LayerStateView<'_>> {
+        let k = self.k_cache.get(l)?;
+        let v = &self.v_cache[l];
+        let kv_len = self.pos * self.kv_dim;
+        let slot = self.recurrent.get(l).and_then(Option::as_ref);
+        Some(LayerStateView {
+            keys: (!k.is_empty()).then(|| &k[..kv_len]),
+            values: (!v.is_empty()).then(|| &v[..kv_len]),
+            conv: slot.map(|s| &s.state.conv[..]),
+            recurrent: slot.map(|s| &s.state.s[..]),
+        })
+    }
+
+    /// Copy every recurrent state to its snapshot (the state at `P`).
+    fn snapshot(&mut self) {
+        for slot in self.recurrent.iter_mut().flatten() {
+            slot.snapshot.copy_from(&slot.state);
+        }
+    }
+
+    /// Put every recurrent state back to its snapshot.
+    fn restore_snapshot(&mut self) {
+        for slot in self.recurrent.iter_mut().flatten() {
+            slot.state.copy_from(&slot.snapshot);
+        }
+    }
+
+    /// Rows of the pending pass, or the error for a commit without one.
+    fn pending_len(&self) -> Result<usize, ModelError> {
+        match self.pending {
+            Pending::Pass { len } => Ok(len),
+            Pending::Idle => Err(ModelError::State {
+                what: "commit_verify_rows without a pass".into(),
+            }),
+            Pending::Failed => Err(ModelError::State {
+                what: "commit_verify_rows after a failed pass".into(),
+            }),
+        }
     }
 
     /// Committed position `P` (tokens whose keys and values are kept).
@@ -277,7 +514,10 @@ impl SequenceState {
     pub fn reset(&mut self) {
         self.pos = 0;
         self.pending = Pending::Idle;
-        // Recurrent (GDN) layers: zero their state here.
+        for slot in self.recurrent.iter_mut().flatten() {
+            slot.state.clear();
+            slot.snapshot.clear();
+        }
     }
 
     /// Acknowledge a failed pass; the committed state (which the failure left untouched) is kept.
@@ -315,32 +555,114 @@ impl SequenceState {
         }
         Ok(())
     }
+}
 
-    /// Keep rows `0..n` of the pending pass.
-    fn commit(&mut self, n: usize) -> Result<(), ModelError> {
-        let len = match self.pending {
-            Pending::Pass { len } => len,
-            Pending::Idle => {
-                return Err(ModelError::State {
-                    what: "commit_verify_rows without a pass".into(),
-                })
-            }
-            Pending::Failed => {
-                return Err(ModelError::State {
-                    what: "commit_verify_rows after a failed pass".into(),
-                })
-            }
-        };
-        if n == 0 || n > len {
-            return Err(ModelError::Commit { n, len });
-        }
-        // KV rows P+n.. are stale from here on: attention only ever reads positions < P + rows,
-        // and the next pass overwrites them. Recurrent layers: if n < len restore the snapshot and
-        // replay the n accepted rows here (NPU_REPLAY_CHECK / NPU_COMMIT_FULL_REPLAY hook in).
-        self.pos += n;
-        self.pending = Pending::Idle;
-        Ok(())
+/// The GDN dimensions of a config that has recurrent layers.
+fn linear_dims(c: &ModelConfig) -> Result<&LinearAttnConfig, ModelError> {
+    c.linear.as_ref().ok_or_else(|| ModelError::Shape {
+        what: "recurrent layers without linear_* dimensions in the config".into(),
+    })
+}
+
+/// Keep rows `0..n` of `seq`'s pending pass: `P += n`. KV rows `P+n..` are stale from here on
+/// (attention only reads positions below its row's, and the next pass overwrites them).
+/// Recurrent layers keep the batch's state on full acceptance, otherwise restore the snapshot and
+/// replay the `n` accepted rows from the tape (recurrent layers only).
+fn commit_sequence_state(
+    w: &ModelWeights,
+    scratch: &mut Option<GdnScratch>,
+    mode: ReplayMode,
+    fault: Option<CommitFault>,
+    seq: &mut SequenceState,
+    n: usize,
+) -> Result<(), ModelError> {
+    let len = seq.pending_len()?;
+    if n == 0 || n > len {
+        return Err(ModelError::Commit { n, len });
     }
+    if seq.has_recurrent() {
+        let full = n == len;
+        if full && mode.check && !mode.full_replay {
+            // Diagnostic: the replay must reproduce the batch's state.
+            let batch: Vec<Option<GdnState>> = seq
+                .recurrent
+                .iter()
+                .map(|s| s.as_ref().map(|s| s.state.clone()))
+                .collect();
+            let rows = if fault == Some(CommitFault::ReplayOneFewer) {
+                n - 1
+            } else {
+                n
+            };
+            replay_recurrent(w, scratch, seq, rows)?;
+            for (l, (slot, b)) in seq.recurrent.iter().zip(&batch).enumerate() {
+                if let (Some(slot), Some(b)) = (slot, b) {
+                    let (ca, _) = gdn::max_diff(&slot.state.conv, &b.conv);
+                    let (sa, _) = gdn::max_diff(&slot.state.s, &b.s);
+                    if ca > REPLAY_CHECK_TOLERANCE || sa > REPLAY_CHECK_TOLERANCE {
+                        seq.restore_snapshot();
+                        seq.pending = Pending::Failed;
+                        return Err(ModelError::State {
+                            what: format!(
+                                "NPU_REPLAY_CHECK: layer {l}: replayed state differs from the batch state (conv max |Δ| {ca:e}, recurrent max |Δ| {sa:e}); committed state at P = {} kept",
+                                seq.pos
+                            ),
+                        });
+                    }
+                }
+            }
+        } else if !full || mode.full_replay {
+            match fault {
+                Some(CommitFault::KeepBatchState) if !full => {}
+                Some(CommitFault::ReplayOneFewer) => replay_recurrent(w, scratch, seq, n - 1)?,
+                _ => replay_recurrent(w, scratch, seq, n)?,
+            }
+        }
+    }
+    seq.pos += n;
+    seq.pending = Pending::Idle;
+    Ok(())
+}
+
+/// Largest state difference `NPU_REPLAY_CHECK` accepts (the replay runs the pass's own code, so
+/// it is exact today; the margin is for a future device replay kernel).
+const REPLAY_CHECK_TOLERANCE: f32 = 1e-5;
+
+/// Restore every GDN layer's snapshot and run the first `rows` recorded rows through it.
+fn replay_recurrent(
+    w: &ModelWeights,
+    scratch: &mut Option<GdnScratch>,
+    seq: &mut SequenceState,
+    rows: usize,
+) -> Result<(), ModelError> {
+    let c = &w.config;
+    let eps = c.rms_eps as f32;
+    let stride = seq.tape_stride;
+    for (l, slot) in seq.recurrent.iter_mut().enumerate() {
+        let Some(slot) = slot else { continue };
+        let (Some(Layer::Linear(lw)), Some(sc)) = (w.layers.get(l), scratch.as_mut()) else {
+            return Err(ModelError::State {
+                what: format!("layer {l} has recurrent state but no Gated DeltaNet weights"),
+            });
+        };
+        let d = linear_dims(c)?;
+        let cd = d.conv_dim();
+        slot.state.copy_from(&slot.snapshot);
+        for j in 0..rows {
+            let row = &slot.tape[j * stride..(j + 1) * stride];
+            gdn::step(
+                d,
+                &lw.gdn,
+                eps,
+                &mut slot.state,
+                &row[..cd],
+                &row[cd..],
+                sc,
+                None,
+            );
+        }
+    }
+    Ok(())
 }
 
 struct Scratch {
@@ -359,6 +681,14 @@ struct Scratch {
     /// Per row of the pass: which segment (sequence) it belongs to, and its position.
     row_segment: Vec<usize>,
     row_position: Vec<usize>,
+    /// Gated attention: q heads compacted and their output gates (`rows × q_dim` each).
+    q_compact: Vec<f32>,
+    gate: Vec<f32>,
+    /// GDN: in_proj_qkv‖z rows, b‖a rows, gated-normed outputs, per-token scratch.
+    gdn_proj: Vec<f32>,
+    gdn_ba: Vec<f32>,
+    gdn_y: Vec<f32>,
+    gdn: Option<GdnScratch>,
 }
 
 /// One sequence's part of a batched pass: its state and the tokens it feeds at `P..`.
@@ -384,6 +714,8 @@ pub struct Model {
     stats: PassStats,
     /// Test hook: fail the next pass at this layer (simulates a device fault mid-pass).
     fail_at_layer: Option<usize>,
+    replay: ReplayMode,
+    commit_fault: Option<CommitFault>,
 }
 
 impl Model {
@@ -423,8 +755,24 @@ impl Model {
         let c = w.config.clone();
         let seq = SequenceState::new(&c, run_layers, ctx)?;
         let r = MAX_PREFILL_ROWS;
-        let half = c.head_dim / 2;
+        let half = c.rotary_dim / 2;
+        let gated = if c.attn_output_gate { r * c.q_dim() } else { 0 };
+        let (gdn_proj, gdn_ba, gdn_y, gdn) = match (&c.linear, c.has_recurrent()) {
+            (Some(d), true) => (
+                r * (d.conv_dim() + d.value_dim()),
+                r * 2 * d.value_heads,
+                r * d.value_dim(),
+                Some(GdnScratch::new(d)),
+            ),
+            _ => (0, 0, 0, None),
+        };
         let s = Scratch {
+            q_compact: vec![0.0; gated],
+            gate: vec![0.0; gated],
+            gdn_proj: vec![0.0; gdn_proj],
+            gdn_ba: vec![0.0; gdn_ba],
+            gdn_y: vec![0.0; gdn_y],
+            gdn,
             x: vec![0.0; r * c.hidden],
             xn: vec![0.0; r * c.hidden],
             qkv: vec![0.0; r * c.qkv_rows()],
@@ -456,8 +804,28 @@ impl Model {
             last_logits: vec![0.0; c.vocab],
             stats: PassStats::default(),
             fail_at_layer: None,
+            replay: ReplayMode::from_env(),
+            commit_fault: None,
             w,
         })
+    }
+
+    /// How commits treat recurrent layers (initially from the environment, see [`ReplayMode`]).
+    pub fn replay_mode(&self) -> ReplayMode {
+        self.replay
+    }
+    pub fn set_replay_mode(&mut self, mode: ReplayMode) {
+        self.replay = mode;
+    }
+
+    /// The model's own sequence state (read-only, for checks).
+    pub fn state(&self) -> &SequenceState {
+        &self.seq
+    }
+
+    #[doc(hidden)]
+    pub fn inject_commit_fault(&mut self, fault: Option<CommitFault>) {
+        self.commit_fault = fault;
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -502,12 +870,22 @@ impl Model {
 
     /// Drop committed tokens past `position` (`position ≤ P`, no pass pending): the next token is
     /// fed at `position`. Attention layers only need their KV rows forgotten, which is free.
+    /// Recurrent (GDN) layers cannot be rewound, so a model with them refuses any `position < P`
+    /// (use `reset()` and prefill again).
     pub fn truncate(&mut self, position: usize) -> Result<(), ModelError> {
         self.seq.check_ready()?;
         if position > self.seq.pos {
             return Err(ModelError::Context {
                 what: format!(
                     "truncate to {position}: only {} tokens are committed",
+                    self.seq.pos
+                ),
+            });
+        }
+        if position < self.seq.pos && self.seq.has_recurrent() {
+            return Err(ModelError::Unsupported {
+                what: format!(
+                    "truncate from {} to {position} on a model with recurrent (Gated DeltaNet) layers: their state cannot be rewound; reset() and prefill again",
                     self.seq.pos
                 ),
             });
@@ -607,7 +985,14 @@ impl Model {
 
     /// Keep rows `0..n` of `seq`'s part of the last [`Model::step_sequences`] pass.
     pub fn commit_sequence(&mut self, seq: &mut SequenceState, n: usize) -> Result<(), ModelError> {
-        seq.commit(n)
+        commit_sequence_state(
+            &self.w,
+            &mut self.s.gdn,
+            self.replay,
+            self.commit_fault,
+            seq,
+            n,
+        )
     }
 
     /// Feed `tokens` of a server-held sequence in chunks of ≤ 128 rows (see [`Model::prefill_with`]).
@@ -631,7 +1016,10 @@ impl Model {
         taps: &[usize],
     ) -> Result<(), ModelError> {
         let rows: usize = segments.iter().map(|s| s.tokens.len()).sum();
-        // Recurrent (GDN) layers: snapshot their state at P here, record replay inputs in the pass.
+        // Recurrent layers: the state at P, for rollback (and for a failed pass).
+        for seg in segments.iter_mut() {
+            seg.seq.snapshot();
+        }
         self.out.taps.clear();
         self.out.taps.extend_from_slice(taps);
         let need = taps.len() * rows * self.w.config.hidden;
@@ -639,7 +1027,8 @@ impl Model {
             self.out.tap_states.resize(need, 0.0);
         }
         self.out.rows = rows;
-        match self.forward_rows(segments, Family::M16, 0, &mut Sink::Batch, !taps.is_empty()) {
+        let taps_on = !taps.is_empty();
+        match self.forward_rows(segments, Family::M16, 0, &mut Sink::Batch, taps_on, true) {
             Ok(()) => {
                 for seg in segments.iter_mut() {
                     seg.seq.pending = Pending::Pass {
@@ -650,6 +1039,7 @@ impl Model {
             }
             Err(e) => {
                 for seg in segments.iter_mut() {
+                    seg.seq.restore_snapshot();
                     seg.seq.pending = Pending::Failed;
                 }
                 Err(e)
@@ -657,9 +1047,17 @@ impl Model {
         }
     }
 
-    /// Keep rows `0..n` of the last pass: `P += n`; keys/values beyond `P` are dropped.
+    /// Keep rows `0..n` of the last pass: `P += n`; keys/values beyond `P` are dropped; recurrent
+    /// layers keep the batch state (`n == rows`) or restore the snapshot and replay `n` rows.
     pub fn commit_verify_rows(&mut self, n: usize) -> Result<(), ModelError> {
-        self.seq.commit(n)
+        commit_sequence_state(
+            &self.w,
+            &mut self.s.gdn,
+            self.replay,
+            self.commit_fault,
+            &mut self.seq,
+            n,
+        )
     }
 
     /// `step_batch_all([token])` + `commit_verify_rows(1)`; returns the next-token logits.
@@ -688,6 +1086,8 @@ impl Model {
         self.out.taps.clear();
         let start = self.seq.pos;
         let mut seq = std::mem::take(&mut self.seq);
+        // Recurrent layers: the state at P, restored if a chunk fails (prefill is atomic).
+        seq.snapshot();
         let mut result = Ok(());
         for (c, chunk) in tokens.chunks(MAX_PREFILL_ROWS).enumerate() {
             let base = c * MAX_PREFILL_ROWS;
@@ -703,8 +1103,10 @@ impl Model {
                 first,
                 &mut sink,
                 false,
+                false,
             ) {
                 seq.pos = start;
+                seq.restore_snapshot();
                 result = Err(e);
                 break;
             }
@@ -733,10 +1135,15 @@ impl Model {
         first_logit_row: usize,
         sink: &mut Sink<'_>,
         taps: bool,
+        record: bool,
     ) -> Result<(), ModelError> {
         let c = &self.w.config;
-        let (hd, half, hidden) = (c.head_dim, c.head_dim / 2, c.hidden);
+        let (hd, rd, hidden) = (c.head_dim, c.rotary_dim, c.hidden);
+        let half = rd / 2;
         let (qd, kvd, qkvn, inter) = (c.q_dim(), c.kv_dim(), c.qkv_rows(), c.intermediate);
+        let (qr, gated) = (c.q_rows(), c.attn_output_gate);
+        // Fused q rows: per head [q] or, with the output gate, [q, gate].
+        let q_stride = if gated { 2 * hd } else { hd };
         let eps = c.rms_eps as f32;
         let s = &mut self.s;
         let mut m = 0;
@@ -772,77 +1179,148 @@ impl Model {
                 self.stats.m128_rows += m as u64;
             }
         }
-        for (l, lw) in self.w.layers[..self.run_layers].iter().enumerate() {
+        for (l, layer) in self.w.layers[..self.run_layers].iter().enumerate() {
             if self.fail_at_layer == Some(l) {
                 return Err(ModelError::Other(format!("injected failure at layer {l}")));
             }
             ops::rmsnorm(
                 &s.x[..m * hidden],
-                &lw.attn_norm,
+                layer.attn_norm(),
                 eps,
                 &mut s.xn[..m * hidden],
             );
-            lw.qkv
-                .gemm(&s.xn[..m * hidden], m, &mut s.qkv[..m * qkvn], family)?;
-            for i in 0..m {
-                let row = &mut s.qkv[i * qkvn..(i + 1) * qkvn];
-                if let Some(b) = &lw.qkv_bias {
-                    for (v, &b) in row.iter_mut().zip(b) {
-                        *v += b;
+            match layer {
+                Layer::Attention(lw) => {
+                    lw.qkv
+                        .gemm(&s.xn[..m * hidden], m, &mut s.qkv[..m * qkvn], family)?;
+                    for i in 0..m {
+                        let row = &mut s.qkv[i * qkvn..(i + 1) * qkvn];
+                        if let Some(b) = &lw.qkv_bias {
+                            for (v, &b) in row.iter_mut().zip(b) {
+                                *v += b;
+                            }
+                        }
+                        let (cos, sin) = (
+                            &s.cos[i * half..(i + 1) * half],
+                            &s.sin[i * half..(i + 1) * half],
+                        );
+                        for h in 0..c.heads {
+                            let head = &mut row[h * q_stride..h * q_stride + hd];
+                            if let Some(nw) = &lw.q_norm {
+                                ops::rmsnorm_inplace(head, nw, eps);
+                            }
+                            ops::rope_half_split(&mut head[..rd], cos, sin);
+                        }
+                        for head in row[qr..qr + kvd].chunks_exact_mut(hd) {
+                            if let Some(nw) = &lw.k_norm {
+                                ops::rmsnorm_inplace(head, nw, eps);
+                            }
+                            ops::rope_half_split(&mut head[..rd], cos, sin);
+                        }
+                        if gated {
+                            for h in 0..c.heads {
+                                let at = i * qd + h * hd;
+                                s.q_compact[at..at + hd]
+                                    .copy_from_slice(&row[h * q_stride..h * q_stride + hd]);
+                                s.gate[at..at + hd]
+                                    .copy_from_slice(&row[h * q_stride + hd..(h + 1) * q_stride]);
+                            }
+                        }
+                        let seq = &mut *segments[s.row_segment[i]].seq;
+                        let p = s.row_position[i];
+                        seq.k_cache[l][p * kvd..(p + 1) * kvd].copy_from_slice(&row[qr..qr + kvd]);
+                        seq.v_cache[l][p * kvd..(p + 1) * kvd]
+                            .copy_from_slice(&row[qr + kvd..qkvn]);
                     }
-                }
-                let (cos, sin) = (
-                    &s.cos[i * half..(i + 1) * half],
-                    &s.sin[i * half..(i + 1) * half],
-                );
-                for (h, head) in row[..qd + kvd].chunks_exact_mut(hd).enumerate() {
-                    let norm = if h < c.heads { &lw.q_norm } else { &lw.k_norm };
-                    if let Some(nw) = norm {
-                        ops::rmsnorm_inplace(head, nw, eps);
+                    for i in 0..m {
+                        let seq = &*segments[s.row_segment[i]].seq;
+                        let q = if gated {
+                            &s.q_compact[i * qd..(i + 1) * qd]
+                        } else {
+                            &s.qkv[i * qkvn..i * qkvn + qd]
+                        };
+                        ops::attend_row(
+                            q,
+                            &seq.k_cache[l],
+                            &seq.v_cache[l],
+                            c.heads,
+                            c.kv_heads,
+                            hd,
+                            s.row_position[i],
+                            &mut s.scores,
+                            &mut s.attn[i * qd..(i + 1) * qd],
+                        );
                     }
-                    ops::rope_half_split(head, cos, sin);
+                    if gated {
+                        for (a, &g) in s.attn[..m * qd].iter_mut().zip(&s.gate[..m * qd]) {
+                            *a *= 1.0 / (1.0 + (-g).exp());
+                        }
+                    }
+                    lw.o.gemm(&s.attn[..m * qd], m, &mut s.o[..m * hidden], family)?;
+                    add_rows(
+                        &mut s.x[..m * hidden],
+                        &s.o[..m * hidden],
+                        lw.o_bias.as_deref(),
+                        hidden,
+                    );
                 }
-                let seq = &mut *segments[s.row_segment[i]].seq;
-                let p = s.row_position[i];
-                seq.k_cache[l][p * kvd..(p + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
-                seq.v_cache[l][p * kvd..(p + 1) * kvd].copy_from_slice(&row[qd + kvd..qkvn]);
+                Layer::Linear(lw) => {
+                    let d = linear_dims(c)?;
+                    let (cd, vd, hv) = (d.conv_dim(), d.value_dim(), d.value_heads);
+                    let (pn, ban) = (cd + vd, 2 * hv);
+                    let g = &lw.gdn;
+                    g.in_qkvz
+                        .gemm(&s.xn[..m * hidden], m, &mut s.gdn_proj[..m * pn], family)?;
+                    g.in_ba
+                        .gemm(&s.xn[..m * hidden], m, &mut s.gdn_ba[..m * ban], family)?;
+                    let Some(scratch) = s.gdn.as_mut() else {
+                        return Err(ModelError::State {
+                            what: "GDN layer without GDN scratch".into(),
+                        });
+                    };
+                    // The recurrence is sequential within a sequence: rows in order.
+                    for i in 0..m {
+                        let seq = &mut *segments[s.row_segment[i]].seq;
+                        let j = s.row_position[i] - seq.pos;
+                        let stride = seq.tape_stride;
+                        let Some(slot) = seq.recurrent.get_mut(l).and_then(Option::as_mut) else {
+                            return Err(ModelError::State {
+                                what: format!("sequence state has no recurrent slot for layer {l}"),
+                            });
+                        };
+                        let proj = &s.gdn_proj[i * pn..(i + 1) * pn];
+                        let ba = &s.gdn_ba[i * ban..(i + 1) * ban];
+                        if record {
+                            let t = &mut slot.tape[j * stride..(j + 1) * stride];
+                            t[..cd].copy_from_slice(&proj[..cd]);
+                            t[cd..].copy_from_slice(ba);
+                        }
+                        gdn::step(
+                            d,
+                            g,
+                            eps,
+                            &mut slot.state,
+                            &proj[..cd],
+                            ba,
+                            scratch,
+                            Some((&proj[cd..], &mut s.gdn_y[i * vd..(i + 1) * vd])),
+                        );
+                    }
+                    g.out
+                        .gemm(&s.gdn_y[..m * vd], m, &mut s.o[..m * hidden], family)?;
+                    add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
+                }
             }
-            for i in 0..m {
-                let seq = &*segments[s.row_segment[i]].seq;
-                ops::attend_row(
-                    &s.qkv[i * qkvn..i * qkvn + qd],
-                    &seq.k_cache[l],
-                    &seq.v_cache[l],
-                    c.heads,
-                    c.kv_heads,
-                    hd,
-                    s.row_position[i],
-                    &mut s.scores,
-                    &mut s.attn[i * qd..(i + 1) * qd],
-                );
-            }
-            lw.o.gemm(&s.attn[..m * qd], m, &mut s.o[..m * hidden], family)?;
-            add_rows(
-                &mut s.x[..m * hidden],
-                &s.o[..m * hidden],
-                lw.o_bias.as_deref(),
-                hidden,
-            );
-            ops::rmsnorm(
-                &s.x[..m * hidden],
-                &lw.ffn_norm,
-                eps,
-                &mut s.xn[..m * hidden],
-            );
-            lw.gate_up.gemm(
+            let (ffn_norm, gate_up, down) = layer.ffn();
+            ops::rmsnorm(&s.x[..m * hidden], ffn_norm, eps, &mut s.xn[..m * hidden]);
+            gate_up.gemm(
                 &s.xn[..m * hidden],
                 m,
                 &mut s.gate_up[..m * 2 * inter],
                 family,
             )?;
             ops::swiglu(&s.gate_up[..m * 2 * inter], inter, &mut s.act[..m * inter]);
-            lw.down
-                .gemm(&s.act[..m * inter], m, &mut s.o[..m * hidden], family)?;
+            down.gemm(&s.act[..m * inter], m, &mut s.o[..m * hidden], family)?;
             add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
             if taps {
                 for (t, _) in self.out.taps.iter().enumerate().filter(|(_, &tl)| tl == l) {

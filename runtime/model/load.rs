@@ -15,7 +15,7 @@
 //! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
 use super::config::ModelConfig;
-use super::forward::{Embedding, Family, LayerWeights, ModelWeights, Projection};
+use super::forward::{Embedding, Family, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::{
     self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, WeightMatrix,
@@ -150,6 +150,9 @@ impl Projection for KernelProjection {
     fn weight_bytes(&self) -> usize {
         self.streamed
     }
+    fn tiled_format(&self) -> Option<WeightFormat> {
+        self.format.tile_bytes().map(|_| self.format)
+    }
     fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], _family: Family) -> Result<(), ModelError> {
         // The executor picks the row family itself (≤ 16 rows m16, else m128 passes).
         match (&self.store, &*self.exec) {
@@ -169,7 +172,7 @@ impl Projection for KernelProjection {
 }
 
 /// Borrow `data` (inside `pkg`'s mapping) for as long as `pkg` lives.
-fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
+pub(super) fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
     let _ = pkg;
     // SAFETY: `data` points into the package's read-only memory map, which is neither moved nor
     // unmapped while the `Package` lives; every holder of the returned slice (a KernelProjection or
@@ -177,7 +180,7 @@ fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
     unsafe { std::slice::from_raw_parts(data.as_ptr(), data.len()) }
 }
 
-fn projection(
+pub(super) fn projection(
     opts: &LoadOptions,
     exec: &Arc<Executor>,
     pkg: &Arc<Package>,
@@ -228,11 +231,11 @@ fn projection(
 /// Token embeddings decoded row by row from the package's matrix (no allocation per lookup for
 /// q8 / q4_1 tiles and plain formats).
 pub struct PackageEmbedding {
-    _pkg: Arc<Package>,
-    data: &'static [u8],
-    format: WeightFormat,
-    rows: usize,
-    cols: usize,
+    pub(super) _pkg: Arc<Package>,
+    pub(super) data: &'static [u8],
+    pub(super) format: WeightFormat,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
 }
 
 impl Embedding for PackageEmbedding {
@@ -313,7 +316,7 @@ fn opt_vector(pkg: &Package, name: &str) -> Result<Option<Vec<f32>>, ModelError>
 }
 
 /// Find the kernel set: the explicit directory, else `<package>/kernels` when present.
-fn kernel_dir(pkg: &Package, opts: &LoadOptions) -> Option<PathBuf> {
+pub(super) fn kernel_dir(pkg: &Package, opts: &LoadOptions) -> Option<PathBuf> {
     opts.kernels.clone().or_else(|| {
         let d = pkg.dir().join("kernels");
         d.is_dir().then_some(d)
@@ -481,6 +484,28 @@ fn select_executor(
 /// Build the fast-path weights of `pkg`.
 pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, ModelError> {
     let c = package_config(pkg)?;
+    // Hybrid (Gated DeltaNet / gated attention) packages: runtime/model/load_hybrid.rs, on the
+    // host executors (their GDN shapes have no device kernels yet).
+    if c.has_recurrent() || c.attn_output_gate {
+        let backend = match (opts.backend, opts.exact) {
+            (Backend::Xdna, _) => {
+                return Err(ModelError::Unsupported {
+                    what: format!(
+                        "{}: hybrid (Gated DeltaNet) models run on the host backend only; use --backend host",
+                        pkg.dir().display()
+                    ),
+                })
+            }
+            (_, true) => "host-exact",
+            (Backend::Auto, false) => {
+                eprintln!("xdna: backend auto → host: hybrid (Gated DeltaNet) model");
+                "host"
+            }
+            (Backend::Host, false) => "host",
+        };
+        let exec = Arc::new(Executor::Host(HostExecutor::new()));
+        return super::load_hybrid::load(pkg, opts, &exec, c, backend);
+    }
     let (wfmt, head_fmt) = projection_formats(pkg, &c)?;
     let (set, needs) = match kernel_dir(pkg, opts) {
         Some(dir) => {
@@ -600,7 +625,7 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
         } else {
             (None, None)
         };
-        layers.push(LayerWeights {
+        layers.push(Layer::Attention(LayerWeights {
             attn_norm: pkg.vector(&n("input_layernorm.weight"))?,
             qkv: place(qkv, &mut tally)?,
             qkv_bias,
@@ -615,7 +640,7 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
             ffn_norm: pkg.vector(&n("post_attention_layernorm.weight"))?,
             gate_up: place(gate_up, &mut tally)?,
             down: place(down, &mut tally)?,
-        });
+        }));
     }
     let emb_name = pkg.embedding_name();
     let ev = pkg.matrix(emb_name, c.vocab, c.hidden)?;

@@ -4,19 +4,22 @@
 
 pub mod config;
 pub mod forward;
+pub mod gdn;
 pub mod gguf_config;
 pub mod gguf_lite;
 pub mod load;
+pub mod load_hybrid;
 pub mod ops;
 pub mod perplexity;
 pub mod reference;
+pub mod replay_check;
 pub mod sample;
 pub mod text;
 
-pub use config::{ModelConfig, RopeScaling};
+pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use forward::{
-    BatchOutput, Family, Model, ModelWeights, PassStats, SequenceState, MAX_PREFILL_ROWS,
-    MAX_VERIFY_ROWS,
+    BatchOutput, CommitFault, Family, Layer, LayerStateView, Model, ModelWeights, PassStats,
+    ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
 };
 
 /// Errors of the model layer.

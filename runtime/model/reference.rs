@@ -270,3 +270,410 @@ impl Reference {
         Ok(matmul(&xn, head, c.vocab, self.act_q8))
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hybrid (Qwen3.5-style) reference: Gated DeltaNet + gated attention, written from the equations.
+// ---------------------------------------------------------------------------------------------
+
+/// One layer of the hybrid reference, weights decoded to f32 row-major `[out, in]`.
+enum HybridRefMixer {
+    Attention {
+        /// `[heads · 2 · head_dim, hidden]` (per head `[q, gate]`) or `[heads · head_dim, hidden]`.
+        wq: Vec<f32>,
+        wk: Vec<f32>,
+        wv: Vec<f32>,
+        wo: Vec<f32>,
+        q_norm: Option<Vec<f32>>,
+        k_norm: Option<Vec<f32>>,
+    },
+    Linear {
+        w_qkv: Vec<f32>,
+        w_z: Vec<f32>,
+        w_b: Vec<f32>,
+        w_a: Vec<f32>,
+        conv: Vec<f32>,
+        dt_bias: Vec<f32>,
+        a_log: Vec<f32>,
+        norm: Vec<f32>,
+        w_out: Vec<f32>,
+    },
+}
+
+struct HybridRefLayer {
+    attn_norm: Vec<f32>,
+    mixer: HybridRefMixer,
+    ffn_norm: Vec<f32>,
+    w_gate: Vec<f32>,
+    w_up: Vec<f32>,
+    w_down: Vec<f32>,
+}
+
+/// Final recurrent state of one GDN layer after a reference run.
+#[derive(Clone, Debug)]
+pub struct HybridRefState {
+    /// The last K − 1 conv inputs, oldest first (zeros before the sequence start).
+    pub conv: Vec<f64>,
+    /// `[Hv, d_k, d_v]`.
+    pub s: Vec<f64>,
+}
+
+/// Slow reference of a hybrid package (decoded from the package's tensors by the weights layer,
+/// f64 arithmetic, whole sequence per call, no state carried between calls).
+pub struct HybridReference {
+    pub config: ModelConfig,
+    layers: Vec<HybridRefLayer>,
+    embed: Vec<f32>,
+    final_norm: Vec<f32>,
+    lm_head: Vec<f32>,
+}
+
+fn mat_vec(w: &[f32], x: &[f64], rows: usize) -> Vec<f64> {
+    let cols = x.len();
+    (0..rows)
+        .map(|r| {
+            w[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(x)
+                .map(|(&a, &b)| a as f64 * b)
+                .sum()
+        })
+        .collect()
+}
+
+fn sigmoid64(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl HybridReference {
+    pub fn load(pkg: &crate::weights::Package) -> Result<Self, ModelError> {
+        let file = pkg.dir().join("config.json").display().to_string();
+        let c = ModelConfig::from_json(&pkg.config().raw, &file)?;
+        let m = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>, ModelError> {
+            pkg.matrix(name, rows, cols)?
+                .decode_f32()
+                .map_err(|e| ModelError::Shape {
+                    what: format!("{name}: {e}"),
+                })
+        };
+        // Zero-centred checkpoints store w − 1.
+        let norm = |name: &str| -> Result<Vec<f32>, ModelError> {
+            let off = if c.zero_centered_norms { 1.0 } else { 0.0 };
+            Ok(pkg.vector(name)?.into_iter().map(|v| v + off).collect())
+        };
+        let h = c.hidden;
+        let mut layers = Vec::new();
+        for i in 0..c.layers {
+            let n = |s: &str| format!("model.layers.{i}.{s}");
+            let mixer = match c.layer_kind(i) {
+                super::config::LayerKind::Attention => HybridRefMixer::Attention {
+                    wq: m(&n("self_attn.q_proj.weight"), c.q_rows(), h)?,
+                    wk: m(&n("self_attn.k_proj.weight"), c.kv_dim(), h)?,
+                    wv: m(&n("self_attn.v_proj.weight"), c.kv_dim(), h)?,
+                    wo: m(&n("self_attn.o_proj.weight"), h, c.q_dim())?,
+                    q_norm: if c.qk_norm {
+                        Some(norm(&n("self_attn.q_norm.weight"))?)
+                    } else {
+                        None
+                    },
+                    k_norm: if c.qk_norm {
+                        Some(norm(&n("self_attn.k_norm.weight"))?)
+                    } else {
+                        None
+                    },
+                },
+                super::config::LayerKind::Linear => {
+                    let d = c.linear.as_ref().ok_or_else(|| ModelError::Shape {
+                        what: "linear layer without linear_* config".into(),
+                    })?;
+                    let la = |s: &str| n(&format!("linear_attn.{s}"));
+                    HybridRefMixer::Linear {
+                        w_qkv: m(&la("in_proj_qkv.weight"), d.conv_dim(), h)?,
+                        w_z: m(&la("in_proj_z.weight"), d.value_dim(), h)?,
+                        w_b: m(&la("in_proj_b.weight"), d.value_heads, h)?,
+                        w_a: m(&la("in_proj_a.weight"), d.value_heads, h)?,
+                        conv: pkg.vector(&la("conv1d.weight"))?,
+                        dt_bias: pkg.vector(&la("dt_bias"))?,
+                        a_log: pkg.vector(&la("A_log"))?,
+                        norm: pkg.vector(&la("norm.weight"))?,
+                        w_out: m(&la("out_proj.weight"), h, d.value_dim())?,
+                    }
+                }
+            };
+            layers.push(HybridRefLayer {
+                attn_norm: norm(&n("input_layernorm.weight"))?,
+                mixer,
+                ffn_norm: norm(&n("post_attention_layernorm.weight"))?,
+                w_gate: m(&n("mlp.gate_proj.weight"), c.intermediate, h)?,
+                w_up: m(&n("mlp.up_proj.weight"), c.intermediate, h)?,
+                w_down: m(&n("mlp.down_proj.weight"), h, c.intermediate)?,
+            });
+        }
+        Ok(HybridReference {
+            embed: m(pkg.embedding_name(), c.vocab, h)?,
+            final_norm: norm("model.norm.weight")?,
+            lm_head: m(pkg.lm_head_name(), c.vocab, h)?,
+            layers,
+            config: c,
+        })
+    }
+
+    /// Logits of every position of `tokens` (from an empty state) and each GDN layer's final
+    /// state (`None` for attention layers).
+    // Index loops on purpose: the reference reads like the equations it checks.
+    #[allow(clippy::type_complexity, clippy::needless_range_loop)]
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+    ) -> Result<(Vec<Vec<f32>>, Vec<Option<HybridRefState>>), ModelError> {
+        let c = &self.config;
+        let (h, hd, eps) = (c.hidden, c.head_dim, c.rms_eps);
+        let t_len = tokens.len();
+        let rmsn = |x: &[f64], w: &[f32]| -> Vec<f64> {
+            let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+            let inv = 1.0 / (ms + eps).sqrt();
+            x.iter().zip(w).map(|(v, &g)| v * inv * g as f64).collect()
+        };
+        let mut xs: Vec<Vec<f64>> = Vec::with_capacity(t_len);
+        for &t in tokens {
+            let t = t as usize;
+            if t >= c.vocab {
+                return Err(ModelError::Token {
+                    token: t as u32,
+                    vocab: c.vocab,
+                });
+            }
+            xs.push(
+                self.embed[t * h..(t + 1) * h]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect(),
+            );
+        }
+        let mut finals = Vec::new();
+        for layer in &self.layers {
+            let normed: Vec<Vec<f64>> = xs.iter().map(|x| rmsn(x, &layer.attn_norm)).collect();
+            let mixed_out: Vec<Vec<f64>> = match &layer.mixer {
+                HybridRefMixer::Attention {
+                    wq,
+                    wk,
+                    wv,
+                    wo,
+                    q_norm,
+                    k_norm,
+                } => {
+                    finals.push(None);
+                    let gated = c.attn_output_gate;
+                    let rd = c.rotary_dim;
+                    let rope = |v: &mut [f64], pos: usize| {
+                        let half = rd / 2;
+                        for j in 0..half {
+                            let ang = pos as f64 * c.rope_theta.powf(-((2 * j) as f64) / rd as f64);
+                            let (x1, x2) = (v[j], v[j + half]);
+                            v[j] = x1 * ang.cos() - x2 * ang.sin();
+                            v[j + half] = x2 * ang.cos() + x1 * ang.sin();
+                        }
+                    };
+                    let head_norm = |v: &mut [f64], w: &Option<Vec<f32>>| {
+                        if let Some(w) = w {
+                            let r = rmsn(v, w);
+                            v.copy_from_slice(&r);
+                        }
+                    };
+                    let mut qs = Vec::new();
+                    let mut gates = Vec::new();
+                    let mut ks = Vec::new();
+                    let mut vs = Vec::new();
+                    for (pos, x) in normed.iter().enumerate() {
+                        let qraw = mat_vec(wq, x, c.q_rows());
+                        let mut q = vec![0f64; c.q_dim()];
+                        let mut g = vec![0f64; c.q_dim()];
+                        for hh in 0..c.heads {
+                            let per = if gated { 2 * hd } else { hd };
+                            q[hh * hd..(hh + 1) * hd]
+                                .copy_from_slice(&qraw[hh * per..hh * per + hd]);
+                            if gated {
+                                g[hh * hd..(hh + 1) * hd]
+                                    .copy_from_slice(&qraw[hh * per + hd..(hh + 1) * per]);
+                            }
+                            head_norm(&mut q[hh * hd..(hh + 1) * hd], q_norm);
+                            rope(&mut q[hh * hd..hh * hd + rd], pos);
+                        }
+                        let mut k = mat_vec(wk, x, c.kv_dim());
+                        for hh in 0..c.kv_heads {
+                            head_norm(&mut k[hh * hd..(hh + 1) * hd], k_norm);
+                            rope(&mut k[hh * hd..hh * hd + rd], pos);
+                        }
+                        qs.push(q);
+                        gates.push(g);
+                        ks.push(k);
+                        vs.push(mat_vec(wv, x, c.kv_dim()));
+                    }
+                    let group = c.heads / c.kv_heads;
+                    (0..t_len)
+                        .map(|t| {
+                            let mut att = vec![0f64; c.q_dim()];
+                            for hh in 0..c.heads {
+                                let kvh = hh / group;
+                                let q = &qs[t][hh * hd..(hh + 1) * hd];
+                                let scores: Vec<f64> = (0..=t)
+                                    .map(|s| {
+                                        q.iter()
+                                            .zip(&ks[s][kvh * hd..(kvh + 1) * hd])
+                                            .map(|(a, b)| a * b)
+                                            .sum::<f64>()
+                                            / (hd as f64).sqrt()
+                                    })
+                                    .collect();
+                                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+                                let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                                let z: f64 = e.iter().sum();
+                                for (s, p) in e.iter().enumerate() {
+                                    for d in 0..hd {
+                                        att[hh * hd + d] += p / z * vs[s][kvh * hd + d];
+                                    }
+                                }
+                            }
+                            if gated {
+                                for (a, &g) in att.iter_mut().zip(&gates[t]) {
+                                    *a *= sigmoid64(g);
+                                }
+                            }
+                            mat_vec(wo, &att, h)
+                        })
+                        .collect()
+                }
+                HybridRefMixer::Linear {
+                    w_qkv,
+                    w_z,
+                    w_b,
+                    w_a,
+                    conv,
+                    dt_bias,
+                    a_log,
+                    norm,
+                    w_out,
+                } => {
+                    let d = c.linear.as_ref().ok_or_else(|| ModelError::Shape {
+                        what: "linear layer without linear_* config".into(),
+                    })?;
+                    let (kh, vh, dk, dv, kw) = (
+                        d.key_heads,
+                        d.value_heads,
+                        d.key_head_dim,
+                        d.value_head_dim,
+                        d.conv_kernel,
+                    );
+                    let cd = d.conv_dim();
+                    let inputs: Vec<Vec<f64>> =
+                        normed.iter().map(|x| mat_vec(w_qkv, x, cd)).collect();
+                    // S[h] as a d_k × d_v matrix, zero at the start.
+                    let mut s = vec![vec![vec![0f64; dv]; dk]; vh];
+                    let mut outs = Vec::new();
+                    for t in 0..t_len {
+                        // Causal conv over inputs t−K+1..=t (zeros before 0), then SiLU.
+                        let conv_out: Vec<f64> = (0..cd)
+                            .map(|ch| {
+                                let mut acc = 0f64;
+                                for j in 0..kw {
+                                    let src = t as isize - (kw - 1 - j) as isize;
+                                    if src >= 0 {
+                                        acc += conv[ch * kw + j] as f64 * inputs[src as usize][ch];
+                                    }
+                                }
+                                acc * sigmoid64(acc)
+                            })
+                            .collect();
+                        let kd = kh * dk;
+                        let unit = |v: &[f64]| -> Vec<f64> {
+                            let n = (v.iter().map(|x| x * x).sum::<f64>() + 1e-6).sqrt();
+                            v.iter().map(|x| x / n).collect()
+                        };
+                        let z = mat_vec(w_z, &normed[t], d.value_dim());
+                        let b = mat_vec(w_b, &normed[t], vh);
+                        let a = mat_vec(w_a, &normed[t], vh);
+                        let mut y = vec![0f64; d.value_dim()];
+                        for hv in 0..vh {
+                            let src = hv / (vh / kh);
+                            let q: Vec<f64> = unit(&conv_out[src * dk..(src + 1) * dk])
+                                .iter()
+                                .map(|x| x / (dk as f64).sqrt())
+                                .collect();
+                            let k = unit(&conv_out[kd + src * dk..kd + (src + 1) * dk]);
+                            let v = &conv_out[2 * kd + hv * dv..2 * kd + (hv + 1) * dv];
+                            let beta = sigmoid64(b[hv]);
+                            let sp = (1.0 + (a[hv] + dt_bias[hv] as f64).exp()).ln();
+                            let alpha = (-(a_log[hv] as f64).exp() * sp).exp();
+                            // S ← (I − β k kᵀ) α S + β k vᵀ.
+                            let sh = &mut s[hv];
+                            let decayed: Vec<Vec<f64>> = sh
+                                .iter()
+                                .map(|row| row.iter().map(|x| alpha * x).collect())
+                                .collect();
+                            let kt_s: Vec<f64> = (0..dv)
+                                .map(|j| (0..dk).map(|i| k[i] * decayed[i][j]).sum())
+                                .collect();
+                            for i in 0..dk {
+                                for j in 0..dv {
+                                    sh[i][j] =
+                                        decayed[i][j] - beta * k[i] * kt_s[j] + beta * k[i] * v[j];
+                                }
+                            }
+                            let o: Vec<f64> = (0..dv)
+                                .map(|j| (0..dk).map(|i| sh[i][j] * q[i]).sum())
+                                .collect();
+                            let ms = o.iter().map(|x| x * x).sum::<f64>() / dv as f64;
+                            let inv = 1.0 / (ms + eps).sqrt();
+                            for j in 0..dv {
+                                let zz = z[hv * dv + j];
+                                y[hv * dv + j] = norm[j] as f64 * o[j] * inv * zz * sigmoid64(zz);
+                            }
+                        }
+                        outs.push(mat_vec(w_out, &y, h));
+                    }
+                    let mut conv_state = Vec::with_capacity((kw - 1) * cd);
+                    for j in 0..kw - 1 {
+                        let src = t_len as isize - (kw - 1 - j) as isize;
+                        if src >= 0 {
+                            conv_state.extend_from_slice(&inputs[src as usize]);
+                        } else {
+                            conv_state.extend(std::iter::repeat_n(0.0, cd));
+                        }
+                    }
+                    finals.push(Some(HybridRefState {
+                        conv: conv_state,
+                        s: s.into_iter().flatten().flatten().collect(),
+                    }));
+                    outs
+                }
+            };
+            for (x, o) in xs.iter_mut().zip(&mixed_out) {
+                for (a, b) in x.iter_mut().zip(o) {
+                    *a += b;
+                }
+            }
+            for x in xs.iter_mut() {
+                let n = rmsn(x, &layer.ffn_norm);
+                let g = mat_vec(&layer.w_gate, &n, c.intermediate);
+                let u = mat_vec(&layer.w_up, &n, c.intermediate);
+                let act: Vec<f64> = g
+                    .iter()
+                    .zip(&u)
+                    .map(|(g, u)| g * sigmoid64(*g) * u)
+                    .collect();
+                for (a, b) in x.iter_mut().zip(mat_vec(&layer.w_down, &act, h)) {
+                    *a += b;
+                }
+            }
+        }
+        let logits = xs
+            .iter()
+            .map(|x| {
+                mat_vec(&self.lm_head, &rmsn(x, &self.final_norm), c.vocab)
+                    .into_iter()
+                    .map(|v| v as f32)
+                    .collect()
+            })
+            .collect();
+        Ok((logits, finals))
+    }
+}

@@ -16,6 +16,8 @@ enum Which {
     Decode(super::bench_decode::Args),
     /// Peak RSS of loading a model (and generating a few tokens) against its weight bytes.
     Load(super::bench_load::Args),
+    /// Verify-pass cost for M = 1..16 rows vs one step, and commit cost (keep vs replay).
+    Verify(super::bench_verify::Args),
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
@@ -23,5 +25,6 @@ pub fn run(args: Args) -> xdna::Result<()> {
         Which::Gemm(a) => super::bench_gemm::run(a),
         Which::Decode(a) => super::bench_decode::run(a),
         Which::Load(a) => super::bench_load::run(a),
+        Which::Verify(a) => super::bench_verify::run(a),
     }
 }

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_decode;
 pub mod bench_gemm;
 pub mod bench_load;
+pub mod bench_verify;
 pub mod info;
 pub mod kernels;
 pub mod pack;

@@ -36,6 +36,100 @@ enum Cmd {
     Compare { package: PathBuf, gguf: PathBuf },
     /// Print the default model's package directory (downloading/importing it if needed).
     Default,
+    /// Write a deterministic small random-weight package (with its kernel set) for tests and
+    /// benches: a Qwen3.5-style hybrid (Gated DeltaNet + gated attention) or a Llama.
+    Synth(SynthArgs),
+}
+
+#[derive(clap::Args)]
+struct SynthArgs {
+    /// qwen3_5 (hybrid) or llama.
+    #[arg(long, default_value = "qwen3_5")]
+    arch: String,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    hidden: Option<usize>,
+    #[arg(long)]
+    intermediate: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    #[arg(long)]
+    head_dim: Option<usize>,
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Every N-th layer is full attention (hybrid).
+    #[arg(long)]
+    full_attention_interval: Option<usize>,
+    #[arg(long)]
+    linear_key_heads: Option<usize>,
+    #[arg(long)]
+    linear_value_heads: Option<usize>,
+    #[arg(long)]
+    linear_key_head_dim: Option<usize>,
+    #[arg(long)]
+    linear_value_head_dim: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output package directory.
+    #[arg(short, long)]
+    output: PathBuf,
+}
+
+fn synth(a: SynthArgs) -> xdna::Result<()> {
+    use xdna::model::load_hybrid::{self, SynthArch, SynthOptions};
+    let arch = match a.arch.as_str() {
+        "qwen3_5" | "qwen3.5" => SynthArch::Qwen35,
+        "llama" => SynthArch::Llama,
+        s => {
+            return Err(xdna::Error::Usage(format!(
+                "--arch {s:?}: expected qwen3_5 or llama"
+            )))
+        }
+    };
+    let d = SynthOptions::default();
+    let o = SynthOptions {
+        arch,
+        layers: a.layers.unwrap_or(d.layers),
+        hidden: a.hidden.unwrap_or(d.hidden),
+        intermediate: a.intermediate.unwrap_or(d.intermediate),
+        heads: a.heads.unwrap_or(d.heads),
+        kv_heads: a.kv_heads.unwrap_or(d.kv_heads),
+        head_dim: a.head_dim.unwrap_or(d.head_dim),
+        vocab: a.vocab.unwrap_or(d.vocab),
+        full_attention_interval: a
+            .full_attention_interval
+            .unwrap_or(d.full_attention_interval),
+        linear_key_heads: a.linear_key_heads.unwrap_or(d.linear_key_heads),
+        linear_value_heads: a.linear_value_heads.unwrap_or(d.linear_value_heads),
+        linear_key_head_dim: a.linear_key_head_dim.unwrap_or(d.linear_key_head_dim),
+        linear_value_head_dim: a.linear_value_head_dim.unwrap_or(d.linear_value_head_dim),
+        conv_kernel: d.conv_kernel,
+        seed: a.seed,
+    };
+    let c = load_hybrid::write_synthetic(&a.output, &o)?;
+    let keys = match arch {
+        SynthArch::Qwen35 => load_hybrid::synthetic_kernel_keys(&c, load_hybrid::SYNTH_FORMAT),
+        SynthArch::Llama => super::kernels::package_keys(
+            &a.output,
+            &[load_hybrid::SYNTH_FORMAT],
+            &[load_hybrid::SYNTH_FORMAT],
+        )?,
+    };
+    let kernels = a.output.join("kernels");
+    let written = super::kernels::write_kernels(&keys, &kernels, true)?;
+    eprintln!(
+        "wrote {} ({} {} layers, seed {}, {} kernels in {})",
+        a.output.display(),
+        c.model_type,
+        c.layers,
+        o.seed,
+        written.len(),
+        kernels.display()
+    );
+    Ok(())
 }
 
 fn human(n: u64) -> String {
@@ -110,6 +204,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             }
             Ok(())
         }
+        Cmd::Synth(a) => synth(a),
         Cmd::Default => {
             let dir = xdna::weights::default_model()?;
             println!("{}", dir.display());
