@@ -14,11 +14,14 @@ enum Which {
     Gemm(super::bench_gemm::Args),
     /// Prefill and decode speed against the memory limit.
     Decode(super::bench_decode::Args),
+    /// Plain vs speculative greedy decoding over a built-in prompt set.
+    Spec(super::bench_spec::Args),
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
     match args.which {
         Which::Gemm(a) => super::bench_gemm::run(a),
         Which::Decode(a) => super::bench_decode::run(a),
+        Which::Spec(a) => super::bench_spec::run(a),
     }
 }
