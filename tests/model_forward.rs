@@ -269,3 +269,168 @@ fn verify_contract_errors_and_failed_pass() {
     m2.reset();
     assert_eq!(m2.position(), 0);
 }
+
+/// Several sequences in one pass (a server's decode rows): each row's logits equal what that
+/// sequence gives alone, commits are per sequence, and a partial commit on one leaves the others.
+#[test]
+fn sequences_batched_in_one_pass_equal_each_sequence_alone() {
+    let Some(mut server) = fast_model(128) else {
+        return;
+    };
+    let prompts: [&[u32]; 3] = [&PROMPT, &[1, 504, 3458, 282], &[9637, 30, 216, 314, 4649]];
+    let mut states = Vec::new();
+    let mut alone = Vec::new();
+    for p in prompts {
+        let mut st = server.new_sequence(64).unwrap();
+        server
+            .prefill_sequence(&mut st, p, p.len() - 1, &mut |_, _| {})
+            .unwrap();
+        assert_eq!(st.position(), p.len());
+        states.push(st);
+        let mut m = fast_model(64).unwrap();
+        m.prefill(p).unwrap();
+        alone.push(m);
+    }
+    // Round 1: 1 + 3 + 2 rows; commit all, 2 and 1 of them.
+    let feeds: [&[u32]; 3] = [&[42], &[7, 8, 9], &[1000, 2000]];
+    let commits = [1usize, 2, 1];
+    let batched: Vec<Vec<f32>> = {
+        let [a, b, c] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut batch = [(a, feeds[0]), (b, feeds[1]), (c, feeds[2])];
+        let out = server.step_sequences(&mut batch).unwrap();
+        assert_eq!(out.rows(), 6);
+        (0..6).map(|i| out.logits(i).to_vec()).collect()
+    };
+    let mut row = 0;
+    for (s, feed) in feeds.iter().enumerate() {
+        for (j, &t) in feed.iter().enumerate() {
+            let (d, _) = max_diff(&batched[row], alone[s].step(t).unwrap());
+            assert!(
+                d < 1e-3,
+                "sequence {s} row {j}: batched vs alone differ by {d}"
+            );
+            row += 1;
+        }
+    }
+    for (s, st) in states.iter_mut().enumerate() {
+        assert_eq!(st.pending_rows(), Some(feeds[s].len()));
+        server.commit_sequence(st, commits[s]).unwrap();
+        // The lone model saw every fed token; roll it back to the accepted prefix.
+        let keep = prompts[s].len() + commits[s];
+        alone[s].truncate(keep).unwrap();
+        assert_eq!(st.position(), keep);
+    }
+    // Round 2: one row each, after the partial commits.
+    let next = [11u32, 12, 13];
+    let batched: Vec<Vec<f32>> = {
+        let [a, b, c] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut batch = [(a, &next[0..1]), (b, &next[1..2]), (c, &next[2..3])];
+        let out = server.step_sequences(&mut batch).unwrap();
+        (0..3).map(|i| out.logits(i).to_vec()).collect()
+    };
+    for s in 0..3 {
+        let (d, _) = max_diff(&batched[s], alone[s].step(next[s]).unwrap());
+        assert!(d < 1e-3, "round 2, sequence {s}: differ by {d}");
+        server.commit_sequence(&mut states[s], 1).unwrap();
+    }
+    // 17 rows in total are refused; a pending state is refused.
+    let big = [5u32; 16];
+    {
+        let [a, b, _] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut batch = [(a, &big[..]), (b, &next[..1])];
+        assert!(matches!(
+            server.step_sequences(&mut batch),
+            Err(ModelError::BatchRows { rows: 17, .. })
+        ));
+    }
+    {
+        let [a, _, _] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut batch = [(a, &next[..1])];
+        server.step_sequences(&mut batch).unwrap();
+    }
+    {
+        let [a, _, _] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut batch = [(a, &next[..1])];
+        assert!(matches!(
+            server.step_sequences(&mut batch),
+            Err(ModelError::State { .. })
+        ));
+    }
+}
+
+/// An early-exit view runs the first E layers and the head: its logits equal the full model's
+/// hidden state after layer E-1 put through the final norm and lm_head by hand.
+#[test]
+fn early_exit_view_is_the_head_over_the_tap_of_its_last_layer() {
+    let Some(mut full) = fast_model(64) else {
+        return;
+    };
+    let exit = 10;
+    let mut early = Model::early_exit(full.weights_arc(), 64, exit).unwrap();
+    assert_eq!(early.run_layers(), exit);
+    assert!(Model::early_exit(full.weights_arc(), 64, 0).is_err());
+    assert!(Model::early_exit(full.weights_arc(), 64, 31).is_err());
+    full.prefill(&PROMPT).unwrap();
+    early.prefill(&PROMPT).unwrap();
+    let rows = [42u32, 43];
+    let (taps, full_last): (Vec<Vec<f32>>, Vec<f32>) = {
+        let out = full.step_batch_all(&rows, &[exit - 1]).unwrap();
+        (
+            (0..2).map(|i| out.tap(0, i).to_vec()).collect(),
+            out.logits(1).to_vec(),
+        )
+    };
+    let out = early.step_batch_all(&rows, &[]).unwrap();
+    let w = full.weights();
+    let hidden = w.config.hidden;
+    for (i, h) in taps.iter().enumerate() {
+        let ms = h.iter().map(|v| v * v).sum::<f32>() / hidden as f32;
+        let inv = 1.0 / (ms + w.config.rms_eps as f32).sqrt();
+        let normed: Vec<f32> = h
+            .iter()
+            .zip(&w.final_norm)
+            .map(|(v, g)| v * inv * g)
+            .collect();
+        let mut logits = vec![0f32; w.config.vocab];
+        w.lm_head
+            .gemm(&normed, 1, &mut logits, xdna::model::Family::M16)
+            .unwrap();
+        let (d, _) = max_diff(out.logits(i), &logits);
+        assert!(d < 1e-2, "row {i}: early exit vs head(tap) differ by {d}");
+    }
+    // And it really is a different (shallower) model.
+    let (d, _) = max_diff(out.logits(1), &full_last);
+    assert!(d > 0.5, "early-exit logits equal the full model's ({d})");
+    // Taps past the exit are refused.
+    early.commit_verify_rows(2).unwrap();
+    assert!(matches!(
+        early.step_batch_all(&[1], &[exit]),
+        Err(ModelError::Tap { .. })
+    ));
+}
+
+#[test]
+fn truncate_forgets_committed_tokens() {
+    let Some(mut a) = fast_model(64) else { return };
+    let mut b = fast_model(64).unwrap();
+    a.prefill(&PROMPT).unwrap();
+    a.step(77).unwrap();
+    a.step(78).unwrap();
+    assert!(a.truncate(PROMPT.len() + 3).is_err());
+    a.truncate(PROMPT.len()).unwrap();
+    b.prefill(&PROMPT).unwrap();
+    let (d, _) = max_diff(a.step(99).unwrap(), b.step(99).unwrap());
+    assert!(d < 1e-3, "after truncate: {d}");
+    a.step_batch_all(&[1], &[]).unwrap();
+    assert!(matches!(a.truncate(1), Err(ModelError::State { .. })));
+}

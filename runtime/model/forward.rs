@@ -4,6 +4,8 @@
 //! everything else (norms, RoPE, attention, SwiGLU) runs on the host in scratch buffers sized at
 //! construction, so a token costs no allocation.
 
+use std::sync::Arc;
+
 use super::config::ModelConfig;
 use super::ops;
 use super::ModelError;
@@ -199,9 +201,10 @@ impl BatchOutput {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 enum Pending {
     /// No pass outstanding.
+    #[default]
     Idle,
     /// A verify pass of `len` rows ran and waits for `commit_verify_rows`.
     Pass { len: usize },
@@ -218,107 +221,56 @@ pub struct PassStats {
     pub m128_rows: u64,
 }
 
-struct Scratch {
-    x: Vec<f32>,
-    xn: Vec<f32>,
-    qkv: Vec<f32>,
-    attn: Vec<f32>,
-    o: Vec<f32>,
-    gate_up: Vec<f32>,
-    act: Vec<f32>,
-    scores: Vec<f32>,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-    /// Final-normed rows whose logits are wanted (≤ 16 at a time).
-    head_in: Vec<f32>,
-}
-
-/// A loaded model and its decoding state.
-pub struct Model {
-    w: ModelWeights,
-    inv_freq: Vec<f64>,
+/// The decoding state of one sequence: its KV cache, committed position `P` and pending pass.
+///
+/// A [`Model`] owns one (the state its single-sequence methods use); a server keeps one per active
+/// request and runs several of them in one batched pass with [`Model::step_sequences`].
+#[derive(Default)]
+pub struct SequenceState {
     ctx: usize,
     /// Per layer `[ctx, kv_heads, head_dim]`.
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
     pos: usize,
     pending: Pending,
-    s: Scratch,
-    out: BatchOutput,
-    /// Last-row logits of `prefill`.
-    last_logits: Vec<f32>,
-    stats: PassStats,
-    /// Test hook: fail the next pass at this layer (simulates a device fault mid-pass).
-    fail_at_layer: Option<usize>,
 }
 
-impl Model {
-    /// Build the state for `ctx` positions (≤ max_position_embeddings).
-    pub fn new(w: ModelWeights, ctx: usize) -> Result<Self, ModelError> {
-        w.check_shapes()?;
-        let c = w.config.clone();
-        if ctx == 0 || ctx > c.max_position_embeddings {
+impl SequenceState {
+    fn new(config: &ModelConfig, layers: usize, ctx: usize) -> Result<Self, ModelError> {
+        if ctx == 0 || ctx > config.max_position_embeddings {
             return Err(ModelError::Context {
                 what: format!(
                     "context {ctx} out of range 1..={} (max_position_embeddings)",
-                    c.max_position_embeddings
+                    config.max_position_embeddings
                 ),
             });
         }
-        let r = MAX_PREFILL_ROWS;
-        let half = c.head_dim / 2;
-        let s = Scratch {
-            x: vec![0.0; r * c.hidden],
-            xn: vec![0.0; r * c.hidden],
-            qkv: vec![0.0; r * c.qkv_rows()],
-            attn: vec![0.0; r * c.q_dim()],
-            o: vec![0.0; r * c.hidden],
-            gate_up: vec![0.0; r * 2 * c.intermediate],
-            act: vec![0.0; r * c.intermediate],
-            scores: vec![0.0; ctx],
-            cos: vec![0.0; r * half],
-            sin: vec![0.0; r * half],
-            head_in: vec![0.0; MAX_VERIFY_ROWS * c.hidden],
-        };
-        let out = BatchOutput {
-            rows: 0,
-            vocab: c.vocab,
-            hidden: c.hidden,
-            logits: vec![0.0; MAX_VERIFY_ROWS * c.vocab],
-            taps: Vec::new(),
-            tap_states: Vec::new(),
-        };
-        Ok(Model {
-            inv_freq: c.rope_inv_freq(),
-            k_cache: (0..c.layers).map(|_| vec![0.0; ctx * c.kv_dim()]).collect(),
-            v_cache: (0..c.layers).map(|_| vec![0.0; ctx * c.kv_dim()]).collect(),
+        let kvd = config.kv_dim();
+        Ok(SequenceState {
             ctx,
+            k_cache: (0..layers).map(|_| vec![0.0; ctx * kvd]).collect(),
+            v_cache: (0..layers).map(|_| vec![0.0; ctx * kvd]).collect(),
             pos: 0,
             pending: Pending::Idle,
-            s,
-            out,
-            last_logits: vec![0.0; c.vocab],
-            stats: PassStats::default(),
-            fail_at_layer: None,
-            w,
         })
     }
 
-    pub fn config(&self) -> &ModelConfig {
-        &self.w.config
-    }
-    pub fn weights(&self) -> &ModelWeights {
-        &self.w
-    }
-    /// Committed position `P`.
+    /// Committed position `P` (tokens whose keys and values are kept).
     pub fn position(&self) -> usize {
         self.pos
     }
+
+    /// Positions this state can hold.
     pub fn context(&self) -> usize {
         self.ctx
     }
-    pub fn stats(&self) -> PassStats {
-        self.stats
+
+    /// Rows of the pass waiting for a commit, if any.
+    pub fn pending_rows(&self) -> Option<usize> {
+        match self.pending {
+            Pending::Pass { len } => Some(len),
+            _ => None,
+        }
     }
 
     /// Forget everything: `P = 0`, no pending pass.
@@ -335,11 +287,6 @@ impl Model {
         }
     }
 
-    #[doc(hidden)]
-    pub fn inject_failure_at_layer(&mut self, layer: Option<usize>) {
-        self.fail_at_layer = layer;
-    }
-
     fn check_ready(&self) -> Result<(), ModelError> {
         match self.pending {
             Pending::Idle => Ok(()),
@@ -352,12 +299,9 @@ impl Model {
         }
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.w.config.vocab) {
-            return Err(ModelError::Token {
-                token: t,
-                vocab: self.w.config.vocab,
-            });
+    fn check_tokens(&self, tokens: &[u32], vocab: usize) -> Result<(), ModelError> {
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::Token { token: t, vocab });
         }
         if self.pos + tokens.len() > self.ctx {
             return Err(ModelError::Context {
@@ -372,52 +316,8 @@ impl Model {
         Ok(())
     }
 
-    /// One batched verify pass over `tokens` (1..=16 rows) at positions `P..P+len-1`.
-    ///
-    /// Returns one logit row per input row and, for each layer in `taps`, every row's hidden state
-    /// after that layer. Must be followed by [`Model::commit_verify_rows`].
-    pub fn step_batch_all(
-        &mut self,
-        tokens: &[u32],
-        taps: &[usize],
-    ) -> Result<&BatchOutput, ModelError> {
-        self.check_ready()?;
-        if tokens.is_empty() || tokens.len() > MAX_VERIFY_ROWS {
-            return Err(ModelError::BatchRows {
-                rows: tokens.len(),
-                max: MAX_VERIFY_ROWS,
-            });
-        }
-        self.check_tokens(tokens)?;
-        if let Some(&l) = taps.iter().find(|&&l| l >= self.w.config.layers) {
-            return Err(ModelError::Tap {
-                layer: l,
-                layers: self.w.config.layers,
-            });
-        }
-        // Recurrent (GDN) layers: snapshot their state at P here, record replay inputs in the pass.
-        self.out.taps.clear();
-        self.out.taps.extend_from_slice(taps);
-        let need = taps.len() * tokens.len() * self.w.config.hidden;
-        if self.out.tap_states.len() < need {
-            self.out.tap_states.resize(need, 0.0);
-        }
-        self.out.rows = tokens.len();
-        let pos = self.pos;
-        match self.forward_rows(tokens, pos, Family::M16, 0, &mut Sink::Batch, true) {
-            Ok(()) => {
-                self.pending = Pending::Pass { len: tokens.len() };
-                Ok(&self.out)
-            }
-            Err(e) => {
-                self.pending = Pending::Failed;
-                Err(e)
-            }
-        }
-    }
-
-    /// Keep rows `0..n` of the last pass: `P += n`; keys/values beyond `P` are dropped.
-    pub fn commit_verify_rows(&mut self, n: usize) -> Result<(), ModelError> {
+    /// Keep rows `0..n` of the pending pass.
+    fn commit(&mut self, n: usize) -> Result<(), ModelError> {
         let len = match self.pending {
             Pending::Pass { len } => len,
             Pending::Idle => {
@@ -441,6 +341,326 @@ impl Model {
         self.pending = Pending::Idle;
         Ok(())
     }
+}
+
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    scores: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    /// Final-normed rows whose logits are wanted (≤ 16 at a time).
+    head_in: Vec<f32>,
+    /// Per row of the pass: which segment (sequence) it belongs to, and its position.
+    row_segment: Vec<usize>,
+    row_position: Vec<usize>,
+}
+
+/// One sequence's part of a batched pass: its state and the tokens it feeds at `P..`.
+struct Segment<'a, 't> {
+    seq: &'a mut SequenceState,
+    tokens: &'t [u32],
+}
+
+/// A loaded model and its decoding state.
+///
+/// The weights are shared (`Arc`): several models (an early-exit drafter, a server's engine) can
+/// run over one copy. The single-sequence methods use the model's own [`SequenceState`].
+pub struct Model {
+    w: Arc<ModelWeights>,
+    /// Layers a pass runs: all of them, or the first `E` for an early-exit (layer-skip) view.
+    run_layers: usize,
+    inv_freq: Vec<f64>,
+    seq: SequenceState,
+    s: Scratch,
+    out: BatchOutput,
+    /// Last-row logits of `prefill`.
+    last_logits: Vec<f32>,
+    stats: PassStats,
+    /// Test hook: fail the next pass at this layer (simulates a device fault mid-pass).
+    fail_at_layer: Option<usize>,
+}
+
+impl Model {
+    /// Build the model with a state for `ctx` positions (≤ max_position_embeddings).
+    pub fn new(w: ModelWeights, ctx: usize) -> Result<Self, ModelError> {
+        Self::shared(Arc::new(w), ctx)
+    }
+
+    /// Like [`Model::new`], over weights shared with other models.
+    pub fn shared(w: Arc<ModelWeights>, ctx: usize) -> Result<Self, ModelError> {
+        let layers = w.config.layers;
+        Self::with_layers(w, ctx, layers)
+    }
+
+    /// An early-exit view: passes run layers `0..exit_layers`, then the final norm and the
+    /// lm_head (self-speculation by layer skip). `1 ≤ exit_layers ≤ layers`.
+    pub fn early_exit(
+        w: Arc<ModelWeights>,
+        ctx: usize,
+        exit_layers: usize,
+    ) -> Result<Self, ModelError> {
+        let layers = w.config.layers;
+        if exit_layers == 0 || exit_layers > layers {
+            return Err(ModelError::Context {
+                what: format!("early exit after {exit_layers} layers: must be 1..={layers}"),
+            });
+        }
+        Self::with_layers(w, ctx, exit_layers)
+    }
+
+    fn with_layers(
+        w: Arc<ModelWeights>,
+        ctx: usize,
+        run_layers: usize,
+    ) -> Result<Self, ModelError> {
+        w.check_shapes()?;
+        let c = w.config.clone();
+        let seq = SequenceState::new(&c, run_layers, ctx)?;
+        let r = MAX_PREFILL_ROWS;
+        let half = c.head_dim / 2;
+        let s = Scratch {
+            x: vec![0.0; r * c.hidden],
+            xn: vec![0.0; r * c.hidden],
+            qkv: vec![0.0; r * c.qkv_rows()],
+            attn: vec![0.0; r * c.q_dim()],
+            o: vec![0.0; r * c.hidden],
+            gate_up: vec![0.0; r * 2 * c.intermediate],
+            act: vec![0.0; r * c.intermediate],
+            scores: vec![0.0; ctx],
+            cos: vec![0.0; r * half],
+            sin: vec![0.0; r * half],
+            head_in: vec![0.0; MAX_VERIFY_ROWS * c.hidden],
+            row_segment: vec![0; r],
+            row_position: vec![0; r],
+        };
+        let out = BatchOutput {
+            rows: 0,
+            vocab: c.vocab,
+            hidden: c.hidden,
+            logits: vec![0.0; MAX_VERIFY_ROWS * c.vocab],
+            taps: Vec::new(),
+            tap_states: Vec::new(),
+        };
+        Ok(Model {
+            inv_freq: c.rope_inv_freq(),
+            run_layers,
+            seq,
+            s,
+            out,
+            last_logits: vec![0.0; c.vocab],
+            stats: PassStats::default(),
+            fail_at_layer: None,
+            w,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.w.config
+    }
+    pub fn weights(&self) -> &ModelWeights {
+        &self.w
+    }
+    /// The shared weights, to build another model (an early-exit drafter) over the same copy.
+    pub fn weights_arc(&self) -> Arc<ModelWeights> {
+        Arc::clone(&self.w)
+    }
+    /// Layers a pass runs (all of them unless this is an early-exit view).
+    pub fn run_layers(&self) -> usize {
+        self.run_layers
+    }
+    /// Committed position `P`.
+    pub fn position(&self) -> usize {
+        self.seq.pos
+    }
+    pub fn context(&self) -> usize {
+        self.seq.ctx
+    }
+    pub fn stats(&self) -> PassStats {
+        self.stats
+    }
+
+    /// A fresh state for another sequence over these weights (`ctx` positions).
+    pub fn new_sequence(&self, ctx: usize) -> Result<SequenceState, ModelError> {
+        SequenceState::new(&self.w.config, self.run_layers, ctx)
+    }
+
+    /// Forget everything: `P = 0`, no pending pass.
+    pub fn reset(&mut self) {
+        self.seq.reset();
+    }
+
+    /// Acknowledge a failed pass; the committed state (which the failure left untouched) is kept.
+    pub fn recover(&mut self) {
+        self.seq.recover();
+    }
+
+    /// Drop committed tokens past `position` (`position ≤ P`, no pass pending): the next token is
+    /// fed at `position`. Attention layers only need their KV rows forgotten, which is free.
+    pub fn truncate(&mut self, position: usize) -> Result<(), ModelError> {
+        self.seq.check_ready()?;
+        if position > self.seq.pos {
+            return Err(ModelError::Context {
+                what: format!(
+                    "truncate to {position}: only {} tokens are committed",
+                    self.seq.pos
+                ),
+            });
+        }
+        self.seq.pos = position;
+        Ok(())
+    }
+
+    #[doc(hidden)]
+    pub fn inject_failure_at_layer(&mut self, layer: Option<usize>) {
+        self.fail_at_layer = layer;
+    }
+
+    fn check_taps(&self, taps: &[usize]) -> Result<(), ModelError> {
+        if let Some(&l) = taps.iter().find(|&&l| l >= self.run_layers) {
+            return Err(ModelError::Tap {
+                layer: l,
+                layers: self.run_layers,
+            });
+        }
+        Ok(())
+    }
+
+    /// One batched verify pass over `tokens` (1..=16 rows) at positions `P..P+len-1`.
+    ///
+    /// Returns one logit row per input row and, for each layer in `taps`, every row's hidden state
+    /// after that layer. Must be followed by [`Model::commit_verify_rows`].
+    pub fn step_batch_all(
+        &mut self,
+        tokens: &[u32],
+        taps: &[usize],
+    ) -> Result<&BatchOutput, ModelError> {
+        self.seq.check_ready()?;
+        if tokens.is_empty() || tokens.len() > MAX_VERIFY_ROWS {
+            return Err(ModelError::BatchRows {
+                rows: tokens.len(),
+                max: MAX_VERIFY_ROWS,
+            });
+        }
+        self.seq.check_tokens(tokens, self.w.config.vocab)?;
+        self.check_taps(taps)?;
+        let mut seq = std::mem::take(&mut self.seq);
+        let r = self.verify_pass(
+            &mut [Segment {
+                seq: &mut seq,
+                tokens,
+            }],
+            taps,
+        );
+        self.seq = seq;
+        r?;
+        Ok(&self.out)
+    }
+
+    /// One batched pass over several sequences: each `(state, tokens)` feeds its tokens at its own
+    /// `P..`, and all rows (1..=16 in total) share every projection. Logit rows come back in input
+    /// order (the first sequence's rows first). Every state then waits for its own
+    /// [`Model::commit_sequence`]; on failure every state is marked failed with its committed
+    /// state intact.
+    pub fn step_sequences(
+        &mut self,
+        batch: &mut [(&mut SequenceState, &[u32])],
+    ) -> Result<&BatchOutput, ModelError> {
+        let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
+        if rows == 0 || rows > MAX_VERIFY_ROWS {
+            return Err(ModelError::BatchRows {
+                rows,
+                max: MAX_VERIFY_ROWS,
+            });
+        }
+        for (seq, tokens) in batch.iter() {
+            seq.check_ready()?;
+            if tokens.is_empty() {
+                return Err(ModelError::BatchRows {
+                    rows: 0,
+                    max: MAX_VERIFY_ROWS,
+                });
+            }
+            if seq.k_cache.len() != self.run_layers {
+                return Err(ModelError::State {
+                    what: format!(
+                        "a sequence state of {} layers given to a model running {}",
+                        seq.k_cache.len(),
+                        self.run_layers
+                    ),
+                });
+            }
+            seq.check_tokens(tokens, self.w.config.vocab)?;
+        }
+        let mut segments: Vec<Segment<'_, '_>> = batch
+            .iter_mut()
+            .map(|(seq, tokens)| Segment { seq, tokens })
+            .collect();
+        self.verify_pass(&mut segments, &[])?;
+        Ok(&self.out)
+    }
+
+    /// Keep rows `0..n` of `seq`'s part of the last [`Model::step_sequences`] pass.
+    pub fn commit_sequence(&mut self, seq: &mut SequenceState, n: usize) -> Result<(), ModelError> {
+        seq.commit(n)
+    }
+
+    /// Feed `tokens` of a server-held sequence in chunks of ≤ 128 rows (see [`Model::prefill_with`]).
+    pub fn prefill_sequence(
+        &mut self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        first_logit_row: usize,
+        on_logits: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), ModelError> {
+        std::mem::swap(&mut self.seq, seq);
+        let r = self.prefill_with(tokens, first_logit_row, on_logits);
+        std::mem::swap(&mut self.seq, seq);
+        r
+    }
+
+    /// The verify pass proper: marks every segment pending (or failed).
+    fn verify_pass(
+        &mut self,
+        segments: &mut [Segment<'_, '_>],
+        taps: &[usize],
+    ) -> Result<(), ModelError> {
+        let rows: usize = segments.iter().map(|s| s.tokens.len()).sum();
+        // Recurrent (GDN) layers: snapshot their state at P here, record replay inputs in the pass.
+        self.out.taps.clear();
+        self.out.taps.extend_from_slice(taps);
+        let need = taps.len() * rows * self.w.config.hidden;
+        if self.out.tap_states.len() < need {
+            self.out.tap_states.resize(need, 0.0);
+        }
+        self.out.rows = rows;
+        match self.forward_rows(segments, Family::M16, 0, &mut Sink::Batch, !taps.is_empty()) {
+            Ok(()) => {
+                for seg in segments.iter_mut() {
+                    seg.seq.pending = Pending::Pass {
+                        len: seg.tokens.len(),
+                    };
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for seg in segments.iter_mut() {
+                    seg.seq.pending = Pending::Failed;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Keep rows `0..n` of the last pass: `P += n`; keys/values beyond `P` are dropped.
+    pub fn commit_verify_rows(&mut self, n: usize) -> Result<(), ModelError> {
+        self.seq.commit(n)
+    }
 
     /// `step_batch_all([token])` + `commit_verify_rows(1)`; returns the next-token logits.
     pub fn step(&mut self, token: u32) -> Result<&[f32], ModelError> {
@@ -458,34 +678,40 @@ impl Model {
         first_logit_row: usize,
         on_logits: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), ModelError> {
-        self.check_ready()?;
+        self.seq.check_ready()?;
         if tokens.is_empty() {
             return Err(ModelError::Context {
                 what: "prefill of zero tokens".into(),
             });
         }
-        self.check_tokens(tokens)?;
+        self.seq.check_tokens(tokens, self.w.config.vocab)?;
         self.out.taps.clear();
-        let start = self.pos;
+        let start = self.seq.pos;
+        let mut seq = std::mem::take(&mut self.seq);
+        let mut result = Ok(());
         for (c, chunk) in tokens.chunks(MAX_PREFILL_ROWS).enumerate() {
             let base = c * MAX_PREFILL_ROWS;
             let first = first_logit_row.saturating_sub(base);
-            let pos = self.pos;
             let mut sink = Sink::Callback { base, f: on_logits };
+            let mut segment = [Segment {
+                seq: &mut seq,
+                tokens: chunk,
+            }];
             if let Err(e) = self.forward_rows(
-                chunk,
-                pos,
+                &mut segment,
                 Family::for_rows(chunk.len()),
                 first,
                 &mut sink,
                 false,
             ) {
-                self.pos = start;
-                return Err(e);
+                seq.pos = start;
+                result = Err(e);
+                break;
             }
-            self.pos += chunk.len();
+            seq.pos += chunk.len();
         }
-        Ok(())
+        self.seq = seq;
+        result
     }
 
     /// Prefill and return the last row's logits (predicting the token after `tokens`).
@@ -498,22 +724,44 @@ impl Model {
         Ok(&self.last_logits)
     }
 
-    /// The forward of `tokens` at positions `pos..`; KV written at those positions.
+    /// The forward of every segment's tokens at its positions `P..`, all rows through each
+    /// projection together; KV written at those positions.
     fn forward_rows(
         &mut self,
-        tokens: &[u32],
-        pos: usize,
+        segments: &mut [Segment<'_, '_>],
         family: Family,
         first_logit_row: usize,
         sink: &mut Sink<'_>,
         taps: bool,
     ) -> Result<(), ModelError> {
-        let m = tokens.len();
         let c = &self.w.config;
         let (hd, half, hidden) = (c.head_dim, c.head_dim / 2, c.hidden);
         let (qd, kvd, qkvn, inter) = (c.q_dim(), c.kv_dim(), c.qkv_rows(), c.intermediate);
         let eps = c.rms_eps as f32;
         let s = &mut self.s;
+        let mut m = 0;
+        for (g, seg) in segments.iter().enumerate() {
+            for (j, &t) in seg.tokens.iter().enumerate() {
+                let i = m + j;
+                let pos = seg.seq.pos + j;
+                s.row_segment[i] = g;
+                s.row_position[i] = pos;
+                self.w
+                    .embed
+                    .row(t, &mut s.x[i * hidden..(i + 1) * hidden])?;
+                ops::rope_angles(
+                    pos,
+                    &self.inv_freq,
+                    &mut s.cos[i * half..(i + 1) * half],
+                    &mut s.sin[i * half..(i + 1) * half],
+                );
+            }
+            m += seg.tokens.len();
+        }
+        let longest = s.row_position[..m].iter().max().map_or(0, |&p| p + 1);
+        if s.scores.len() < longest {
+            s.scores.resize(longest, 0.0);
+        }
         match family {
             Family::M16 => {
                 self.stats.m16_passes += 1;
@@ -524,18 +772,7 @@ impl Model {
                 self.stats.m128_rows += m as u64;
             }
         }
-        for (i, &t) in tokens.iter().enumerate() {
-            self.w
-                .embed
-                .row(t, &mut s.x[i * hidden..(i + 1) * hidden])?;
-            ops::rope_angles(
-                pos + i,
-                &self.inv_freq,
-                &mut s.cos[i * half..(i + 1) * half],
-                &mut s.sin[i * half..(i + 1) * half],
-            );
-        }
-        for (l, lw) in self.w.layers.iter().enumerate() {
+        for (l, lw) in self.w.layers[..self.run_layers].iter().enumerate() {
             if self.fail_at_layer == Some(l) {
                 return Err(ModelError::Other(format!("injected failure at layer {l}")));
             }
@@ -547,8 +784,6 @@ impl Model {
             );
             lw.qkv
                 .gemm(&s.xn[..m * hidden], m, &mut s.qkv[..m * qkvn], family)?;
-            let kc = &mut self.k_cache[l];
-            let vc = &mut self.v_cache[l];
             for i in 0..m {
                 let row = &mut s.qkv[i * qkvn..(i + 1) * qkvn];
                 if let Some(b) = &lw.qkv_bias {
@@ -567,19 +802,21 @@ impl Model {
                     }
                     ops::rope_half_split(head, cos, sin);
                 }
-                let p = pos + i;
-                kc[p * kvd..(p + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
-                vc[p * kvd..(p + 1) * kvd].copy_from_slice(&row[qd + kvd..qkvn]);
+                let seq = &mut *segments[s.row_segment[i]].seq;
+                let p = s.row_position[i];
+                seq.k_cache[l][p * kvd..(p + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                seq.v_cache[l][p * kvd..(p + 1) * kvd].copy_from_slice(&row[qd + kvd..qkvn]);
             }
             for i in 0..m {
+                let seq = &*segments[s.row_segment[i]].seq;
                 ops::attend_row(
                     &s.qkv[i * qkvn..i * qkvn + qd],
-                    kc,
-                    vc,
+                    &seq.k_cache[l],
+                    &seq.v_cache[l],
                     c.heads,
                     c.kv_heads,
                     hd,
-                    pos + i,
+                    s.row_position[i],
                     &mut s.scores,
                     &mut s.attn[i * qd..(i + 1) * qd],
                 );

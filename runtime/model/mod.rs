@@ -15,7 +15,8 @@ pub mod text;
 
 pub use config::{ModelConfig, RopeScaling};
 pub use forward::{
-    BatchOutput, Family, Model, ModelWeights, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
+    BatchOutput, Family, Model, ModelWeights, PassStats, SequenceState, MAX_PREFILL_ROWS,
+    MAX_VERIFY_ROWS,
 };
 
 /// Errors of the model layer.
