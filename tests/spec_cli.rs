@@ -22,7 +22,8 @@ fn xdna(args: &[&str]) -> (bool, String, String) {
 }
 
 const LIST: &str = "1. apple\n2. banana\n3. cherry\n4. date\n5. elderberry\n6.";
-const CODE: &str = "def area(r):\n    return 3.14159 * r * r\n\ndef area(r):\n";
+const CODE: &str =
+    "def area(r):\n    return 3.14159 * r * r\n\ndef area(r):\n    return 3.14159 * r * r\n\ndef area(r):";
 
 #[test]
 fn run_speculate_prints_the_plain_text_and_the_statistics() {
@@ -31,16 +32,27 @@ fn run_speculate_prints_the_plain_text_and_the_statistics() {
     };
     let g = g.to_string_lossy().into_owned();
     for prompt in [LIST, CODE] {
-        let base = ["run", "--model", &g, "--prompt", prompt, "--max-tokens", "40"];
+        let base = [
+            "run",
+            "--model",
+            &g,
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "40",
+        ];
         let (ok, plain, err) = xdna(&base);
         assert!(ok, "{err}");
         let draft = format!("draft:{g}");
-        for drafter in ["ngram", draft.as_str()] {
+        for drafter in ["ngram", draft.as_str(), "layerskip:24"] {
             let mut args = base.to_vec();
             args.extend(["--speculate", drafter, "--draft-max", "6"]);
             let (ok, out, err) = xdna(&args);
             assert!(ok, "{drafter}: {err}");
-            assert_eq!(out, plain, "{drafter}: speculative text differs from plain greedy");
+            assert_eq!(
+                out, plain,
+                "{drafter}: speculative text differs from plain greedy"
+            );
             // The stats line, then the speculative statistics.
             let stats_at = err.find("[stats] prompt").expect("stats line");
             for needle in [
@@ -49,7 +61,9 @@ fn run_speculate_prints_the_plain_text_and_the_statistics() {
                 "[spec] per-position acceptance [",
                 "[spec] acceptance-length histogram",
             ] {
-                let at = err.find(needle).unwrap_or_else(|| panic!("{needle}: {err}"));
+                let at = err
+                    .find(needle)
+                    .unwrap_or_else(|| panic!("{needle}: {err}"));
                 assert!(at > stats_at, "{needle} before the stats line: {err}");
             }
         }
@@ -94,8 +108,14 @@ fn package_with_swapped_tokens(gguf: &Path, dir: &Path) {
     let text = std::fs::read_to_string(pkg.dir().join("tokenizer.json")).expect("tokenizer");
     let mut json: serde_json::Value = serde_json::from_str(&text).expect("json");
     let vocab = json["model"]["vocab"].as_object_mut().expect("vocab");
-    let a = vocab.iter().find(|(_, id)| id.as_u64() == Some(100)).map(|(k, _)| k.clone());
-    let b = vocab.iter().find(|(_, id)| id.as_u64() == Some(101)).map(|(k, _)| k.clone());
+    let a = vocab
+        .iter()
+        .find(|(_, id)| id.as_u64() == Some(100))
+        .map(|(k, _)| k.clone());
+    let b = vocab
+        .iter()
+        .find(|(_, id)| id.as_u64() == Some(101))
+        .map(|(k, _)| k.clone());
     let (a, b) = (a.expect("token 100"), b.expect("token 101"));
     vocab.insert(a, serde_json::Value::from(101));
     vocab.insert(b, serde_json::Value::from(100));
@@ -109,7 +129,15 @@ fn run_speculate_refuses_bad_drafters() {
     };
     let gs = g.to_string_lossy().into_owned();
     let run = |extra: &[&str]| {
-        let mut args = vec!["run", "--model", &gs, "--prompt", "Hello", "--max-tokens", "4"];
+        let mut args = vec![
+            "run",
+            "--model",
+            &gs,
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "4",
+        ];
         args.extend_from_slice(extra);
         xdna(&args)
     };
@@ -119,6 +147,8 @@ fn run_speculate_refuses_bad_drafters() {
     assert!(!ok && err.contains("--draft-max 16"), "{err}");
     let (ok, _, err) = run(&["--speculate", "layerskip:0"]);
     assert!(!ok && err.contains("at least 1"), "{err}");
+    let (ok, _, err) = run(&["--speculate", "layerskip:30"]);
+    assert!(!ok && err.contains("must be 1..30"), "{err}");
     let (ok, _, err) = run(&["--speculate", "draft:/nonexistent/draft.gguf"]);
     assert!(!ok && err.contains("/nonexistent/draft.gguf"), "{err}");
     let dir = std::env::temp_dir().join(format!("xdna-spec-cli-vocab-{}", std::process::id()));
@@ -147,7 +177,10 @@ fn completion_server(replies: Vec<String>) -> (u16, std::thread::JoinHandle<Vec<
             let mut reader = BufReader::new(stream.try_clone().expect("clone"));
             let mut request_line = String::new();
             reader.read_line(&mut request_line).expect("request line");
-            assert!(request_line.starts_with("POST /v1/completions "), "{request_line}");
+            assert!(
+                request_line.starts_with("POST /v1/completions "),
+                "{request_line}"
+            );
             let mut length = 0;
             loop {
                 let mut header = String::new();
@@ -234,20 +267,54 @@ fn spec_acceptance_local_and_endpoint_agree() {
         overall["plain_steps"].as_f64().unwrap(),
         overall["accepted"].as_f64().unwrap(),
     );
-    assert_eq!(rounds + plain + accepted, 32.0, "each pass emits accepted + 1");
-    assert!(accepted > 0.0, "the code prompt repeats: drafts must be accepted");
+    assert_eq!(
+        rounds + plain + accepted,
+        32.0,
+        "each pass emits accepted + 1"
+    );
+    assert!(
+        accepted > 0.0,
+        "the code prompt repeats: drafts must be accepted"
+    );
     let expected_one = 32.0 * 10.0 / (rounds * 12.0 + plain * 10.0);
     let expected_two = 32.0 * 10.0 / (rounds * 24.0 + plain * 10.0);
     assert!((overall["speedup_one_pass"].as_f64().unwrap() - expected_one).abs() < 1e-9);
     assert!((overall["speedup_two_pass"].as_f64().unwrap() - expected_two).abs() < 1e-9);
 
-    // The same continuations served by an OpenAI-compatible endpoint (the text `xdna run`
-    // prints for 16 greedy tokens) give the same replay.
+    // Continuations served by an OpenAI-compatible endpoint (the text `xdna run` prints for 16
+    // greedy tokens): the report is the replay of the re-tokenized texts.
     let mut replies = Vec::new();
     for prompt in ["The capital of France is", CODE] {
-        let (ok, out, err) = xdna(&["run", "--model", &g, "--prompt", prompt, "--max-tokens", "16"]);
+        let (ok, out, err) = xdna(&[
+            "run",
+            "--model",
+            &g,
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "16",
+        ]);
         assert!(ok, "{err}");
         replies.push(out.strip_suffix('\n').expect("newline").to_string());
+    }
+    let pkg = xdna::model::load::open_package(Path::new(&g)).expect("package");
+    let mut expected = xdna::spec::SpecStats::default();
+    for (prompt, reply) in ["The capital of France is", CODE].iter().zip(&replies) {
+        let mut ids = Vec::new();
+        if pkg.add_bos() {
+            ids.extend(pkg.bos_token_id());
+        }
+        ids.extend(pkg.tokenizer().encode(prompt, false));
+        let continuation = pkg.tokenizer().encode(reply, false);
+        let mut drafter = xdna::spec::NgramDrafter::new(xdna::spec::NgramConfig {
+            min_n: 2,
+            max_n: 4,
+            max_drafts: 4,
+        })
+        .expect("drafter");
+        let stats =
+            xdna::spec::replay_acceptance(&mut drafter, &ids, &continuation, 4).expect("replay");
+        expected.merge(&stats);
     }
     let (port, server) = completion_server(replies);
     let endpoint = format!("http://127.0.0.1:{port}");
@@ -258,9 +325,13 @@ fn spec_acceptance_local_and_endpoint_agree() {
     assert!(ok, "{err}");
     let remote: serde_json::Value = serde_json::from_str(&remote).expect("json");
     assert_eq!(remote["source"], "endpoint");
-    for field in ["tokens", "rounds", "plain_steps", "drafted", "accepted"] {
-        assert_eq!(remote["overall"][field], overall[field], "{field}");
-    }
+    let overall = &remote["overall"];
+    assert_eq!(overall["tokens"], expected.emitted);
+    assert_eq!(overall["rounds"], expected.rounds);
+    assert_eq!(overall["plain_steps"], expected.plain_steps);
+    assert_eq!(overall["drafted"], expected.drafted);
+    assert_eq!(overall["accepted"], expected.accepted);
+    assert!(expected.accepted > 0);
     for (body, prompt) in bodies.iter().zip(["The capital of France is", CODE]) {
         let body: serde_json::Value = serde_json::from_str(body).expect("request json");
         assert_eq!(body["temperature"], 0);
@@ -273,8 +344,17 @@ fn spec_acceptance_local_and_endpoint_agree() {
     table_args.pop();
     let (ok, table, err) = xdna(&table_args);
     assert!(ok, "{err}");
-    assert!(table.contains("overall") && table.contains("1-pass round = N·s/(R·p + Z·s)"), "{table}");
-    let (ok, _, err) = xdna(&["spec-acceptance", "--prompts", "/nonexistent/prompts.txt", "--model", &g]);
+    assert!(
+        table.contains("overall") && table.contains("1-pass round = N·s/(R·p + Z·s)"),
+        "{table}"
+    );
+    let (ok, _, err) = xdna(&[
+        "spec-acceptance",
+        "--prompts",
+        "/nonexistent/prompts.txt",
+        "--model",
+        &g,
+    ]);
     assert!(!ok && err.contains("/nonexistent/prompts.txt"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

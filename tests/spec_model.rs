@@ -133,8 +133,14 @@ fn equals_plain_greedy<D: xdna::spec::Drafter>(
             let (plain, plain_position) = plain_greedy(model, context, &stop);
             let (spec, position, _, d) = speculative(model, drafter, context, &stop);
             drafter = d;
-            assert_eq!(spec.tokens, plain, "{what}, max_tokens {max_tokens}: output differs");
-            assert_eq!(position, plain_position, "{what}: committed positions differ");
+            assert_eq!(
+                spec.tokens, plain,
+                "{what}, max_tokens {max_tokens}: output differs"
+            );
+            assert_eq!(
+                position, plain_position,
+                "{what}: committed positions differ"
+            );
         }
         // EOS: the plain output's token at index j stands in for EOS; both runs must stop at its
         // first occurrence.
@@ -150,7 +156,10 @@ fn equals_plain_greedy<D: xdna::spec::Drafter>(
             drafter = d;
             assert_eq!(spec.tokens, plain, "{what}, EOS {eos}: output differs");
             assert_eq!(spec.finish, xdna::spec::FinishReason::Eos);
-            assert_eq!(position, plain_position, "{what}, EOS {eos}: positions differ");
+            assert_eq!(
+                position, plain_position,
+                "{what}, EOS {eos}: positions differ"
+            );
             // The rule accepted more than was emitted: the EOS cut a round inside its accepted
             // drafts.
             if stats.accepted + stats.rounds + stats.plain_steps > stats.emitted {
@@ -168,7 +177,8 @@ fn equals_plain_greedy<D: xdna::spec::Drafter>(
 fn prompt_set(pkg: &xdna::weights::Package) -> Vec<Vec<u32>> {
     [
         "1. apple\n2. banana\n3. cherry\n4. date\n5. elderberry\n6.",
-        "def area(r):\n    return 3.14159 * r * r\n\ndef area(r):\n",
+        // Greedy SmolLM2 repeats this function: the n-gram drafter's drafts are accepted in full.
+        "def area(r):\n    return 3.14159 * r * r\n\ndef area(r):\n    return 3.14159 * r * r\n\ndef area(r):",
         "The capital of France is",
     ]
     .iter()
@@ -183,9 +193,8 @@ fn draft_model_greedy_equals_plain_greedy_on_smollm2() {
     let Some((pkg, mut model)) = model_common::fast_model(512) else {
         return;
     };
-    let Some((_, draft)) = model_common::fast_model(512) else {
-        return;
-    };
+    // A second state over the same weights: the draft model's own KV cache.
+    let draft = xdna::model::Model::shared(model.weights_arc(), 512).expect("draft model");
     let prompts = prompt_set(&pkg);
     let drafter = xdna::spec::DraftModelDrafter::new(xdna::spec::ModelDraft::new(draft), 7);
     equals_plain_greedy(&mut model, drafter, &prompts, "draft model");
@@ -199,4 +208,21 @@ fn ngram_greedy_equals_plain_greedy_with_eos_inside_drafts() {
     let prompts = prompt_set(&pkg);
     let drafter = NgramDrafter::new(NgramConfig::default()).expect("drafter");
     equals_plain_greedy(&mut model, drafter, &prompts, "ngram");
+}
+
+#[test]
+fn layer_skip_greedy_equals_plain_greedy_on_smollm2() {
+    // Self-speculation: the first 26 of SmolLM2's 30 layers + final norm + head draft (an
+    // early-exit view sharing the weights, with its own KV cache); partial acceptance.
+    let Some((pkg, mut model)) = model_common::fast_model(512) else {
+        return;
+    };
+    let prompts = prompt_set(&pkg);
+    let view = xdna::spec::ModelEarlyExit::new(&model, 512, 26).expect("early-exit view");
+    let draft = xdna::spec::LayerSkipDraftModel::new(view, 26).expect("layer skip");
+    let drafter = xdna::spec::DraftModelDrafter::new(draft, 3);
+    equals_plain_greedy(&mut model, drafter, &prompts, "layer skip");
+    // Exiting after every layer is the model itself, and no layer is no model: both refused.
+    assert!(xdna::spec::ModelEarlyExit::new(&model, 512, 30).is_err());
+    assert!(xdna::spec::ModelEarlyExit::new(&model, 512, 0).is_err());
 }

@@ -65,4 +65,3 @@ pub fn projected_speedups(stats: &SpecStats, pass_ms: f64, step_ms: f64) -> (f64
     let two_pass = rounds * 2.0 * pass_ms + plain * step_ms;
     (plain_time / one_pass, plain_time / two_pass)
 }
-

@@ -34,8 +34,8 @@ pub use decide::{
     decide, uniforms_needed, AcceptanceRule, DecideWorkspace, Decision, DraftProbabilities,
 };
 pub use draft_model::{DraftModel, DraftModelDrafter, EarlyExitModel, LayerSkipDraftModel};
-pub use model_target::ModelDraft;
 pub use drafter::{DraftProposal, Drafter, NoDrafter};
+pub use model_target::{ModelDraft, ModelEarlyExit};
 pub use ngram::{NgramConfig, NgramDrafter};
 pub use runner::{
     prefill_with_verify_passes, CostModel, FallbackConfig, FinishReason, Generation, SpecConfig,

@@ -24,41 +24,24 @@ impl VerifyTarget for Model {
     }
 }
 
-/// A [`Model`] as a [`DraftModel`](super::DraftModel): a second model (or the target's weights in
-/// a second state) drafting autoregressively.
-///
-/// `feed` commits through the model's prefill path (≤ 128-row chunks, one pass per chunk). The
-/// model's public contract only moves `P` forward (verify + commit), so [`truncate`]
-/// (super::DraftModel::truncate) below `P` resets the model and re-prefills the kept prefix from
-/// the tokens this wrapper recorded: exact, but O(kept tokens). It is needed only after a rejected
-/// draft; an identical or well-aligned draft model rarely pays it.
+/// A [`Model`] as a [`DraftModel`](super::DraftModel): a second model (or the target's weights
+/// in a second state, `Model::shared`) drafting autoregressively. `feed` commits through the
+/// model's prefill path (≤ 128-row chunks, one pass per chunk); `truncate` is the model's
+/// `truncate` (free for attention layers).
 pub struct ModelDraft {
     model: Model,
-    /// Every token whose state the model holds (`fed.len() == model.position()`).
-    fed: Vec<u32>,
-    /// Times `truncate` had to re-prefill (for statistics and tests).
-    replays: u64,
 }
 
 impl ModelDraft {
     /// Wraps `model`, forgetting its state.
     pub fn new(mut model: Model) -> Self {
         model.reset();
-        ModelDraft {
-            model,
-            fed: Vec::new(),
-            replays: 0,
-        }
+        ModelDraft { model }
     }
 
     /// The wrapped model.
     pub fn model(&self) -> &Model {
         &self.model
-    }
-
-    /// Times a truncation re-prefilled the kept prefix.
-    pub fn replays(&self) -> u64 {
-        self.replays
     }
 
     /// The wrapped model back.
@@ -71,7 +54,7 @@ impl std::fmt::Debug for ModelDraft {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelDraft")
             .field("position", &self.model.position())
-            .field("replays", &self.replays)
+            .field("run_layers", &self.model.run_layers())
             .finish()
     }
 }
@@ -92,32 +75,89 @@ impl super::DraftModel for ModelDraft {
     }
 
     fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], ModelError> {
-        let logits = self.model.prefill(tokens)?;
-        self.fed.extend_from_slice(tokens);
-        Ok(logits)
+        self.model.prefill(tokens)
     }
 
     fn truncate(&mut self, position: usize) -> Result<(), ModelError> {
-        let held = self.model.position();
-        if position > held {
-            return Err(ModelError::State {
-                what: format!("draft model truncate to {position} beyond its {held} positions"),
+        self.model.truncate(position)
+    }
+}
+
+/// The model's layer-skip view for self-speculation: an early-exit [`Model`] sharing the
+/// target's weights (`Model::early_exit`), running layers `0..E`, the final norm and the LM head,
+/// with its own KV cache. It implements [`EarlyExitModel`](super::EarlyExitModel) for one exit
+/// layer, the one it was built with.
+pub struct ModelEarlyExit {
+    view: Model,
+    exit_layers: usize,
+    num_layers: usize,
+}
+
+impl ModelEarlyExit {
+    /// A view of `target`'s first `exit_layers` layers (`1 ≤ exit_layers < layers`) with `ctx`
+    /// positions.
+    pub fn new(target: &Model, ctx: usize, exit_layers: usize) -> Result<Self, ModelError> {
+        let num_layers = target.config().layers;
+        if exit_layers == 0 || exit_layers >= num_layers {
+            return Err(ModelError::Context {
+                what: format!(
+                    "layer-skip exit after {exit_layers} layers: must be 1..{num_layers} (the \
+                     model has {num_layers} layers; exiting after all of them is the model itself)"
+                ),
             });
         }
-        if position == held {
-            return Ok(());
+        let view = Model::early_exit(target.weights_arc(), ctx, exit_layers)?;
+        Ok(ModelEarlyExit {
+            view,
+            exit_layers,
+            num_layers,
+        })
+    }
+
+    /// The exit layer the view runs to.
+    pub fn exit_layers(&self) -> usize {
+        self.exit_layers
+    }
+}
+
+impl std::fmt::Debug for ModelEarlyExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelEarlyExit")
+            .field("exit_layers", &self.exit_layers)
+            .field("num_layers", &self.num_layers)
+            .field("position", &self.view.position())
+            .finish()
+    }
+}
+
+impl super::EarlyExitModel for ModelEarlyExit {
+    type Error = ModelError;
+
+    fn vocab_size(&self) -> usize {
+        self.view.config().vocab
+    }
+
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn early_exit_position(&self) -> usize {
+        self.view.position()
+    }
+
+    fn early_exit_feed(&mut self, tokens: &[u32], exit_layer: usize) -> Result<&[f32], ModelError> {
+        if exit_layer != self.exit_layers {
+            return Err(ModelError::State {
+                what: format!(
+                    "the early-exit view runs {} layers, asked for {exit_layer}",
+                    self.exit_layers
+                ),
+            });
         }
-        self.model.reset();
-        self.fed.truncate(position);
-        if position > 0 {
-            self.replays += 1;
-            if let Err(e) = self.model.prefill(&self.fed) {
-                // Keep `fed` describing the (now empty) state, so the drafter starts over.
-                self.model.reset();
-                self.fed.clear();
-                return Err(e);
-            }
-        }
-        Ok(())
+        self.view.prefill(tokens)
+    }
+
+    fn early_exit_truncate(&mut self, position: usize) -> Result<(), ModelError> {
+        self.view.truncate(position)
     }
 }

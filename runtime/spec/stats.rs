@@ -99,10 +99,18 @@ impl SpecStats {
         self.drafted += other.drafted;
         self.accepted += other.accepted;
         self.emitted += other.emitted;
-        for (total, add) in self.accepted_at_position.iter_mut().zip(&other.accepted_at_position) {
+        for (total, add) in self
+            .accepted_at_position
+            .iter_mut()
+            .zip(&other.accepted_at_position)
+        {
             *total += add;
         }
-        for (total, add) in self.drafted_at_position.iter_mut().zip(&other.drafted_at_position) {
+        for (total, add) in self
+            .drafted_at_position
+            .iter_mut()
+            .zip(&other.drafted_at_position)
+        {
             *total += add;
         }
         for (total, add) in self

@@ -193,7 +193,14 @@ pub fn run(args: Args) -> xdna::Result<()> {
     } else {
         println!(
             "{:<12} {:>7} {:>12} {:>12} {:>8} {:>6} {:>10} {:>9} {:>9}",
-            "prompt", "prompt", "plain tok/s", "spec tok/s", "speedup", "tau", "tok/pass", "fallback",
+            "prompt",
+            "prompt",
+            "plain tok/s",
+            "spec tok/s",
+            "speedup",
+            "tau",
+            "tok/pass",
+            "fallback",
             "identical"
         );
         for r in &results {

@@ -131,7 +131,12 @@ fn prompt_ids(pkg: &Package, text: &str) -> Vec<u32> {
 }
 
 /// The target's greedy continuation, computed locally: EOS included when reached.
-fn record_local(model: &mut Model, ids: &[u32], eos: &[u32], max_tokens: usize) -> xdna::Result<Vec<u32>> {
+fn record_local(
+    model: &mut Model,
+    ids: &[u32],
+    eos: &[u32],
+    max_tokens: usize,
+) -> xdna::Result<Vec<u32>> {
     model.reset();
     let mut out = Vec::new();
     let mut next = argmax(model.prefill(ids)?);
@@ -203,7 +208,12 @@ struct PromptReport {
     stats: SpecStats,
 }
 
-fn report_json(name: &str, prompt_tokens: Option<usize>, stats: &SpecStats, projection: Option<(f64, f64)>) -> serde_json::Value {
+fn report_json(
+    name: &str,
+    prompt_tokens: Option<usize>,
+    stats: &SpecStats,
+    projection: Option<(f64, f64)>,
+) -> serde_json::Value {
     let mut value = serde_json::json!({
         "name": name,
         "tokens": stats.emitted,
@@ -239,8 +249,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
     if args.max_tokens == 0 {
         return Err(xdna::Error::Usage("--max-tokens must be at least 1".into()));
     }
-    let content = std::fs::read_to_string(&args.prompts)
-        .map_err(|e| xdna::Error::io(&args.prompts, e))?;
+    let content =
+        std::fs::read_to_string(&args.prompts).map_err(|e| xdna::Error::io(&args.prompts, e))?;
     let prompts = parse_prompts(&args.prompts, &content)?;
     let kind: DrafterKind = args.drafter.parse()?;
     let opts = LoadOptions {
@@ -257,7 +267,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
     for prompt in &prompts {
         let ids = prompt_ids(&pkg, &prompt.text);
         if ids.is_empty() {
-            return Err(xdna::Error::Usage(format!("prompt {} encodes to no tokens", prompt.name)));
+            return Err(xdna::Error::Usage(format!(
+                "prompt {} encodes to no tokens",
+                prompt.name
+            )));
         }
         encoded.push(ids);
     }
@@ -272,7 +285,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
             None => record_local(&mut model, ids, &eos, args.max_tokens)?,
             Some(endpoint) => {
                 let url = completions_url(endpoint);
-                let text = record_endpoint(&url, args.endpoint_model.as_deref(), &prompt.text, args.max_tokens)?;
+                let text = record_endpoint(
+                    &url,
+                    args.endpoint_model.as_deref(),
+                    &prompt.text,
+                    args.max_tokens,
+                )?;
                 pkg.tokenizer().encode(&text, false)
             }
         };
@@ -299,7 +317,14 @@ pub fn run(args: Args) -> xdna::Result<()> {
     if args.json {
         let prompts: Vec<_> = reports
             .iter()
-            .map(|r| report_json(&r.name, Some(r.prompt_tokens), &r.stats, projection(&r.stats)))
+            .map(|r| {
+                report_json(
+                    &r.name,
+                    Some(r.prompt_tokens),
+                    &r.stats,
+                    projection(&r.stats),
+                )
+            })
             .collect();
         let mut value = serde_json::json!({
             "drafter": args.drafter,

@@ -7,8 +7,8 @@ use std::str::FromStr;
 use xdna::model::load::{open_model, Backend, LoadOptions};
 use xdna::model::Model;
 use xdna::spec::{
-    Drafter, DraftModelDrafter, FallbackConfig, ModelDraft, NgramConfig, NgramDrafter,
-    SamplingConfig, SpecConfig, SpecStats, MAX_DRAFTS,
+    DraftModelDrafter, Drafter, FallbackConfig, LayerSkipDraftModel, ModelDraft, ModelEarlyExit,
+    NgramConfig, NgramDrafter, SamplingConfig, SpecConfig, SpecStats, MAX_DRAFTS,
 };
 use xdna::weights::Package;
 
@@ -113,9 +113,7 @@ pub fn check_same_vocabulary(
     };
     let (tv, dv) = (target_model.config().vocab, draft_model.config().vocab);
     if tv != dv {
-        return Err(refuse(format!(
-            "{dv} logits per row, the target has {tv}"
-        )));
+        return Err(refuse(format!("{dv} logits per row, the target has {tv}")));
     }
     let (tt, dt) = (target.tokenizer(), draft.tokenizer());
     if tt.vocab_size() != dt.vocab_size() {
@@ -125,7 +123,8 @@ pub fn check_same_vocabulary(
             tt.vocab_size()
         )));
     }
-    if let Some(id) = (0..tt.vocab_size() as u32).find(|&id| tt.token_bytes(id) != dt.token_bytes(id))
+    if let Some(id) =
+        (0..tt.vocab_size() as u32).find(|&id| tt.token_bytes(id) != dt.token_bytes(id))
     {
         return Err(refuse(format!(
             "token {id} is {:?} in the draft, {:?} in the target",
@@ -180,19 +179,17 @@ pub fn build_drafter(
     }
 }
 
-/// Self-speculation through the target's first `exit` layers.
+/// Self-speculation through the target's first `exit` layers: an early-exit view sharing the
+/// target's weights, with its own KV cache of `ctx` positions.
 fn layer_skip_drafter(
     exit: usize,
     target: &Model,
     ctx: usize,
     seed: u64,
 ) -> xdna::Result<Box<dyn Drafter>> {
-    let _ = (exit, target, ctx, seed);
-    Err(xdna::Error::Usage(
-        "layerskip: not available in this build (the model cannot yet run an early-exit view \
-         sharing the target's weights)"
-            .into(),
-    ))
+    let view = ModelEarlyExit::new(target, ctx, exit)?;
+    let model = LayerSkipDraftModel::new(view, exit)?;
+    Ok(Box::new(DraftModelDrafter::new(model, seed ^ 0x1a7e_5c1f)))
 }
 
 /// Prints the speculative statistics on stderr: vLLM's one-line summary, then the per-position
@@ -218,7 +215,10 @@ pub fn print_stats(drafter: &str, stats: &SpecStats) {
         .iter()
         .map(|r| format!("{r:.3}"))
         .collect();
-    eprintln!("[spec] per-position acceptance [{}]", per_position.join(", "));
+    eprintln!(
+        "[spec] per-position acceptance [{}]",
+        per_position.join(", ")
+    );
     let longest = stats
         .acceptance_length_histogram
         .iter()
