@@ -20,10 +20,16 @@ fn replay_full_acceptance_then_budget() {
     //          accepted 4, emit 2 3 4 1 + 2 (the bonus).
     // Round 3: one token left → k = 0, emit 5.
     let mut drafter = ngram(1, 2, 4);
-    let stats = replay_acceptance(&mut drafter, &[1, 2, 3, 4], &[1, 2, 3, 4, 1, 2, 5], 4)
-        .expect("replay");
+    let stats =
+        replay_acceptance(&mut drafter, &[1, 2, 3, 4], &[1, 2, 3, 4, 1, 2, 5], 4).expect("replay");
     assert_eq!(
-        (stats.rounds, stats.plain_steps, stats.drafted, stats.accepted, stats.emitted),
+        (
+            stats.rounds,
+            stats.plain_steps,
+            stats.drafted,
+            stats.accepted,
+            stats.emitted
+        ),
         (1, 2, 4, 4, 7)
     );
     assert_eq!(stats.mean_acceptance_length(), Some(5.0));
@@ -47,7 +53,13 @@ fn replay_rejection_inside_the_drafts() {
     let stats =
         replay_acceptance(&mut drafter, &[7, 8, 9, 7, 8], &[9, 7, 5, 6], 4).expect("replay");
     assert_eq!(
-        (stats.rounds, stats.plain_steps, stats.drafted, stats.accepted, stats.emitted),
+        (
+            stats.rounds,
+            stats.plain_steps,
+            stats.drafted,
+            stats.accepted,
+            stats.emitted
+        ),
         (1, 1, 3, 2, 4)
     );
     assert_eq!(stats.acceptance_length_histogram[2], 1);
@@ -66,7 +78,13 @@ fn merged_statistics_add_up() {
     let mut total = a.clone();
     total.merge(&b);
     assert_eq!(
-        (total.rounds, total.plain_steps, total.drafted, total.accepted, total.emitted),
+        (
+            total.rounds,
+            total.plain_steps,
+            total.drafted,
+            total.accepted,
+            total.emitted
+        ),
         (2, 3, 7, 6, 11)
     );
     assert_eq!(total.acceptance_length_histogram[2], 1);
