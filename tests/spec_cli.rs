@@ -358,3 +358,36 @@ fn spec_acceptance_local_and_endpoint_agree() {
     assert!(!ok && err.contains("/nonexistent/prompts.txt"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_spec_json_lists_every_prompt() {
+    let Some(g) = common::smollm2_gguf() else {
+        return;
+    };
+    let g = g.to_string_lossy().into_owned();
+    let (ok, out, err) = xdna(&[
+        "bench", "spec", "--model", &g, "--runs", "1", "--tokens", "12", "--json",
+    ]);
+    assert!(ok, "{err}");
+    let value: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let prompts = value["prompts"].as_array().expect("prompts");
+    let names: Vec<&str> = prompts
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["code", "list", "list-count", "prose", "repetitive"]);
+    for p in prompts {
+        let (plain, spec) = (
+            p["plain_tok_s"].as_f64().unwrap(),
+            p["spec_tok_s"].as_f64().unwrap(),
+        );
+        assert!(plain > 0.0 && spec > 0.0, "{p}");
+        assert!(
+            (p["speedup"].as_f64().unwrap() - spec / plain).abs() < 1e-9,
+            "{p}"
+        );
+        assert!(p["tau"].as_f64().unwrap() >= 1.0, "{p}");
+        // The speculative tokens are the plain greedy tokens.
+        assert_eq!(p["identical"], true, "{p}");
+    }
+}
