@@ -28,6 +28,10 @@
 //! * Flushes: SYNC_BO to-device for the weights (once, at upload), the activations and the patched
 //!   control code before each submit; from-device for the outputs after completion.
 //! * Rows are split by [`row_passes`]: ≤ 16 rows one m16 pass, else m128 passes of ≤ 128 rows.
+//! * **Uploaded handles.** A caller that owns long-lived weights (the model) uploads each matrix
+//!   once with [`DeviceExecutor::upload`] and runs it with [`DeviceExecutor::gemm_uploaded`]; the
+//!   host copy is then no longer read (the model drops or releases it), so a loaded model holds its
+//!   weights once, in the dma-buf pages.
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
@@ -45,6 +49,7 @@ use super::KernelError;
 use crate::device::{
     ert, sealed_memfd, Bo, BoKind, DeviceError, HwContext, SyncDirection, XdnaDevice,
 };
+use crate::tiles::WeightFormat;
 
 /// Environment switch allowing descriptor-only kernels (see the module docs).
 pub const ALLOW_ENV: &str = "XDNA_ALLOW_DESCRIPTOR_KERNELS";
@@ -132,6 +137,49 @@ struct Resident {
     last_used: u64,
 }
 
+/// Which uploaded matrix: keyed by the host slice ([`DeviceExecutor::gemm`]) or by the handle
+/// [`DeviceExecutor::upload`] returned (independent of the host memory, which may be gone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum WeightId {
+    Host(WeightKey),
+    Handle(u64),
+}
+
+/// A weight matrix held by the device, from [`DeviceExecutor::upload`]; run it with
+/// [`DeviceExecutor::gemm_uploaded`] on the executor that uploaded it.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceWeights {
+    id: u64,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    bytes: usize,
+    path: WeightPath,
+}
+
+impl DeviceWeights {
+    /// N (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// K (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The matrix's stored format.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+    /// Bytes handed to the device.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// How the bytes reached the device.
+    pub fn path(&self) -> WeightPath {
+        self.path
+    }
+}
+
 struct WeightBo {
     bo: Bo,
     len: usize,
@@ -143,12 +191,14 @@ struct WeightBo {
 #[derive(Default)]
 struct State {
     residents: Vec<Resident>,
-    weights: HashMap<WeightKey, WeightBo>,
+    weights: HashMap<WeightId, WeightBo>,
     x: Option<Bo>,
     y: Option<Bo>,
     cmd: Option<Bo>,
     tick: u64,
     patch_in_place: bool,
+    /// Next [`DeviceWeights`] id.
+    next_handle: u64,
 }
 
 /// Runs GEMM kernels on an NPU (see the module docs).
@@ -214,6 +264,14 @@ impl DeviceExecutor {
         }
     }
 
+    /// An executor over the NPU [`XdnaDevice::discover`] finds (`$XDNA_DEVICE`, else the first
+    /// `/dev/accel/accelN` that opens as amdxdna), options from the environment. Without a device
+    /// the error names `/dev/accel` and what was tried.
+    pub fn discover(kernels: &KernelSet) -> Result<DeviceExecutor, KernelError> {
+        let device = XdnaDevice::discover().map_err(|e| dev_err(Path::new("/dev/accel"), e))?;
+        Ok(Self::new(device, kernels))
+    }
+
     /// The device.
     pub fn device(&self) -> &XdnaDevice {
         &self.device
@@ -275,41 +333,15 @@ impl DeviceExecutor {
         y: &mut [f32],
     ) -> Result<(), KernelError> {
         let (k, n) = (w.cols, w.rows);
-        if x.len() != m * k {
-            return Err(KernelError::Shape {
-                what: "activations x (m × K)",
-                expected: m * k,
-                got: x.len(),
-            });
-        }
-        if y.len() < m * n {
-            return Err(KernelError::Shape {
-                what: "output y (m × N)",
-                expected: m * n,
-                got: y.len(),
-            });
-        }
-        let expected = w
-            .format
-            .matrix_bytes(n, k)
-            .map_err(|source| KernelError::Weight {
-                format: w.format.name(),
-                rows: n,
-                cols: k,
-                source,
-            })?;
-        if w.data.len() != expected {
-            return Err(KernelError::Shape {
-                what: "weight bytes",
-                expected,
-                got: w.data.len(),
-            });
-        }
+        check_io(k, n, x, m, y)?;
+        check_weight_bytes(w)?;
+        let wid = WeightId::Host(weight_key(w.data));
         for (family, rows) in row_passes(m) {
             let key = KernelKey::gemm(w.format, family, k, n);
             self.run(
                 &key,
-                w,
+                wid,
+                Some(w.data),
                 &x[rows.start * k..rows.end * k],
                 &mut y[rows.start * n..rows.end * n],
             )?;
@@ -317,11 +349,58 @@ impl DeviceExecutor {
         Ok(())
     }
 
-    /// One pass through kernel `key`.
+    /// Hand `w` to the device once (sealed memfd → udmabuf → PRIME import when that works, else a
+    /// SHARE BO; see [`WeightPath`]) and return its handle. The host bytes are not read again:
+    /// the caller may drop them or release their pages.
+    pub fn upload(&self, w: &WeightMatrix) -> Result<DeviceWeights, KernelError> {
+        check_weight_bytes(w)?;
+        let wbo = self
+            .upload_weights(w.data)
+            .map_err(|e| dev_err(self.device.path(), e))?;
+        let mut st = self.state.lock();
+        st.next_handle += 1;
+        let handle = DeviceWeights {
+            id: st.next_handle,
+            format: w.format,
+            rows: w.rows,
+            cols: w.cols,
+            bytes: w.data.len(),
+            path: wbo.path,
+        };
+        st.weights.insert(WeightId::Handle(handle.id), wbo);
+        Ok(handle)
+    }
+
+    /// As [`DeviceExecutor::gemm`] for a matrix uploaded with [`DeviceExecutor::upload`].
+    pub fn gemm_uploaded(
+        &self,
+        w: &DeviceWeights,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (k, n) = (w.cols, w.rows);
+        check_io(k, n, x, m, y)?;
+        for (family, rows) in row_passes(m) {
+            let key = KernelKey::gemm(w.format, family, k, n);
+            self.run(
+                &key,
+                WeightId::Handle(w.id),
+                None,
+                &x[rows.start * k..rows.end * k],
+                &mut y[rows.start * n..rows.end * n],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One pass through kernel `key` with the weights `wid` (uploaded from `data` on first use
+    /// when given; a handle's weights must already be held).
     fn run(
         &self,
         key: &KernelKey,
-        w: &WeightMatrix,
+        wid: WeightId,
+        data: Option<&[u8]>,
         x: &[f32],
         y: &mut [f32],
     ) -> Result<(), KernelError> {
@@ -333,9 +412,17 @@ impl DeviceExecutor {
         st.tick += 1;
         let idx = self.resident(st, key, path)?;
         st.residents[idx].last_used = st.tick;
-        let wkey = weight_key(w.data);
-        if let std::collections::hash_map::Entry::Vacant(slot) = st.weights.entry(wkey) {
-            slot.insert(self.upload_weights(w.data).map_err(|e| dev_err(path, e))?);
+        if let std::collections::hash_map::Entry::Vacant(slot) = st.weights.entry(wid) {
+            let Some(data) = data else {
+                return Err(dev_err(
+                    path,
+                    DeviceError::Invalid(
+                        "uploaded weights are no longer held (forget_weights or release_all was called)"
+                            .into(),
+                    ),
+                ));
+            };
+            slot.insert(self.upload_weights(data).map_err(|e| dev_err(path, e))?);
         }
         let x_bytes: &[u8] = bytemuck::cast_slice(x);
         let y_len = std::mem::size_of_val(y);
@@ -346,7 +433,7 @@ impl DeviceExecutor {
                 Bo::new(&self.device, BoKind::Cmd, CMD_BO_SIZE).map_err(|e| dev_err(path, e))?,
             );
         }
-        let result = self.submit(st, idx, wkey, x_bytes, y);
+        let result = self.submit(st, idx, wid, x_bytes, y);
         if let Err(e) = &result {
             // A context whose command failed is not trusted again (the driver may have marked it
             // bad); it is destroyed now and recreated on the next call.
@@ -360,7 +447,7 @@ impl DeviceExecutor {
         &self,
         st: &mut State,
         idx: usize,
-        wkey: WeightKey,
+        wid: WeightId,
         x_bytes: &[u8],
         y: &mut [f32],
     ) -> Result<(), KernelError> {
@@ -377,7 +464,7 @@ impl DeviceExecutor {
         let path = r.path.clone();
         let e = |source| dev_err(&path, source);
         let (Some(wb), Some(xbo), Some(ybo), Some(cmd)) =
-            (weights.get(&wkey), xbo.as_mut(), ybo.as_mut(), cmd.as_mut())
+            (weights.get(&wid), xbo.as_mut(), ybo.as_mut(), cmd.as_mut())
         else {
             return Err(e(DeviceError::Other("executor buffers missing".into())));
         };
@@ -554,7 +641,7 @@ impl DeviceExecutor {
         if self.opts.weights == WeightPathPref::Auto {
             match self.upload_memfd(data) {
                 Ok(w) => {
-                    tracing::info!(
+                    tracing::debug!(
                         "weights ({} bytes): sealed memfd imported as a dma-buf",
                         data.len()
                     );
@@ -566,7 +653,7 @@ impl DeviceExecutor {
                 ),
             }
         } else {
-            tracing::info!("weights ({} bytes): SHARE BO", data.len());
+            tracing::debug!("weights ({} bytes): SHARE BO", data.len());
         }
         let size = data.len().max(1);
         let mut bo = Bo::new(&self.device, BoKind::Share, size)?;
@@ -605,6 +692,46 @@ impl DeviceExecutor {
             _memfd: Some(file),
         })
     }
+}
+
+/// `x` holds `m × K` values and `y` at least `m × N`.
+fn check_io(k: usize, n: usize, x: &[f32], m: usize, y: &[f32]) -> Result<(), KernelError> {
+    if x.len() != m * k {
+        return Err(KernelError::Shape {
+            what: "activations x (m × K)",
+            expected: m * k,
+            got: x.len(),
+        });
+    }
+    if y.len() < m * n {
+        return Err(KernelError::Shape {
+            what: "output y (m × N)",
+            expected: m * n,
+            got: y.len(),
+        });
+    }
+    Ok(())
+}
+
+/// `w.data` has exactly the bytes its format and shape imply.
+fn check_weight_bytes(w: &WeightMatrix) -> Result<(), KernelError> {
+    let expected = w
+        .format
+        .matrix_bytes(w.rows, w.cols)
+        .map_err(|source| KernelError::Weight {
+            format: w.format.name(),
+            rows: w.rows,
+            cols: w.cols,
+            source,
+        })?;
+    if w.data.len() != expected {
+        return Err(KernelError::Shape {
+            what: "weight bytes",
+            expected,
+            got: w.data.len(),
+        });
+    }
+    Ok(())
 }
 
 /// Identity of an uploaded weight matrix: data pointer, length and a fingerprint of 16 sampled

@@ -42,7 +42,9 @@ pub mod shim_txn;
 
 use std::path::PathBuf;
 
-pub use device_exec::{DeviceExecOptions, DeviceExecutor, Executor, WeightPath, WeightPathPref};
+pub use device_exec::{
+    DeviceExecOptions, DeviceExecutor, DeviceWeights, Executor, WeightPath, WeightPathPref,
+};
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
 pub use gemm::{execute, HostExecutor, WeightMatrix};
 pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};

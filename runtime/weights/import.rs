@@ -858,5 +858,11 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
     let dir = cache_dir()?
         .join("packages")
         .join(format!("{stem}-{:x}-{mtime:x}", meta.len()));
-    import_once(gguf, &dir, ImportOptions::default())
+    let dir = import_once(gguf, &dir, ImportOptions::default())?;
+    // The kernel set is what the xdna backend runs; a model whose shapes cannot be derived still
+    // opens (the host backend needs no kernel set), with the reason logged.
+    if let Err(e) = super::default_model::ensure_kernel_set(&dir) {
+        tracing::warn!("{}: no kernel set written: {e}", dir.display());
+    }
+    Ok(dir)
 }

@@ -16,6 +16,8 @@ enum Which {
     Decode(super::bench_decode::Args),
     /// Plain vs speculative greedy decoding over a built-in prompt set.
     Spec(super::bench_spec::Args),
+    /// Peak RSS of loading a model (and generating a few tokens) against its weight bytes.
+    Load(super::bench_load::Args),
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
@@ -23,5 +25,6 @@ pub fn run(args: Args) -> xdna::Result<()> {
         Which::Gemm(a) => super::bench_gemm::run(a),
         Which::Decode(a) => super::bench_decode::run(a),
         Which::Spec(a) => super::bench_spec::run(a),
+        Which::Load(a) => super::bench_load::run(a),
     }
 }

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_decode;
 pub mod bench_gemm;
+pub mod bench_load;
 pub mod bench_spec;
 pub mod info;
 pub mod kernels;
