@@ -755,15 +755,19 @@ fn speculative_sampling_loop_reproduces_the_target_distribution() -> TestResult 
 }
 
 /// Prompt lookup written as a scan: for n from max down to min, the latest start i < len − n with
-/// context[i..i+n] == suffix, continuation context[i+n..].
+/// context[i..i+n] == suffix; the continuation is copied token by token from i+n on, reading its
+/// own output once it runs past the context (overlapping copy).
 fn ngram_by_scan(context: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
     let len = context.len();
     for n in (min_n..=max_n.min(len)).rev() {
         let suffix = &context[len - n..];
         for start in (0..len - n).rev() {
             if &context[start..start + n] == suffix {
-                let end = start + n;
-                return context[end..(end + k).min(len)].to_vec();
+                let mut extended = context.to_vec();
+                for j in 0..k {
+                    extended.push(extended[start + n + j]);
+                }
+                return extended[len..].to_vec();
             }
         }
     }
@@ -808,7 +812,8 @@ fn ngram_index_agrees_with_a_scan_as_the_context_grows() -> TestResult {
     let mut proposal = DraftProposal::new();
     drafter.begin(&[1, 2, 3, 1, 2])?;
     drafter.propose(&[1, 2, 3, 1, 2], 4, &AcceptanceRule::Greedy, &mut proposal)?;
-    assert_eq!(proposal.tokens(), &[3, 1, 2]);
+    // "1 2" matched at 0: copy 3 1 2, then the copy reads its own first draft (3).
+    assert_eq!(proposal.tokens(), &[3, 1, 2, 3]);
     drafter.begin(&[7, 8, 9])?;
     drafter.propose(&[7, 8, 9], 4, &AcceptanceRule::Greedy, &mut proposal)?;
     assert!(proposal.is_empty());

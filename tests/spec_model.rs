@@ -77,3 +77,152 @@ fn ngram_greedy_equals_plain_greedy_on_smollm2() {
     // test would not exercise multi-row verify passes at all.
     assert!(accepted_total > 0, "no draft was ever accepted");
 }
+
+/// Plain greedy through the loop with no drafter (1-row passes), from a fresh state.
+fn plain_greedy(
+    model: &mut xdna::model::Model,
+    context: &[u32],
+    stop: &StopConditions,
+) -> (Vec<u32>, usize) {
+    model.reset();
+    model
+        .prefill(&context[..context.len() - 1])
+        .expect("prefill");
+    let mut plain = SpecRunner::new(config(), NoDrafter).expect("runner");
+    let out = plain.generate(model, context, stop).expect("plain");
+    (out.tokens, model.position())
+}
+
+/// Runs `drafter` speculatively from a fresh state; returns the output, the committed position
+/// and the statistics.
+fn speculative<D: xdna::spec::Drafter>(
+    model: &mut xdna::model::Model,
+    drafter: D,
+    context: &[u32],
+    stop: &StopConditions,
+) -> (xdna::spec::Generation, usize, xdna::spec::SpecStats, D) {
+    model.reset();
+    model
+        .prefill(&context[..context.len() - 1])
+        .expect("prefill");
+    let mut spec = SpecRunner::new(config(), drafter).expect("runner");
+    let out = spec.generate(model, context, stop).expect("speculative");
+    let stats = spec.stats().clone();
+    let position = model.position();
+    // Hand the drafter back (it carries the draft model's state for the next prompt).
+    let drafter = into_drafter(spec);
+    (out, position, stats, drafter)
+}
+
+fn into_drafter<D: xdna::spec::Drafter>(runner: SpecRunner<D>) -> D {
+    runner.into_drafter()
+}
+
+/// Checks one drafter against plain greedy on the prompt set: every `max_tokens` in a range, and
+/// EOS placed (by choosing an emitted token as EOS) where it falls inside an accepted draft.
+fn equals_plain_greedy<D: xdna::spec::Drafter>(
+    model: &mut xdna::model::Model,
+    mut drafter: D,
+    prompts: &[Vec<u32>],
+    what: &str,
+) -> D {
+    let mut cut_inside_accepted = 0;
+    for context in prompts {
+        for max_tokens in [1usize, 2, 5, 9, 24] {
+            let stop = StopConditions::max_tokens(max_tokens);
+            let (plain, plain_position) = plain_greedy(model, context, &stop);
+            let (spec, position, _, d) = speculative(model, drafter, context, &stop);
+            drafter = d;
+            assert_eq!(
+                spec.tokens, plain,
+                "{what}, max_tokens {max_tokens}: output differs"
+            );
+            assert_eq!(
+                position, plain_position,
+                "{what}: committed positions differ"
+            );
+        }
+        // EOS: the plain output's token at index j stands in for EOS; both runs must stop at its
+        // first occurrence.
+        let stop = StopConditions::max_tokens(24);
+        let (reference, _) = plain_greedy(model, context, &stop);
+        for j in [3usize, 10, 19] {
+            let eos = reference[j];
+            let first = reference.iter().position(|&t| t == eos).expect("present");
+            let stop = StopConditions::max_tokens(24).with_eos(eos);
+            let (plain, plain_position) = plain_greedy(model, context, &stop);
+            assert_eq!(plain, reference[..=first].to_vec());
+            let (spec, position, stats, d) = speculative(model, drafter, context, &stop);
+            drafter = d;
+            assert_eq!(spec.tokens, plain, "{what}, EOS {eos}: output differs");
+            assert_eq!(spec.finish, xdna::spec::FinishReason::Eos);
+            assert_eq!(
+                position, plain_position,
+                "{what}, EOS {eos}: positions differ"
+            );
+            // The rule accepted more than was emitted: the EOS cut a round inside its accepted
+            // drafts.
+            if stats.accepted + stats.rounds + stats.plain_steps > stats.emitted {
+                cut_inside_accepted += 1;
+            }
+        }
+    }
+    assert!(
+        cut_inside_accepted > 0,
+        "{what}: no EOS ever fell inside an accepted draft"
+    );
+    drafter
+}
+
+fn prompt_set(pkg: &xdna::weights::Package) -> Vec<Vec<u32>> {
+    [
+        "1. apple\n2. banana\n3. cherry\n4. date\n5. elderberry\n6.",
+        // Greedy SmolLM2 repeats this function: the n-gram drafter's drafts are accepted in full.
+        "def area(r):\n    return 3.14159 * r * r\n\ndef area(r):\n    return 3.14159 * r * r\n\ndef area(r):",
+        "The capital of France is",
+    ]
+    .iter()
+    .map(|p| pkg.tokenizer().encode(p, false))
+    .collect()
+}
+
+#[test]
+fn draft_model_greedy_equals_plain_greedy_on_smollm2() {
+    // SmolLM2 drafting for itself (a second instance on the host backend): near-full acceptance,
+    // so EOS and max_tokens land inside accepted drafts.
+    let Some((pkg, mut model)) = model_common::fast_model(512) else {
+        return;
+    };
+    // A second state over the same weights: the draft model's own KV cache.
+    let draft = xdna::model::Model::shared(model.weights_arc(), 512).expect("draft model");
+    let prompts = prompt_set(&pkg);
+    let drafter = xdna::spec::DraftModelDrafter::new(xdna::spec::ModelDraft::new(draft), 7);
+    equals_plain_greedy(&mut model, drafter, &prompts, "draft model");
+}
+
+#[test]
+fn ngram_greedy_equals_plain_greedy_with_eos_inside_drafts() {
+    let Some((pkg, mut model)) = model_common::fast_model(512) else {
+        return;
+    };
+    let prompts = prompt_set(&pkg);
+    let drafter = NgramDrafter::new(NgramConfig::default()).expect("drafter");
+    equals_plain_greedy(&mut model, drafter, &prompts, "ngram");
+}
+
+#[test]
+fn layer_skip_greedy_equals_plain_greedy_on_smollm2() {
+    // Self-speculation: the first 26 of SmolLM2's 30 layers + final norm + head draft (an
+    // early-exit view sharing the weights, with its own KV cache); partial acceptance.
+    let Some((pkg, mut model)) = model_common::fast_model(512) else {
+        return;
+    };
+    let prompts = prompt_set(&pkg);
+    let view = xdna::spec::ModelEarlyExit::new(&model, 512, 26).expect("early-exit view");
+    let draft = xdna::spec::LayerSkipDraftModel::new(view, 26).expect("layer skip");
+    let drafter = xdna::spec::DraftModelDrafter::new(draft, 3);
+    equals_plain_greedy(&mut model, drafter, &prompts, "layer skip");
+    // Exiting after every layer is the model itself, and no layer is no model: both refused.
+    assert!(xdna::spec::ModelEarlyExit::new(&model, 512, 30).is_err());
+    assert!(xdna::spec::ModelEarlyExit::new(&model, 512, 0).is_err());
+}

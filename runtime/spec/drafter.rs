@@ -139,3 +139,28 @@ impl Drafter for NoDrafter {
         Ok(())
     }
 }
+
+/// A boxed drafter is a drafter (the CLI picks one at run time).
+impl<D: Drafter + ?Sized> Drafter for Box<D> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn begin(&mut self, context: &[u32]) -> Result<(), SpecError> {
+        (**self).begin(context)
+    }
+
+    fn propose(
+        &mut self,
+        context: &[u32],
+        max_drafts: usize,
+        rule: &AcceptanceRule,
+        out: &mut DraftProposal,
+    ) -> Result<(), SpecError> {
+        (**self).propose(context, max_drafts, rule, out)
+    }
+
+    fn observe(&mut self, context: &[u32], accepted_drafts: usize) -> Result<(), SpecError> {
+        (**self).observe(context, accepted_drafts)
+    }
+}

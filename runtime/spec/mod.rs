@@ -17,6 +17,7 @@
 //! [`toy`] holds a deterministic toy language model with real verify-state semantics, used by the
 //! tests and usable as a reference target.
 
+mod acceptance;
 mod decide;
 mod draft_model;
 mod drafter;
@@ -28,11 +29,13 @@ mod stats;
 mod target;
 pub mod toy;
 
+pub use acceptance::{projected_speedups, replay_acceptance};
 pub use decide::{
     decide, uniforms_needed, AcceptanceRule, DecideWorkspace, Decision, DraftProbabilities,
 };
 pub use draft_model::{DraftModel, DraftModelDrafter, EarlyExitModel, LayerSkipDraftModel};
 pub use drafter::{DraftProposal, Drafter, NoDrafter};
+pub use model_target::{ModelDraft, ModelEarlyExit};
 pub use ngram::{NgramConfig, NgramDrafter};
 pub use runner::{
     prefill_with_verify_passes, CostModel, FallbackConfig, FinishReason, Generation, SpecConfig,

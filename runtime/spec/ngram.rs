@@ -120,11 +120,15 @@ impl NgramDrafter {
     }
 
     /// The drafts for the indexed context: up to `max_drafts` tokens following the most recent
-    /// earlier occurrence of the longest matching suffix n-gram.
-    fn lookup(&self, max_drafts: usize) -> &[u32] {
+    /// earlier occurrence of the longest matching suffix n-gram, pushed onto `out`.
+    ///
+    /// The copy may run past the end of the context into the drafts themselves (an overlapping
+    /// copy, as in LZ77): a match ending `d` tokens before the end continues with period `d`. A
+    /// text repeating a 2-token unit then yields full drafts instead of stopping after 2 tokens.
+    fn lookup(&self, max_drafts: usize, out: &mut DraftProposal) {
         let len = self.tokens.len();
         if max_drafts == 0 {
-            return &[];
+            return;
         }
         for n in (self.config.min_n..=self.config.max_n.min(len)).rev() {
             let suffix = &self.tokens[len - n..];
@@ -134,10 +138,17 @@ impl NgramDrafter {
             if end < n || end >= len || &self.tokens[end - n..end] != suffix {
                 continue; // hash collision (or stale entry): a miss at this n
             }
-            let stop = (end + max_drafts).min(len);
-            return &self.tokens[end..stop];
+            for j in 0..max_drafts {
+                let source = end + j;
+                let token = match self.tokens.get(source) {
+                    Some(&token) => token,
+                    // Past the context: the draft `source - len` proposed above.
+                    None => out.tokens()[source - len],
+                };
+                out.push_one_hot(token);
+            }
+            return;
         }
-        &[]
     }
 }
 
@@ -162,9 +173,7 @@ impl Drafter for NgramDrafter {
         self.sync(context);
         out.reset(true, 0);
         let limit = max_drafts.min(self.config.max_drafts);
-        for &token in self.lookup(limit) {
-            out.push_one_hot(token);
-        }
+        self.lookup(limit, out);
         Ok(())
     }
 
@@ -217,8 +226,12 @@ mod tests {
         // Longest match first: suffix "8 3" has no 2-gram match, 1-gram "3" matches at 7.
         let context = [1, 2, 3, 4, 5, 8, 3];
         assert_eq!(drafts_for(config.clone(), &context, 4), vec![4, 5, 8, 3]);
-        // Budget and context end cap the continuation; no match → no drafts.
+        // The budget caps the continuation; no match → no drafts.
         assert_eq!(drafts_for(config.clone(), &context, 1), vec![4]);
+        // A match near the end continues into its own drafts: "5 6" last seen ending 2 tokens
+        // before the end, so the copy repeats with period 2 (by hand: 7 5 | 6 7 | 5 ...).
+        let context = [5, 6, 7, 5, 6];
+        assert_eq!(drafts_for(config.clone(), &context, 4), vec![7, 5, 6, 7]);
         assert_eq!(drafts_for(config, &[1, 2, 3], 4), Vec::<u32>::new());
     }
 

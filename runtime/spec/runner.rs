@@ -1,5 +1,6 @@
 //! The speculative loop: draft, verify in one pass, decide, commit, emit.
 
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use super::decide::{uniforms_needed, AcceptanceRule, DecideWorkspace, DraftProbabilities};
@@ -87,6 +88,8 @@ pub enum FinishReason {
     StopSequence,
     /// `max_tokens` were emitted.
     MaxTokens,
+    /// The caller's callback asked to stop (e.g. a text-level stop string was printed).
+    Cancelled,
 }
 
 /// The output of [`SpecRunner::generate`].
@@ -351,6 +354,11 @@ impl<D: Drafter> SpecRunner<D> {
         &mut self.drafter
     }
 
+    /// The drafter back (e.g. a draft model to reuse in another loop).
+    pub fn into_drafter(self) -> D {
+        self.drafter
+    }
+
     /// Generates from `context` (every token so far; the last one is pending: sampled or the
     /// prompt's last token, not yet fed). The target must hold exactly `context.len() - 1`
     /// committed positions. On return the target holds `context.len() - 1 + tokens.len()`
@@ -376,6 +384,22 @@ impl<D: Drafter> SpecRunner<D> {
         context: &[u32],
         stop: &StopConditions,
         mut on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, SpecError> {
+        self.generate_controlled(target, context, stop, |tokens| {
+            on_tokens(tokens);
+            ControlFlow::Continue(())
+        })
+    }
+
+    /// [`generate_streaming`](Self::generate_streaming) whose callback may end generation after
+    /// any round by returning `Break` (finish reason [`FinishReason::Cancelled`]); the target is
+    /// then in the plain-decoding state after the tokens handed out so far.
+    pub fn generate_controlled<T: VerifyTarget>(
+        &mut self,
+        target: &mut T,
+        context: &[u32],
+        stop: &StopConditions,
+        mut on_tokens: impl FnMut(&[u32]) -> ControlFlow<()>,
     ) -> Result<Generation, SpecError> {
         if context.is_empty() || target.position() + 1 != context.len() {
             return Err(SpecError::ContextMismatch {
@@ -462,7 +486,9 @@ impl<D: Drafter> SpecRunner<D> {
                 .commit_verify_rows(kept)
                 .map_err(|e| target_error("commit_verify_rows", e))?;
             let pass_seconds = pass_start.elapsed().as_secs_f64();
-            on_tokens(&decision.emitted[..kept]);
+            if on_tokens(&decision.emitted[..kept]).is_break() && finish.is_none() {
+                finish = Some(FinishReason::Cancelled);
+            }
 
             self.stats.emitted += kept as u64;
             self.stats.draft_seconds += draft_seconds;

@@ -92,6 +92,40 @@ impl SpecStats {
             .collect()
     }
 
+    /// Adds `other`'s counters to these (to total several runs).
+    pub fn merge(&mut self, other: &SpecStats) {
+        self.rounds += other.rounds;
+        self.plain_steps += other.plain_steps;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.emitted += other.emitted;
+        for (total, add) in self
+            .accepted_at_position
+            .iter_mut()
+            .zip(&other.accepted_at_position)
+        {
+            *total += add;
+        }
+        for (total, add) in self
+            .drafted_at_position
+            .iter_mut()
+            .zip(&other.drafted_at_position)
+        {
+            *total += add;
+        }
+        for (total, add) in self
+            .acceptance_length_histogram
+            .iter_mut()
+            .zip(&other.acceptance_length_histogram)
+        {
+            *total += add;
+        }
+        self.fallback_entries += other.fallback_entries;
+        self.probes += other.probes;
+        self.draft_seconds += other.draft_seconds;
+        self.verify_seconds += other.verify_seconds;
+    }
+
     /// Tokens emitted per verify pass (rounds and plain steps).
     pub fn tokens_per_pass(&self) -> Option<f64> {
         let passes = self.rounds + self.plain_steps;

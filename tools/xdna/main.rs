@@ -34,6 +34,8 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Benchmarks (table and --json).
     Bench(cmd::bench::Args),
+    /// Tokens per round a drafter would yield on the target's greedy continuations.
+    SpecAcceptance(cmd::spec_acceptance::Args),
 }
 
 fn main() {
@@ -52,6 +54,7 @@ fn main() {
         Command::Run(args) => cmd::run::run(args),
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::SpecAcceptance(args) => cmd::spec_acceptance::run(args),
     };
     if let Err(err) = result {
         eprintln!("xdna: error: {err}");

@@ -7,7 +7,10 @@ use xdna::model::load::{open_model, Backend, LoadOptions};
 use xdna::model::sample::{Sampler, SamplerConfig};
 use xdna::model::text::{StopFilter, Utf8Stream};
 use xdna::model::ModelError;
+use xdna::spec::{FinishReason, SamplingConfig, SpecRunner, StopConditions};
 use xdna::weights::Package;
+
+use super::spec_common::{build_drafter, print_stats, DraftOptions, DrafterKind};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -47,6 +50,14 @@ pub struct Args {
     /// Context length (KV cache positions).
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
+    /// Speculative decoding with this drafter: ngram | draft:PKG | layerskip:E.
+    #[arg(long, value_name = "DRAFTER")]
+    speculate: Option<String>,
+    #[command(flatten)]
+    draft: DraftOptions,
+    /// With --speculate: keep speculating even when the measured costs say it does not pay.
+    #[arg(long)]
+    no_fallback: bool,
 }
 
 /// Render the package's chat template for one user message.
@@ -127,6 +138,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
         .into());
     }
     let eos: Vec<u32> = pkg.eos_token_ids().to_vec();
+    if let Some(speculate) = &args.speculate {
+        let kind: DrafterKind = speculate.parse()?;
+        return run_speculative(&args, &kind, &pkg, &mut model, &ids, &eos);
+    }
     let mut sampler = Sampler::new(
         SamplerConfig {
             temperature: args.temperature,
@@ -193,5 +208,102 @@ pub fn run(args: Args) -> xdna::Result<()> {
         st.m16_passes,
         st.m128_passes
     );
+    Ok(())
+}
+
+/// `run --speculate`: the same text as plain decoding (identical under greedy), produced by the
+/// speculative loop; the speculative statistics follow the stats line on stderr.
+fn run_speculative(
+    args: &Args,
+    kind: &DrafterKind,
+    pkg: &Package,
+    model: &mut xdna::model::Model,
+    ids: &[u32],
+    eos: &[u32],
+) -> xdna::Result<()> {
+    let sampling = SamplingConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+    };
+    let ctx = model.context();
+    let drafter = build_drafter(kind, &args.draft, pkg, model, ctx, args.seed)?;
+    let drafter_name = drafter.name();
+    let config = args
+        .draft
+        .spec_config(sampling, args.seed, !args.no_fallback);
+    let mut runner = SpecRunner::new(config, drafter)?;
+    // The loop feeds the prompt's last token itself (it is the pending token).
+    let t0 = Instant::now();
+    if ids.len() > 1 {
+        model.prefill(&ids[..ids.len() - 1])?;
+    }
+    let prefill_s = t0.elapsed().as_secs_f64();
+    // Plain decoding stops when the next step would not fit the context: the same budget here.
+    let max_tokens = args.max_tokens.min(ctx.saturating_sub(ids.len()));
+    let stop = StopConditions {
+        max_tokens,
+        eos_tokens: eos.to_vec(),
+        stop_sequences: Vec::new(),
+    };
+    let tok = pkg.tokenizer();
+    let mut utf8 = Utf8Stream::default();
+    let mut stops = StopFilter::new(args.stop.clone());
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut text = String::new();
+    let mut generated = 0usize;
+    let t1 = Instant::now();
+    let generation = runner.generate_controlled(model, ids, &stop, |tokens| {
+        for &token in tokens {
+            if eos.contains(&token) {
+                break;
+            }
+            generated += 1;
+            text.clear();
+            utf8.push(tok.token_bytes(token), &mut text);
+            let shown = stops.push(&text);
+            if !shown.is_empty() {
+                let _ = out.write_all(shown.as_bytes());
+                let _ = out.flush();
+            }
+            if stops.stopped() {
+                return std::ops::ControlFlow::Break(());
+            }
+        }
+        std::ops::ControlFlow::Continue(())
+    })?;
+    let decode_s = t1.elapsed().as_secs_f64();
+    if !stops.stopped() {
+        text.clear();
+        utf8.finish(&mut text);
+        let mut tail = stops.push(&text);
+        if !stops.stopped() {
+            tail.push_str(&stops.finish());
+        }
+        if !tail.is_empty() {
+            let _ = out.write_all(tail.as_bytes());
+        }
+    }
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+    let st = model.stats();
+    let finish = match generation.finish {
+        FinishReason::Eos => "eos",
+        FinishReason::StopSequence | FinishReason::Cancelled => "stop",
+        FinishReason::MaxTokens => "length",
+    };
+    eprintln!(
+        "[stats] prompt {} tok, prefill {:.1} tok/s, decode {:.1} tok/s ({} tokens), backend {}, families m16 {} passes / m128 {} passes, finish {}",
+        ids.len(),
+        (ids.len() - 1) as f64 / prefill_s.max(1e-9),
+        generated as f64 / decode_s.max(1e-9),
+        generated,
+        model.weights().backend,
+        st.m16_passes,
+        st.m128_passes,
+        finish
+    );
+    print_stats(drafter_name, runner.stats());
     Ok(())
 }
