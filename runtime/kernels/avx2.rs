@@ -507,10 +507,26 @@ mod imp {
             }
         }
         store_rows(&acc, &Q4_SLOT_ROWS, &mut out[..TILE_ROWS]);
-        // The min term, rows in natural order.
+        // SAFETY: as above.
+        unsafe { q4_add_min_term(layout, block, sums, &mut out[..TILE_ROWS]) };
+    }
+
+    /// `out[r] += Σ_g m_w[g, r] · sums[g]` for the 32 rows of a block (natural order): the q4_1 min
+    /// term, kept apart from the code dot products. The single-row and multi-row kernels both add it
+    /// last and in the same order, so a row's result does not depend on how many rows were batched
+    /// with it (the model's batched = sequential guarantee rests on that).
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `block` holds `sums.len().div_ceil(8)` tiles of `layout.tile_bytes`;
+    /// `out.len() ≥ 32`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_add_min_term(layout: Q4Layout, block: &[u8], sums: &[f32], out: &mut [f32]) {
+        debug_assert!(block.len() >= sums.len().div_ceil(8) * layout.tile_bytes);
+        debug_assert!(out.len() >= TILE_ROWS);
         let mut mins_acc = [_mm256_setzero_ps(); 4];
         for (gg, &sum_x) in sums.iter().enumerate() {
-            // SAFETY: as above.
+            // SAFETY: tile gg / 8 exists (caller contract); the min area is inside it.
             let tile = unsafe { block.as_ptr().add(gg / 8 * layout.tile_bytes) };
             let mins = unsafe { q4_group_scales(layout.scales, tile, gg % 8) }.1;
             let sum_x = _mm256_set1_ps(sum_x);
@@ -519,7 +535,7 @@ mod imp {
             }
         }
         for (i, m) in mins_acc.iter().enumerate() {
-            // SAFETY: out holds 32 floats; 8 are read and written at 8·i for i < 4.
+            // SAFETY: out holds ≥ 32 floats; 8 are read and written at 8·i for i < 4.
             unsafe {
                 let p = out.as_mut_ptr().add(8 * i);
                 _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), *m));
@@ -585,9 +601,7 @@ mod imp {
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
-            let (d_nat, m_nat) = unsafe { q4_group_scales(layout.scales, tile, g) };
-            let d = q4_slot_order(d_nat);
-            let mins = q4_slot_order(m_nat);
+            let d = q4_slot_order(unsafe { q4_group_scales(layout.scales, tile, g) }.0);
             for (quad, slot) in unpacked.iter_mut().enumerate() {
                 // SAFETY: column g·32 + 4·quad + 3 < 256.
                 *slot = unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
@@ -612,18 +626,29 @@ mod imp {
                 {
                     let r = row + offset;
                     let scale_a = _mm256_set1_ps(act.scales[r * groups_total + gg]);
-                    let sum_a = _mm256_set1_ps(act.sums[r * groups_total + gg]);
                     let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    // Same operations, same order as the single-row kernel (bit-identical rows).
                     accumulate_in_memory(acc_mem, |j, acc| {
                         let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
-                        let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc);
-                        _mm256_fmadd_ps(mins[j], sum_a, acc)
+                        _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc)
                     });
                 }
                 i += 2;
             }
         }
         unpermute_rows(out, m, &Q4_SLOT_ROWS);
+        for (i, row) in rows.enumerate() {
+            let sums = &act.sums[row * groups_total..(row + 1) * groups_total];
+            // SAFETY: the caller's contract; out holds m × 32 floats.
+            unsafe {
+                q4_add_min_term(
+                    layout,
+                    block,
+                    sums,
+                    &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS],
+                )
+            };
+        }
     }
 
     // ---- 8-bit block kernel -----------------------------------------------------------------------
