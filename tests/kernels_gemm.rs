@@ -437,3 +437,38 @@ fn execute_runs_a_descriptor_over_byte_buffers() {
         Err(KernelError::Shape { .. })
     ));
 }
+
+/// A row's result must not depend on how many rows share the call (the model's batched =
+/// sequential guarantee: q8 activation rounding turns any f32 difference into a visible one), so
+/// the single-row and multi-row kernels must do the same operations in the same order.
+#[test]
+fn single_row_results_equal_the_same_row_of_a_batch() {
+    for (i, format) in WeightFormat::ALL
+        .into_iter()
+        .filter(|f| f.tile_bytes().is_some())
+        .enumerate()
+    {
+        let (n, k, m) = (64, 576, 16);
+        let mut rng = Rng(41 + i as u64);
+        let weights = rng.vec(n * k, 1.0);
+        let data = encode(format, &weights, n, k);
+        let w = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
+        let x = rng.vec(m * k, 2.0);
+        let mut batch = vec![f32::NAN; m * n];
+        HostExecutor::new()
+            .gemm(&w, &x, m, &mut batch)
+            .expect("gemm");
+        for row in 0..m {
+            let mut single = vec![f32::NAN; n];
+            HostExecutor::new()
+                .gemm(&w, &x[row * k..(row + 1) * k], 1, &mut single)
+                .expect("gemm");
+            assert_eq!(
+                single,
+                batch[row * n..(row + 1) * n],
+                "{} row {row}",
+                format.name()
+            );
+        }
+    }
+}

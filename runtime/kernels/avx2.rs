@@ -434,6 +434,115 @@ mod imp {
         (sa, sb)
     }
 
+    /// [`q4_block`] for a single activation row (decode), with the nibble order fixed at compile
+    /// time so the 8 column quads of a group unroll into straight-line code. Per group: 8 unpacks,
+    /// 32 `maddubs` into four i16 sums, one widening and one FMA per 8 rows with the slot-ordered
+    /// `d_w · d_x`. The q4_1 min term `Σ_g m_w[g] · (d_x Σq)[g]` does not depend on the codes, so
+    /// it is a second, short pass over the (L1-resident) mins in natural row order: no per-group
+    /// permute of the mins and four fewer live registers in the hot loop.
+    ///
+    /// # Safety
+    /// As [`q4_block`] with `rows = row..row + 1`; `COLUMN_MAJOR == layout.column_major`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_block_one_row<const COLUMN_MAJOR: bool>(
+        layout: Q4Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        row: usize,
+        out: &mut [f32],
+    ) {
+        let groups_total = act.groups();
+        debug_assert!(row < act.rows && out.len() >= TILE_ROWS);
+        debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
+        debug_assert_eq!(COLUMN_MAJOR, layout.column_major);
+        let ones = _mm256_set1_epi16(1);
+        let scales = &act.scales[row * groups_total..(row + 1) * groups_total];
+        let sums = &act.sums[row * groups_total..(row + 1) * groups_total];
+        // SAFETY: row < act.rows, so the row's `cols` codes are readable.
+        let a_row = unsafe { act.codes.as_ptr().add(row * act.cols) };
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (gg, &scale_x) in scales.iter().enumerate() {
+            let (t, g) = (gg / 8, gg % 8);
+            prefetch_group(
+                block,
+                groups_total,
+                8,
+                layout.tile_bytes,
+                |_, g| q4_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            );
+            if !COLUMN_MAJOR {
+                prefetch_group(
+                    block,
+                    groups_total,
+                    8,
+                    layout.tile_bytes,
+                    |_, g| [(512 + g * 64, 1), (0, 0), (0, 0)],
+                    gg + PREFETCH_AHEAD,
+                );
+            }
+            // SAFETY: tile t exists (caller contract); all offsets are inside it.
+            let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            let codes = unsafe { tile.add(layout.codes) };
+            // SAFETY: gg < groups: 32 activation codes readable.
+            let a = unsafe { a_row.add(gg * GROUP) };
+            let mut sum16 = [_mm256_setzero_si256(); 4];
+            for quad in 0..8 {
+                // SAFETY: column g·32 + 4·quad + 3 < 256; the activation group has 32 codes.
+                let (w, x4) = unsafe {
+                    (
+                        q4_unpack_quad(codes, COLUMN_MAJOR, g * 32 + quad * 4),
+                        broadcast4(a.add(quad * 4)),
+                    )
+                };
+                for i in 0..4 {
+                    sum16[i] = _mm256_add_epi16(sum16[i], _mm256_maddubs_epi16(w[i], x4));
+                }
+            }
+            let d = q4_slot_order(unsafe { q4_group_scales(layout.scales, tile, g) }.0);
+            let scale_x = _mm256_set1_ps(scale_x);
+            for i in 0..4 {
+                let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[i], ones));
+                acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[i], scale_x), acc[i]);
+            }
+        }
+        store_rows(&acc, &Q4_SLOT_ROWS, &mut out[..TILE_ROWS]);
+        // SAFETY: as above.
+        unsafe { q4_add_min_term(layout, block, sums, &mut out[..TILE_ROWS]) };
+    }
+
+    /// `out[r] += Σ_g m_w[g, r] · sums[g]` for the 32 rows of a block (natural order): the q4_1 min
+    /// term, kept apart from the code dot products. The single-row and multi-row kernels both add it
+    /// last and in the same order, so a row's result does not depend on how many rows were batched
+    /// with it (the model's batched = sequential guarantee rests on that).
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `block` holds `sums.len().div_ceil(8)` tiles of `layout.tile_bytes`;
+    /// `out.len() ≥ 32`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_add_min_term(layout: Q4Layout, block: &[u8], sums: &[f32], out: &mut [f32]) {
+        debug_assert!(block.len() >= sums.len().div_ceil(8) * layout.tile_bytes);
+        debug_assert!(out.len() >= TILE_ROWS);
+        let mut mins_acc = [_mm256_setzero_ps(); 4];
+        for (gg, &sum_x) in sums.iter().enumerate() {
+            // SAFETY: tile gg / 8 exists (caller contract); the min area is inside it.
+            let tile = unsafe { block.as_ptr().add(gg / 8 * layout.tile_bytes) };
+            let mins = unsafe { q4_group_scales(layout.scales, tile, gg % 8) }.1;
+            let sum_x = _mm256_set1_ps(sum_x);
+            for i in 0..4 {
+                mins_acc[i] = _mm256_fmadd_ps(mins[i], sum_x, mins_acc[i]);
+            }
+        }
+        for (i, m) in mins_acc.iter().enumerate() {
+            // SAFETY: out holds ≥ 32 floats; 8 are read and written at 8·i for i < 4.
+            unsafe {
+                let p = out.as_mut_ptr().add(8 * i);
+                _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), *m));
+            }
+        }
+    }
+
     /// One 32-row block of a 4-bit tiled matrix times activation rows `rows` of `act`:
     /// `out[(i - rows.start) * 32 + r]` for every activation row i. `block` is the row block's tiles
     /// (`ceil(K / 256)` of them); only groups holding real columns (< `act.cols`) are read.
@@ -454,11 +563,19 @@ mod imp {
         let m = rows.len();
         debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
         debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc1 = [_mm256_setzero_ps(); 4];
-        if m > 1 {
-            out[..m * TILE_ROWS].fill(0.0);
+        if m == 1 {
+            // SAFETY: the caller's contract is this function's.
+            unsafe {
+                if layout.column_major {
+                    q4_block_one_row::<true>(layout, block, act, rows.start, out)
+                } else {
+                    q4_block_one_row::<false>(layout, block, act, rows.start, out)
+                }
+            }
+            return;
         }
+        let ones = _mm256_set1_epi16(1);
+        out[..m * TILE_ROWS].fill(0.0);
         let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / 8, gg % 8);
@@ -484,35 +601,9 @@ mod imp {
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
-            let (d_nat, m_nat) = unsafe { q4_group_scales(layout.scales, tile, g) };
-            let d = q4_slot_order(d_nat);
-            let mins = q4_slot_order(m_nat);
-            if m == 1 {
-                // Single row: unpack and use straight from registers, accumulate in registers.
-                let row = rows.start;
-                // SAFETY: row < act.rows and gg < groups: 32 codes readable.
-                let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
-                let mut sum16 = [_mm256_setzero_si256(); 4];
-                for quad in 0..8 {
-                    // SAFETY: column g·32 + 4·quad + 3 < 256; the activation group has 32 codes.
-                    let w =
-                        unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
-                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                    for i in 0..4 {
-                        sum16[i] = _mm256_add_epi16(sum16[i], _mm256_maddubs_epi16(w[i], x4));
-                    }
-                }
-                let scale_a = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-                let sum_a = _mm256_set1_ps(act.sums[row * groups_total + gg]);
-                for i in 0..4 {
-                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[i], ones));
-                    acc1[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[i], scale_a), acc1[i]);
-                    acc1[i] = _mm256_fmadd_ps(mins[i], sum_a, acc1[i]);
-                }
-                continue;
-            }
+            let d = q4_slot_order(unsafe { q4_group_scales(layout.scales, tile, g) }.0);
             for (quad, slot) in unpacked.iter_mut().enumerate() {
-                // SAFETY: as above.
+                // SAFETY: column g·32 + 4·quad + 3 < 256.
                 *slot = unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
             }
             // Two activation rows per pass: each unpacked weight vector is loaded once for both.
@@ -535,21 +626,28 @@ mod imp {
                 {
                     let r = row + offset;
                     let scale_a = _mm256_set1_ps(act.scales[r * groups_total + gg]);
-                    let sum_a = _mm256_set1_ps(act.sums[r * groups_total + gg]);
                     let acc_mem = &mut out[(i + offset) * TILE_ROWS..(i + offset + 1) * TILE_ROWS];
+                    // Same operations, same order as the single-row kernel (bit-identical rows).
                     accumulate_in_memory(acc_mem, |j, acc| {
                         let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
-                        let acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc);
-                        _mm256_fmadd_ps(mins[j], sum_a, acc)
+                        _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], scale_a), acc)
                     });
                 }
                 i += 2;
             }
         }
-        if m == 1 {
-            store_rows(&acc1, &Q4_SLOT_ROWS, &mut out[..TILE_ROWS]);
-        } else {
-            unpermute_rows(out, m, &Q4_SLOT_ROWS);
+        unpermute_rows(out, m, &Q4_SLOT_ROWS);
+        for (i, row) in rows.enumerate() {
+            let sums = &act.sums[row * groups_total..(row + 1) * groups_total];
+            // SAFETY: the caller's contract; out holds m × 32 floats.
+            unsafe {
+                q4_add_min_term(
+                    layout,
+                    block,
+                    sums,
+                    &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS],
+                )
+            };
         }
     }
 
