@@ -139,3 +139,30 @@ fn perplexity_json_and_bench_json() {
         assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
     }
 }
+
+/// `--exact` runs the projections at reference precision: on this chat prompt the fast q8 path
+/// flips a near-tie at the first answer token ("L'Étoile…"), while the slow reference forward
+/// (`model::reference`, checked by hand on 2026-11-30) answers "The capital of France is Paris.".
+#[test]
+fn run_exact_gives_the_reference_answer_on_a_near_tie() {
+    let Some(g) = common::smollm2_gguf() else {
+        return;
+    };
+    let g = g.to_string_lossy().into_owned();
+    let (ok, out, err) = xdna(&[
+        "run",
+        "--model",
+        &g,
+        "--chat",
+        "--exact",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.starts_with("The capital of France is Paris"),
+        "exact chat answer: {out:?}"
+    );
+}

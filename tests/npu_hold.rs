@@ -5,6 +5,7 @@
 //! test are killed by `Scratch::drop` (recognized by their environment, never by name).
 
 use std::fs::{self, File};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread::sleep;
@@ -51,6 +52,18 @@ impl Scratch {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(File::create(self.path(&format!("{tag}.err"))).expect("stderr file"));
+        // npu-hold leaves a stop signal alone when it is ignored on entry (as a shell does), and a
+        // test runner started as a background job of a non-interactive shell ignores SIGINT and
+        // SIGQUIT. The tests signal npu-hold, so start it with the default dispositions.
+        // SAFETY: between fork and exec only signal(2), which is async-signal-safe, is called.
+        unsafe {
+            c.pre_exec(|| {
+                for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGTERM, libc::SIGHUP] {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+                Ok(())
+            });
+        }
         c
     }
 

@@ -334,7 +334,7 @@ impl DeviceExecutor {
     ) -> Result<(), KernelError> {
         let (k, n) = (w.cols, w.rows);
         check_io(k, n, x, m, y)?;
-        check_weight_bytes(w)?;
+        w.check_bytes()?;
         let wid = WeightId::Host(weight_key(w.data));
         for (family, rows) in row_passes(m) {
             let key = KernelKey::gemm(w.format, family, k, n);
@@ -353,7 +353,7 @@ impl DeviceExecutor {
     /// SHARE BO; see [`WeightPath`]) and return its handle. The host bytes are not read again:
     /// the caller may drop them or release their pages.
     pub fn upload(&self, w: &WeightMatrix) -> Result<DeviceWeights, KernelError> {
-        check_weight_bytes(w)?;
+        w.check_bytes()?;
         let wbo = self
             .upload_weights(w.data)
             .map_err(|e| dev_err(self.device.path(), e))?;
@@ -708,27 +708,6 @@ fn check_io(k: usize, n: usize, x: &[f32], m: usize, y: &[f32]) -> Result<(), Ke
             what: "output y (m × N)",
             expected: m * n,
             got: y.len(),
-        });
-    }
-    Ok(())
-}
-
-/// `w.data` has exactly the bytes its format and shape imply.
-fn check_weight_bytes(w: &WeightMatrix) -> Result<(), KernelError> {
-    let expected = w
-        .format
-        .matrix_bytes(w.rows, w.cols)
-        .map_err(|source| KernelError::Weight {
-            format: w.format.name(),
-            rows: w.rows,
-            cols: w.cols,
-            source,
-        })?;
-    if w.data.len() != expected {
-        return Err(KernelError::Shape {
-            what: "weight bytes",
-            expected,
-            got: w.data.len(),
         });
     }
     Ok(())

@@ -62,6 +62,28 @@ impl<'a> WeightMatrix<'a> {
         })
     }
 
+    /// `data` has exactly the bytes its format and shape imply (the fields are public, so a
+    /// hand-built matrix may be inconsistent; every executor re-checks before reading).
+    pub fn check_bytes(&self) -> Result<(), KernelError> {
+        let expected = self
+            .format
+            .matrix_bytes(self.rows, self.cols)
+            .map_err(|source| KernelError::Weight {
+                format: self.format.name(),
+                rows: self.rows,
+                cols: self.cols,
+                source,
+            })?;
+        if self.data.len() != expected {
+            return Err(KernelError::Shape {
+                what: "weight bytes",
+                expected,
+                got: self.data.len(),
+            });
+        }
+        Ok(())
+    }
+
     /// Bytes a GEMM actually streams from this matrix: tile padding past the last real 32-column
     /// group is skipped, so this is less than `data.len()` when K is not a multiple of 256.
     pub fn streamed_bytes(&self) -> usize {
@@ -224,22 +246,7 @@ impl HostExecutor {
             });
         }
         // Re-validate: the fields are public, so a hand-built WeightMatrix may be inconsistent.
-        let expected =
-            w.format
-                .matrix_bytes(w.rows, w.cols)
-                .map_err(|source| KernelError::Weight {
-                    format: w.format.name(),
-                    rows: w.rows,
-                    cols: w.cols,
-                    source,
-                })?;
-        if w.data.len() != expected {
-            return Err(KernelError::Shape {
-                what: "weight bytes",
-                expected,
-                got: w.data.len(),
-            });
-        }
+        w.check_bytes()?;
         if m == 0 || w.rows == 0 {
             return Ok(());
         }

@@ -23,6 +23,11 @@ pub struct Args {
     /// Wrap the prompt in the package's chat template (one user message).
     #[arg(long)]
     chat: bool,
+    /// Exact projections (kernels reference executor: f32 activations, f64 sums; several times
+    /// slower). The fast kernels round activations to q8 per 32 values, which can flip a greedy
+    /// near-tie; this gives the reference forward's tokens.
+    #[arg(long)]
+    exact: bool,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -123,7 +128,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let opts = LoadOptions {
         backend,
         kernels: args.kernels.clone(),
-        exact: false,
+        exact: args.exact,
     };
     let (pkg, mut model) = open_model(args.model.as_deref(), args.ctx, &opts)?;
     let ids = prompt_tokens(&pkg, &args.prompt, args.chat)?;
