@@ -331,12 +331,14 @@ fn flm_layout_with_llama_cpp_tiled_value_heads_gives_hf_logits() {
 
 #[test]
 fn flm_layout_with_converter_pair_reorder_gives_hf_logits() {
-    // hk = 1, hv = 4 (r = 4), intermediate 6400 > 6144: both reorders, not inverse of each other.
+    // hk = 2, hv = 8 (r = 4), intermediate 6400 > 6144: both reorders, not inverse of each other.
+    // (A consistent permutation of value heads that share one key head leaves the model unchanged,
+    // so the key heads must be ≥ 2 for a wrong map to show.)
     let o = SynthOptions {
         layers: 3,
         intermediate: 6400,
-        linear_key_heads: 1,
-        linear_value_heads: 4,
+        linear_key_heads: 2,
+        linear_value_heads: 8,
         ..SynthOptions::default()
     };
     let (diff, peak) = compare(&o, "pairs");
