@@ -212,7 +212,21 @@ fn rewrite(src: &Path, dst: &Path, target: Target) {
                 let reorder = c.intermediate > 6144;
                 let ch = flm_labels(vd, hk, hv, dv, reorder, dk);
                 let hd = flm_labels(hv, hk, hv, 1, reorder, 1);
-                let qkv_labels: Vec<usize> = (0..qk).chain(ch.iter().map(|&l| qk + l)).collect();
+                // qkv rows / conv channels: llama.cpp reorders the v part (unit d_v), then FLM
+                // the second half, `chunk(2)` (unit d_k).
+                let gguf_v = flm_labels(vd, hk, hv, dv, false, dk);
+                let gguf_qkv: Vec<usize> = (0..qk).chain(gguf_v.iter().map(|&l| qk + l)).collect();
+                let half = cd - cd / 2;
+                let second = flm_labels(half, hk, hk, 1, reorder, dk);
+                let qkv_labels: Vec<usize> = (0..cd)
+                    .map(|f| {
+                        if f < cd / 2 {
+                            gguf_qkv[f]
+                        } else {
+                            gguf_qkv[cd / 2 + second[f - cd / 2]]
+                        }
+                    })
+                    .collect();
                 t.push((
                     la("qkv_proj.weight"),
                     vec![cd, h],
@@ -236,7 +250,7 @@ fn rewrite(src: &Path, dst: &Path, target: Target) {
                 // conv: [cd, K] with the v channels reordered, then transposed to [K, cd].
                 let mut tconv = vec![0.0; kk * cd];
                 for to in 0..cd {
-                    let from = if to < qk { to } else { qk + ch[to - qk] };
+                    let from = qkv_labels[to];
                     for tap in 0..kk {
                         tconv[tap * cd + to] = conv[from * kk + tap];
                     }

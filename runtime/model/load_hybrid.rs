@@ -219,6 +219,9 @@ pub struct FlmLayout {
     pub channel_src: Vec<usize>,
     /// File value head → HF value head (`value_heads` entries).
     pub head_src: Vec<usize>,
+    /// File `qkv_proj` row (= conv channel) → HF row (`conv_dim` entries): llama.cpp reorders the
+    /// v part, FLM the second half (`chunk(2)`), which is the v part only when 2·Hk·d_k = Hv·d_v.
+    pub qkv_src: Vec<usize>,
 }
 
 impl FlmLayout {
@@ -245,7 +248,9 @@ impl FlmLayout {
         let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_head_dim, d.value_head_dim);
         let reorder = c.intermediate > FLM_REORDER_ABOVE_FFN;
         let vd = hv * dv;
-        if reorder && (hv % 2 != 0 || dk == 0 || vd % (2 * dk) != 0) {
+        let (qk, cd) = (2 * hk * dk, 2 * hk * dk + vd);
+        let half = cd - cd / 2;
+        if reorder && (hv % 2 != 0 || dk == 0 || vd % (2 * dk) != 0 || half % (2 * dk) != 0) {
             return Err(ModelError::Config {
                 file: file.into(),
                 field: "linear_num_value_heads".into(),
@@ -267,9 +272,24 @@ impl FlmLayout {
                 })
                 .collect()
         };
+        let qkv_src = (0..cd)
+            .map(|f| {
+                let g = if reorder && f >= cd / 2 {
+                    cd / 2 + flm_to_gguf(f - cd / 2, half, dk)
+                } else {
+                    f
+                };
+                if g < qk {
+                    g
+                } else {
+                    qk + gguf_to_hf(g - qk, hk, hv, dv)
+                }
+            })
+            .collect();
         Ok(FlmLayout {
             channel_src: map(vd, dv, dk),
             head_src: map(hv, 1, 1),
+            qkv_src,
         })
     }
 
@@ -302,13 +322,14 @@ impl FlmLayout {
             problem: "missing for a model with linear_attention layers".into(),
         })?;
         let (cd, vd, hv, kk) = (d.conv_dim(), d.value_dim(), d.value_heads, d.conv_kernel);
-        let qk = cd - vd;
         let la = |s: &str| format!("model.layers.{i}.linear_attn.{s}");
         let channel_file = invert(&self.channel_src);
         let head_file = invert(&self.head_src);
         // in_qkvz = [qkv (q, k untouched; v permuted) ‖ z (gate_proj, permuted)].
-        let qkvz_rows: Vec<usize> = (0..qk)
-            .chain((0..vd).map(|v| qk + channel_file[v]))
+        let qkv_file = invert(&self.qkv_src);
+        let qkvz_rows: Vec<usize> = qkv_file
+            .iter()
+            .copied()
             .chain((0..vd).map(|v| cd + channel_file[v]))
             .collect();
         let in_qkvz = projection(
@@ -353,11 +374,7 @@ impl FlmLayout {
         }
         let mut conv = vec![0.0f32; cd * kk];
         for ch in 0..cd {
-            let file_ch = if ch < qk {
-                ch
-            } else {
-                qk + channel_file[ch - qk]
-            };
+            let file_ch = qkv_file[ch];
             for t in 0..kk {
                 conv[ch * kk + t] = file_conv[t * cd + file_ch];
             }
