@@ -6,9 +6,16 @@
 //! `.A_log`, `.norm.weight`; full-attention layers `self_attn.{q,k,v,o}_proj.weight` (q rows per
 //! head `[q, gate]`), `self_attn.{q,k}_norm.weight`; `mlp.{gate,up,down}_proj.weight`. The
 //! model's RMSNorm weights are zero-centred (`1 + w`, added here); the GDN gated norm is not.
+//!
+//! FastFlowLM Q4NX packages converted from a llama.cpp GGUF (`FLM_Q4NX_Converter`
+//! `q4nx/models/qwen35.py`) are read too: their names (`linear_attn.qkv_proj`,
+//! `self_attn.gate_proj` for z, `ssm_{alpha,beta}_proj`, `ssm_conv1d` `[K, conv_dim]`, `ssm_a` =
+//! −exp(A_log), `ssm_dt.bias`, `ssm_norm`, `ssm_out_proj`), their effective (`1 + w`) norms, their
+//! planar full-attention `q_proj` and their value-head orders are mapped to the layout above at
+//! load ([`FlmLayout`]; docs/formats.md "Qwen3.5 layouts" gives the sources).
 
 use super::config::{LayerKind, ModelConfig};
-use super::forward::{Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
+use super::forward::{Family, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
 use super::gdn::GdnWeights;
 use super::load::{kernel_dir, mapped, projection, LoadOptions, PackageEmbedding};
 use super::ModelError;
@@ -20,7 +27,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-/// The weights of a hybrid package (any model with GDN layers or gated attention).
+/// The weights of a hybrid package (any model with GDN layers or gated attention), in Hugging
+/// Face or FastFlowLM (GGUF-derived) tensor layout.
 pub fn load(
     pkg: &Arc<Package>,
     opts: &LoadOptions,
@@ -28,9 +36,12 @@ pub fn load(
     c: ModelConfig,
     backend: &str,
 ) -> Result<ModelWeights, ModelError> {
+    let flm = FlmLayout::detect(pkg, &c)?;
+    // FLM files store the effective norm (llama.cpp adds the 1 at conversion).
+    let add_one = c.zero_centered_norms && flm.is_none();
     let norm = |name: &str| -> Result<Vec<f32>, ModelError> {
         let mut v = pkg.vector(name)?;
-        if c.zero_centered_norms {
+        if add_one {
             for x in &mut v {
                 *x += 1.0;
             }
@@ -73,6 +84,14 @@ pub fn load(
                     &[c.q_rows(), kvd, kvd],
                     h,
                 )?;
+                let qkv: Box<dyn Projection> = match &flm {
+                    Some(l) if c.attn_output_gate => {
+                        let mut rows = l.attention_q_rows(&c);
+                        rows.extend(c.q_rows()..c.q_rows() + 2 * kvd);
+                        PermutedProjection::wrap(Box::new(qkv), Some(rows), None)
+                    }
+                    _ => Box::new(qkv),
+                };
                 let o = projection(opts, exec, pkg, &[&n("self_attn.o_proj.weight")], &[h], qd)?;
                 let (q_norm, k_norm) = if c.qk_norm {
                     (
@@ -84,7 +103,7 @@ pub fn load(
                 };
                 layers.push(Layer::Attention(LayerWeights {
                     attn_norm,
-                    qkv: Box::new(qkv),
+                    qkv,
                     qkv_bias: None,
                     q_norm,
                     k_norm,
@@ -103,34 +122,42 @@ pub fn load(
                 })?;
                 let (cd, vd, hv) = (d.conv_dim(), d.value_dim(), d.value_heads);
                 let la = |s: &str| n(&format!("linear_attn.{s}"));
-                let in_qkvz = projection(
-                    opts,
-                    exec,
-                    pkg,
-                    &[&la("in_proj_qkv.weight"), &la("in_proj_z.weight")],
-                    &[cd, vd],
-                    h,
-                )?;
-                let in_ba = projection(
-                    opts,
-                    exec,
-                    pkg,
-                    &[&la("in_proj_b.weight"), &la("in_proj_a.weight")],
-                    &[hv, hv],
-                    h,
-                )?;
-                let out = projection(opts, exec, pkg, &[&la("out_proj.weight")], &[h], vd)?;
-                layers.push(Layer::Linear(LinearLayerWeights {
-                    attn_norm,
-                    gdn: GdnWeights {
-                        in_qkvz: Box::new(in_qkvz),
-                        in_ba: Box::new(in_ba),
+                let gdn = match &flm {
+                    None => GdnWeights {
+                        in_qkvz: Box::new(projection(
+                            opts,
+                            exec,
+                            pkg,
+                            &[&la("in_proj_qkv.weight"), &la("in_proj_z.weight")],
+                            &[cd, vd],
+                            h,
+                        )?),
+                        in_ba: Box::new(projection(
+                            opts,
+                            exec,
+                            pkg,
+                            &[&la("in_proj_b.weight"), &la("in_proj_a.weight")],
+                            &[hv, hv],
+                            h,
+                        )?),
                         conv: pkg.vector(&la("conv1d.weight"))?,
                         dt_bias: pkg.vector(&la("dt_bias"))?,
                         a_log: pkg.vector(&la("A_log"))?,
                         norm: pkg.vector(&la("norm.weight"))?,
-                        out: Box::new(out),
+                        out: Box::new(projection(
+                            opts,
+                            exec,
+                            pkg,
+                            &[&la("out_proj.weight")],
+                            &[h],
+                            vd,
+                        )?),
                     },
+                    Some(l) => l.gdn(pkg, opts, exec, &c, i)?,
+                };
+                layers.push(Layer::Linear(LinearLayerWeights {
+                    attn_norm,
+                    gdn,
                     ffn_norm,
                     gate_up: Box::new(gate_up),
                     down: Box::new(down),
@@ -170,6 +197,320 @@ pub fn load(
         backend: backend.to_string(),
         config: c,
     })
+}
+
+/// `FLM_Q4NX_Converter` reorders the linear-attention value heads only when the GGUF's
+/// `qwen35.feed_forward_length` exceeds this (`q4nx/models/qwen35.py`, "small model, no qk share
+/// on linear head").
+pub const FLM_REORDER_ABOVE_FFN: usize = 6144;
+
+/// How a FastFlowLM Qwen3.5 package (HF model → llama.cpp GGUF → `FLM_Q4NX_Converter`) maps to
+/// the loader's Hugging Face layout. Every map is "file index → Hugging Face index"; the two steps
+/// are, from docs/formats.md "Qwen3.5 layouts":
+/// 1. llama.cpp `_reorder_v_heads` (only when key heads ≠ value heads): value heads from grouped
+///    (`k·r + j`) to tiled (`j·hk + k`) order, in units of `linear_value_head_dim` rows/columns
+///    (z rows, the v part of qkv rows and conv channels, out_proj columns) or of 1 (a, b, A, dt).
+/// 2. FLM (only when `intermediate_size` > [`FLM_REORDER_ABOVE_FFN`]): `(q g p) → (g q p)` with
+///    q = 2 and p = `linear_key_head_dim` (`ssm.state_size`) for the channel maps, p = 1 for the
+///    per-head vectors.
+#[derive(Clone, Debug)]
+pub struct FlmLayout {
+    /// File value channel → HF value channel (`value_dim` entries).
+    pub channel_src: Vec<usize>,
+    /// File value head → HF value head (`value_heads` entries).
+    pub head_src: Vec<usize>,
+    /// File `qkv_proj` row (= conv channel) → HF row (`conv_dim` entries): llama.cpp reorders the
+    /// v part, FLM the second half (`chunk(2)`), which is the v part only when 2·Hk·d_k = Hv·d_v.
+    pub qkv_src: Vec<usize>,
+}
+
+impl FlmLayout {
+    /// `Some` when the package carries FLM names (`linear_attn.qkv_proj.weight` in the first linear
+    /// layer). Attention-only packages have nothing to tell the layouts apart and read as HF.
+    pub fn detect(pkg: &Package, c: &ModelConfig) -> Result<Option<FlmLayout>, ModelError> {
+        let first_linear = (0..c.layers).find(|&i| c.layer_kind(i) == LayerKind::Linear);
+        let Some(i) = first_linear else {
+            return Ok(None);
+        };
+        if !pkg.has_tensor(&format!("model.layers.{i}.linear_attn.qkv_proj.weight")) {
+            return Ok(None);
+        }
+        Self::for_config(c, &pkg.dir().join("config.json").display().to_string()).map(Some)
+    }
+
+    /// The maps for `c` (errors name `file` when the converter's reshapes cannot apply).
+    pub fn for_config(c: &ModelConfig, file: &str) -> Result<FlmLayout, ModelError> {
+        let d = c.linear.as_ref().ok_or_else(|| ModelError::Config {
+            file: file.into(),
+            field: "linear_num_value_heads".into(),
+            problem: "missing for a model with linear_attention layers".into(),
+        })?;
+        let (hk, hv, dk, dv) = (d.key_heads, d.value_heads, d.key_head_dim, d.value_head_dim);
+        let reorder = c.intermediate > FLM_REORDER_ABOVE_FFN;
+        let vd = hv * dv;
+        let (qk, cd) = (2 * hk * dk, 2 * hk * dk + vd);
+        let half = cd - cd / 2;
+        if reorder && (hv % 2 != 0 || dk == 0 || vd % (2 * dk) != 0 || half % (2 * dk) != 0) {
+            return Err(ModelError::Config {
+                file: file.into(),
+                field: "linear_num_value_heads".into(),
+                problem: format!(
+                    "a FastFlowLM Qwen3.5 file reorders value channels in pairs of {dk}-wide blocks; \
+                     {hv} heads × {dv} do not split that way"
+                ),
+            });
+        }
+        let map = |len: usize, gguf_unit: usize, flm_unit: usize| -> Vec<usize> {
+            (0..len)
+                .map(|f| {
+                    let g = if reorder {
+                        flm_to_gguf(f, len, flm_unit)
+                    } else {
+                        f
+                    };
+                    gguf_to_hf(g, hk, hv, gguf_unit)
+                })
+                .collect()
+        };
+        let qkv_src = (0..cd)
+            .map(|f| {
+                let g = if reorder && f >= cd / 2 {
+                    cd / 2 + flm_to_gguf(f - cd / 2, half, dk)
+                } else {
+                    f
+                };
+                if g < qk {
+                    g
+                } else {
+                    qk + gguf_to_hf(g - qk, hk, hv, dv)
+                }
+            })
+            .collect();
+        Ok(FlmLayout {
+            channel_src: map(vd, dv, dk),
+            head_src: map(hv, 1, 1),
+            qkv_src,
+        })
+    }
+
+    /// Fused `[q ‖ gate]` rows of a gated full-attention layer: the file is planar (all q heads,
+    /// then all gate heads); the loader wants per head `[q, gate]`. Entry i: the file row of
+    /// internal row i.
+    fn attention_q_rows(&self, c: &ModelConfig) -> Vec<usize> {
+        let (heads, hd) = (c.heads, c.head_dim);
+        (0..2 * heads * hd)
+            .map(|i| {
+                let (head, half, e) = (i / (2 * hd), (i / hd) % 2, i % hd);
+                (half * heads + head) * hd + e
+            })
+            .collect()
+    }
+
+    /// One linear-attention layer's weights, read from FLM names and mapped to HF order.
+    fn gdn(
+        &self,
+        pkg: &Arc<Package>,
+        opts: &LoadOptions,
+        exec: &Arc<Executor>,
+        c: &ModelConfig,
+        i: usize,
+    ) -> Result<GdnWeights, ModelError> {
+        let h = c.hidden;
+        let d = c.linear.as_ref().ok_or_else(|| ModelError::Config {
+            file: pkg.dir().join("config.json").display().to_string(),
+            field: "linear_num_value_heads".into(),
+            problem: "missing for a model with linear_attention layers".into(),
+        })?;
+        let (cd, vd, hv, kk) = (d.conv_dim(), d.value_dim(), d.value_heads, d.conv_kernel);
+        let la = |s: &str| format!("model.layers.{i}.linear_attn.{s}");
+        let channel_file = invert(&self.channel_src);
+        let head_file = invert(&self.head_src);
+        // in_qkvz = [qkv (q, k untouched; v permuted) ‖ z (gate_proj, permuted)].
+        let qkv_file = invert(&self.qkv_src);
+        let qkvz_rows: Vec<usize> = qkv_file
+            .iter()
+            .copied()
+            .chain((0..vd).map(|v| cd + channel_file[v]))
+            .collect();
+        let in_qkvz = projection(
+            opts,
+            exec,
+            pkg,
+            &[
+                &la("qkv_proj.weight"),
+                &format!("model.layers.{i}.self_attn.gate_proj.weight"),
+            ],
+            &[cd, vd],
+            h,
+        )?;
+        // alpha/beta: fewer than 32 heads are stored twice (rows [all, all]); read the first copy.
+        let ba_rows = if hv < tiles::TILE_ROWS { 2 * hv } else { hv };
+        let in_ba = projection(
+            opts,
+            exec,
+            pkg,
+            &[&la("ssm_beta_proj.weight"), &la("ssm_alpha_proj.weight")],
+            &[ba_rows, ba_rows],
+            h,
+        )?;
+        let ba: Vec<usize> = (0..hv)
+            .map(|j| head_file[j])
+            .chain((0..hv).map(|j| ba_rows + head_file[j]))
+            .collect();
+        let out = projection(opts, exec, pkg, &[&la("ssm_out_proj.weight")], &[h], vd)?;
+        // out_proj's stored column c holds HF value channel channel_src[c].
+        let out_cols = self.channel_src.clone();
+        // conv: file [K, conv_dim] with permuted v channels → [conv_dim, K] in HF channel order.
+        let conv_name = la("ssm_conv1d.weight");
+        let file_conv = pkg.vector(&conv_name)?;
+        if file_conv.len() != kk * cd {
+            return Err(ModelError::Shape {
+                what: format!(
+                    "{conv_name}: {} values, expected [{kk}, {cd}] = {}",
+                    file_conv.len(),
+                    kk * cd
+                ),
+            });
+        }
+        let mut conv = vec![0.0f32; cd * kk];
+        for ch in 0..cd {
+            let file_ch = qkv_file[ch];
+            for t in 0..kk {
+                conv[ch * kk + t] = file_conv[t * cd + file_ch];
+            }
+        }
+        let per_head = |name: &str| -> Result<Vec<f32>, ModelError> {
+            let v = pkg.vector(name)?;
+            if v.len() != hv {
+                return Err(ModelError::Shape {
+                    what: format!("{name}: {} values, expected {hv}", v.len()),
+                });
+            }
+            Ok((0..hv).map(|j| v[head_file[j]]).collect())
+        };
+        let ssm_a_name = la("ssm_a");
+        let a = per_head(&ssm_a_name)?;
+        // ssm_a = −exp(A_log); the GDN step wants A_log back.
+        let mut a_log = Vec::with_capacity(hv);
+        for (j, &x) in a.iter().enumerate() {
+            if !(x < 0.0 && x.is_finite()) {
+                return Err(ModelError::Shape {
+                    what: format!("{ssm_a_name}[{j}] = {x}: expected −exp(A_log) < 0"),
+                });
+            }
+            a_log.push((-x).ln());
+        }
+        Ok(GdnWeights {
+            in_qkvz: PermutedProjection::wrap(Box::new(in_qkvz), Some(qkvz_rows), None),
+            in_ba: PermutedProjection::wrap(Box::new(in_ba), Some(ba), None),
+            conv,
+            dt_bias: per_head(&la("ssm_dt.bias"))?,
+            a_log,
+            norm: pkg.vector(&la("ssm_norm.weight"))?,
+            out: PermutedProjection::wrap(Box::new(out), None, Some(out_cols)),
+        })
+    }
+}
+
+/// llama.cpp `_reorder_v_heads`: GGUF index → HF index; heads of `unit` entries, tiled
+/// (`j·hk + k`) in the GGUF, grouped (`k·r + j`) in HF. The identity when hk = hv.
+fn gguf_to_hf(idx: usize, hk: usize, hv: usize, unit: usize) -> usize {
+    if hk == hv || hk == 0 {
+        return idx;
+    }
+    let r = hv / hk;
+    let (head, e) = (idx / unit, idx % unit);
+    let (j, k) = (head / hk, head % hk);
+    (k * r + j) * unit + e
+}
+
+/// FLM `rearrange('(q g p) -> (g q p)', q = 2)`: FLM index → GGUF index over `len` entries in
+/// blocks of `unit`.
+fn flm_to_gguf(idx: usize, len: usize, unit: usize) -> usize {
+    let groups = len / (2 * unit);
+    let (block, p) = (idx / unit, idx % unit);
+    let (g, q) = (block / 2, block % 2);
+    (q * groups + g) * unit + p
+}
+
+/// The inverse of a permutation given as "position → source".
+fn invert(src: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; src.len()];
+    for (pos, &s) in src.iter().enumerate() {
+        inv[s] = pos;
+    }
+    inv
+}
+
+/// A projection whose stored matrix has permuted rows and/or columns: the permutation is applied
+/// to the activations (output rows gathered, input columns scattered), so tiled data and kernels
+/// stay as they are. Identity maps are not wrapped.
+struct PermutedProjection {
+    inner: Box<dyn Projection>,
+    /// Internal output row i = stored row `rows[i]` (stored rows may outnumber internal ones).
+    rows: Option<Vec<usize>>,
+    /// Stored input column c = internal column `cols[c]`.
+    cols: Option<Vec<usize>>,
+}
+
+impl PermutedProjection {
+    fn wrap(
+        inner: Box<dyn Projection>,
+        rows: Option<Vec<usize>>,
+        cols: Option<Vec<usize>>,
+    ) -> Box<dyn Projection> {
+        let identity = |v: &Option<Vec<usize>>, n: usize| match v {
+            None => true,
+            Some(v) => v.len() == n && v.iter().enumerate().all(|(i, &s)| i == s),
+        };
+        let (r, c) = (inner.rows(), inner.cols());
+        if identity(&rows, r) && identity(&cols, c) {
+            return inner;
+        }
+        Box::new(PermutedProjection { inner, rows, cols })
+    }
+}
+
+impl Projection for PermutedProjection {
+    fn rows(&self) -> usize {
+        self.rows.as_ref().map_or(self.inner.rows(), Vec::len)
+    }
+    fn cols(&self) -> usize {
+        self.inner.cols()
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+    fn tiled_format(&self) -> Option<WeightFormat> {
+        self.inner.tiled_format()
+    }
+    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError> {
+        let k = self.inner.cols();
+        let permuted_x;
+        let x = match &self.cols {
+            Some(cols) => {
+                permuted_x = (0..m * k)
+                    .map(|i| x[(i / k) * k + cols[i % k]])
+                    .collect::<Vec<f32>>();
+                &permuted_x[..]
+            }
+            None => x,
+        };
+        match &self.rows {
+            None => self.inner.gemm(x, m, y, family),
+            Some(rows) => {
+                let (stored, n) = (self.inner.rows(), rows.len());
+                let mut tmp = vec![0.0f32; m * stored];
+                self.inner.gemm(x, m, &mut tmp, family)?;
+                for r in 0..m {
+                    for (i, &s) in rows.iter().enumerate() {
+                        y[r * n + i] = tmp[r * stored + s];
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// The layer's projections with a label.
