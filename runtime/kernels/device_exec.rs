@@ -332,21 +332,10 @@ impl DeviceExecutor {
         m: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        let (k, n) = (w.cols, w.rows);
-        check_io(k, n, x, m, y)?;
         w.check_bytes()?;
         let wid = WeightId::Host(weight_key(w.data));
-        for (family, rows) in row_passes(m) {
-            let key = KernelKey::gemm(w.format, family, k, n);
-            self.run(
-                &key,
-                wid,
-                Some(w.data),
-                &x[rows.start * k..rows.end * k],
-                &mut y[rows.start * n..rows.end * n],
-            )?;
-        }
-        Ok(())
+        let shape = (w.format, w.cols, w.rows);
+        self.run_passes(shape, wid, Some(w.data), x, m, y)
     }
 
     /// Hand `w` to the device once (sealed memfd → udmabuf → PRIME import when that works, else a
@@ -379,14 +368,27 @@ impl DeviceExecutor {
         m: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        let (k, n) = (w.cols, w.rows);
+        let shape = (w.format, w.cols, w.rows);
+        self.run_passes(shape, WeightId::Handle(w.id), None, x, m, y)
+    }
+
+    /// The m16 / m128 passes of one GEMM of `shape = (format, K, N)` with the weights `wid`.
+    fn run_passes(
+        &self,
+        (format, k, n): (WeightFormat, usize, usize),
+        wid: WeightId,
+        data: Option<&[u8]>,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
         check_io(k, n, x, m, y)?;
         for (family, rows) in row_passes(m) {
-            let key = KernelKey::gemm(w.format, family, k, n);
+            let key = KernelKey::gemm(format, family, k, n);
             self.run(
                 &key,
-                WeightId::Handle(w.id),
-                None,
+                wid,
+                data,
                 &x[rows.start * k..rows.end * k],
                 &mut y[rows.start * n..rows.end * n],
             )?;
