@@ -592,6 +592,54 @@ mod imp {
         }
     }
 
+    /// [`q4_add_min_term`] for several activation rows, each group's mins converted once for up to
+    /// 16 rows instead of once per row. Per row the FMAs run in the same order from zero and the
+    /// total is added to `out` last, so the bits equal the single-row kernel's.
+    ///
+    /// # Safety
+    /// As [`q4_block`] (`out` holds `rows.len() × 32` natural-order floats).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_add_min_terms(
+        layout: Q4Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        const CHUNK: usize = 16;
+        let groups_total = act.groups();
+        debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
+        debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
+        let first = rows.start;
+        let mut start = rows.start;
+        while start < rows.end {
+            let chunk = start..(start + CHUNK).min(rows.end);
+            let mut mins_acc = [[_mm256_setzero_ps(); 4]; CHUNK];
+            for gg in 0..groups_total {
+                // SAFETY: tile gg / 8 exists (caller contract); the min area is inside it.
+                let tile = unsafe { block.as_ptr().add(gg / 8 * layout.tile_bytes) };
+                let mins = unsafe { q4_group_scales(layout.scales, tile, gg % 8) }.1;
+                for (acc, row) in mins_acc.iter_mut().zip(chunk.clone()) {
+                    let sum_x = _mm256_set1_ps(act.sums[row * groups_total + gg]);
+                    for (a, m) in acc.iter_mut().zip(mins) {
+                        *a = _mm256_fmadd_ps(m, sum_x, *a);
+                    }
+                }
+            }
+            for (acc, row) in mins_acc.iter().zip(chunk.clone()) {
+                for (i, m) in acc.iter().enumerate() {
+                    // SAFETY: row - first < rows.len(): 32 floats of `out` belong to it; 8 are
+                    // read and written at 8·i for i < 4.
+                    unsafe {
+                        let p = out.as_mut_ptr().add((row - first) * TILE_ROWS + 8 * i);
+                        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), *m));
+                    }
+                }
+            }
+            start = chunk.end;
+        }
+    }
+
     /// One 32-row block of a 4-bit tiled matrix times activation rows `rows` of `act`:
     /// `out[(i - rows.start) * 32 + r]` for every activation row i. `block` is the row block's tiles
     /// (`ceil(K / 256)` of them); only groups holding real columns (< `act.cols`) are read.
@@ -660,18 +708,8 @@ mod imp {
         }
         // SAFETY: AVX2 available; `out` holds m × 32 floats.
         unsafe { unpermute_rows(out, m, SlotOrder::Q4) };
-        for (i, row) in rows.enumerate() {
-            let sums = &act.sums[row * groups_total..(row + 1) * groups_total];
-            // SAFETY: the caller's contract; out holds m × 32 floats.
-            unsafe {
-                q4_add_min_term(
-                    layout,
-                    block,
-                    sums,
-                    &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS],
-                )
-            };
-        }
+        // SAFETY: the caller's contract; out holds m × 32 floats.
+        unsafe { q4_add_min_terms(layout, block, act, rows, out) };
     }
 
     // ---- 8-bit block kernel -----------------------------------------------------------------------
