@@ -191,14 +191,13 @@ fn params(f: &GgufFile) -> Result<Qwen35Params, WeightsError> {
             .get_u64(&k("rope.dimension_count"))
             .unwrap_or(head_dim as u64) as usize,
         vocab: embd.shape.get(1).copied().unwrap_or(0) as usize,
-        eps: f
-            .get_f64(&k("attention.layer_norm_rms_epsilon"))
-            .map(super::import::shortest)
-            .unwrap_or(1e-6),
+        // Required by llama.cpp's qwen35 loader too.
+        eps: super::import::shortest(f.require_f64(&k("attention.layer_norm_rms_epsilon"))?),
+        // llama.cpp's default when absent.
         rope_theta: f
             .get_f64(&k("rope.freq_base"))
             .map(super::import::shortest)
-            .unwrap_or(10_000_000.0),
+            .unwrap_or(10_000.0),
         context: f.get_u64(&k("context_length")).unwrap_or(4096) as usize,
         tied: f.tensor("output.weight").is_none(),
         full_attention_interval: interval,
