@@ -878,3 +878,32 @@ fn bad_qwen35_ggufs_are_named_errors() {
     );
     assert!(e.contains("qwen35moe") && e.contains("experts"), "{e}");
 }
+
+#[test]
+fn slow_reference_reads_the_imported_package_as_the_hf_one() {
+    // `HybridReference` (f64, from the equations) on the GGUF-imported package (ssm_a instead of
+    // A_log, norms with the 1 included) vs on the HF package: only ln(−ssm_a) in f64 differs.
+    let src = synth("reference", &SynthOptions::default());
+    let (gguf, pkg) = (tmp("reference.gguf"), tmp("reference_pkg"));
+    let _clean = Dirs(vec![src.clone(), gguf.clone(), pkg.clone()]);
+    write_gguf(&src, &gguf, &Plan::default());
+    import(&gguf, &pkg).unwrap();
+    let reference = |dir: &Path| {
+        let p = Package::open_dir(dir).unwrap();
+        xdna::model::reference::HybridReference::load(&p)
+            .unwrap()
+            .forward(&TOKENS)
+            .unwrap()
+            .0
+    };
+    let (a, b) = (reference(&src), reference(&pkg));
+    let (diff, peak) = max_diff(&a, &b);
+    eprintln!("HybridReference HF vs GGUF package: max |Δlogit| {diff:e}, max |logit| {peak}");
+    assert!(peak > 0.1);
+    assert!(diff <= 1e-5, "max |Δlogit| {diff:e}");
+    // And the fast forward (exact projections) on the GGUF package agrees with it (as
+    // tests/model_gdn.rs requires of the synthetic HF package: ≤ 2e-3).
+    let (diff, _) = max_diff(&logits(weights(&pkg, true)), &b);
+    eprintln!("fast exact vs HybridReference on the GGUF package: max |Δlogit| {diff:e}");
+    assert!(diff <= 2e-3, "max |Δlogit| {diff:e}");
+}
