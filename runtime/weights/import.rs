@@ -660,7 +660,7 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), WeightsError> {
     std::fs::rename(&tmp, path).map_err(|e| WeightsError::io(path, e))
 }
 
-pub(super) fn config_json(
+fn config_json(
     f: &GgufFile,
     p: &LlamaParams,
     scale: ScaleType,
