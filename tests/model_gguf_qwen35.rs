@@ -268,7 +268,7 @@ fn write_gguf(src: &Path, out: &Path, plan: &Plan) -> Vec<(String, Vec<usize>, V
     let mut types = vec![1i32; 256];
     types.push(3);
     g.str("tokenizer.ggml.model", "gpt2");
-    g.str("tokenizer.ggml.pre", "qwen2");
+    g.str("tokenizer.ggml.pre", "qwen35");
     g.str_array("tokenizer.ggml.tokens", &tokens);
     g.i32_array("tokenizer.ggml.token_type", &types);
     g.u32("tokenizer.ggml.bos_token_id", 256);
@@ -815,6 +815,14 @@ fn run_and_import_accept_a_qwen35_gguf_file() {
     assert!(ok, "{err}");
     assert!(err.contains("no kernel set"), "{err}");
     assert!(!out.join("kernels").exists());
+    // `tokenizer.ggml.pre = "qwen35"` → Qwen3.5's split pattern in tokenizer.json.
+    let tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        tok["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"],
+        xdna::weights::tokenizer::QWEN35_PATTERN
+    );
     // `run --model FILE.gguf`: imported into the cache, loaded as a hybrid on the host backend.
     let (ok, _, err) = xdna(&[
         "run",

@@ -754,13 +754,15 @@ pub fn tokenizer_json(tok: &Tokenizer) -> serde_json::Value {
                 byte_level.clone(),
             ]
         }),
-        p @ (PreTokenizer::Llama3 | PreTokenizer::Qwen2) => serde_json::json!({
-            "type": "Sequence",
-            "pretokenizers": [
-                { "type": "Split", "pattern": { "Regex": p.pattern() }, "behavior": "Isolated", "invert": false },
-                { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
-            ]
-        }),
+        p @ (PreTokenizer::Llama3 | PreTokenizer::Qwen2 | PreTokenizer::Qwen35) => {
+            serde_json::json!({
+                "type": "Sequence",
+                "pretokenizers": [
+                    { "type": "Split", "pattern": { "Regex": p.pattern() }, "behavior": "Isolated", "invert": false },
+                    { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
+                ]
+            })
+        }
     };
     serde_json::json!({
         "version": "1.0",
