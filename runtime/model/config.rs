@@ -57,7 +57,9 @@ pub struct ModelConfig {
     /// Dimensions of each head that RoPE rotates (`head_dim · partial_rotary_factor`).
     pub rotary_dim: usize,
     /// The checkpoint's RMSNorm weights are zero-centred (`x · (1 + w)`, Qwen3-Next / 3.5); the
-    /// loader adds 1 so the forward uses plain `x · w`. The gated norm inside GDN is not.
+    /// loader adds 1 so the forward uses plain `x · w`. The gated norm inside GDN is not. False
+    /// when `xdna.norms_include_one` is true (packages imported from a llama.cpp GGUF, whose
+    /// converter already added the 1).
     pub zero_centered_norms: bool,
 }
 
@@ -255,7 +257,11 @@ impl ModelConfig {
             linear,
             attn_output_gate: hybrid && f.opt_bool("attn_output_gate")?.unwrap_or(true),
             rotary_dim,
-            zero_centered_norms: hybrid,
+            zero_centered_norms: hybrid
+                && !v
+                    .pointer("/xdna/norms_include_one")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
             model_type,
         };
         for (name, val) in [

@@ -214,7 +214,7 @@ impl ModelWeights {
                         ("post_attention_layernorm", &l.ffn_norm, c.hidden),
                         ("conv1d", &g.conv, cd * d.conv_kernel),
                         ("dt_bias", &g.dt_bias, hv),
-                        ("A_log", &g.a_log, hv),
+                        ("A", &g.a, hv),
                         ("norm", &g.norm, d.value_head_dim),
                     ];
                     for (name, v, n) in vecs {

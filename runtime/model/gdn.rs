@@ -4,7 +4,7 @@
 //! give `mixed = q ‖ k ‖ v` (the convolution's input), `z` (output gate), `b` and `a`; then
 //! 1. causal depthwise conv of width K over `[conv_state ‖ mixed]`, SiLU; conv_state keeps the last
 //!    K − 1 inputs;
-//! 2. β = sigmoid(b), g = −exp(A_log) · softplus(a + dt_bias), α = exp(g);
+//! 2. β = sigmoid(b), g = A · softplus(a + dt_bias) with A = −exp(A_log), α = exp(g);
 //! 3. q, k l2-normalized over d_k (eps 1e-6), q scaled by d_k^-1/2; v-head h uses q/k head
 //!    ⌊h / (Hv/Hk)⌋;
 //! 4. per v-head, state S [d_k × d_v]: S ← α S; δ = β (v − Sᵀk); S ← S + k δᵀ; o = Sᵀ q;
@@ -27,8 +27,8 @@ pub struct GdnWeights {
     pub conv: Vec<f32>,
     /// `dt_bias` `[Hv]`.
     pub dt_bias: Vec<f32>,
-    /// `A_log` `[Hv]`.
-    pub a_log: Vec<f32>,
+    /// `A = −exp(A_log)` `[Hv]` (llama.cpp's `ssm_a`), formed once at load.
+    pub a: Vec<f32>,
     /// Gated RMSNorm weight `[d_v]`, shared by the v-heads.
     pub norm: Vec<f32>,
     /// `out_proj`: `[hidden, value_dim]`.
@@ -147,7 +147,7 @@ pub fn step(
     for h in 0..hv {
         // 2. Gates.
         let beta = sigmoid(b[h]);
-        let g = -w.a_log[h].exp() * softplus(a[h] + w.dt_bias[h]);
+        let g = w.a[h] * softplus(a[h] + w.dt_bias[h]);
         let alpha = g.exp();
         let kh = h / group;
         let q = &q_all[kh * dk..(kh + 1) * dk];

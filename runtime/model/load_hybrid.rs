@@ -6,6 +6,9 @@
 //! `.A_log`, `.norm.weight`; full-attention layers `self_attn.{q,k,v,o}_proj.weight` (q rows per
 //! head `[q, gate]`), `self_attn.{q,k}_norm.weight`; `mlp.{gate,up,down}_proj.weight`. The
 //! model's RMSNorm weights are zero-centred (`1 + w`, added here); the GDN gated norm is not.
+//! Packages imported from a llama.cpp `qwen35` GGUF (`weights::import_qwen35`) use these names in
+//! this order, except that they store `linear_attn.ssm_a` (= −exp(A_log)) instead of `A_log` and
+//! effective norms (`xdna.norms_include_one` in `config.json`, so nothing is added).
 //!
 //! FastFlowLM Q4NX packages converted from a llama.cpp GGUF (`FLM_Q4NX_Converter`
 //! `q4nx/models/qwen35.py`) are read too: their names (`linear_attn.qkv_proj`,
@@ -52,7 +55,7 @@ pub fn load(
     let mut layers = Vec::with_capacity(c.layers);
     for i in 0..c.layers {
         let n = |s: &str| format!("model.layers.{i}.{s}");
-        let gate_up = projection(
+        let gate_up = stacked(
             opts,
             exec,
             pkg,
@@ -72,7 +75,7 @@ pub fn load(
         let ffn_norm = norm(&n("post_attention_layernorm.weight"))?;
         match c.layer_kind(i) {
             LayerKind::Attention => {
-                let qkv = projection(
+                let qkv = stacked(
                     opts,
                     exec,
                     pkg,
@@ -88,9 +91,9 @@ pub fn load(
                     Some(l) if c.attn_output_gate => {
                         let mut rows = l.attention_q_rows(&c);
                         rows.extend(c.q_rows()..c.q_rows() + 2 * kvd);
-                        PermutedProjection::wrap(Box::new(qkv), Some(rows), None)
+                        PermutedProjection::wrap(qkv, Some(rows), None)
                     }
-                    _ => Box::new(qkv),
+                    _ => qkv,
                 };
                 let o = projection(opts, exec, pkg, &[&n("self_attn.o_proj.weight")], &[h], qd)?;
                 let (q_norm, k_norm) = if c.qk_norm {
@@ -110,7 +113,7 @@ pub fn load(
                     o: Box::new(o),
                     o_bias: None,
                     ffn_norm,
-                    gate_up: Box::new(gate_up),
+                    gate_up,
                     down: Box::new(down),
                 }));
             }
@@ -124,25 +127,25 @@ pub fn load(
                 let la = |s: &str| n(&format!("linear_attn.{s}"));
                 let gdn = match &flm {
                     None => GdnWeights {
-                        in_qkvz: Box::new(projection(
+                        in_qkvz: stacked(
                             opts,
                             exec,
                             pkg,
                             &[&la("in_proj_qkv.weight"), &la("in_proj_z.weight")],
                             &[cd, vd],
                             h,
-                        )?),
-                        in_ba: Box::new(projection(
+                        )?,
+                        in_ba: stacked(
                             opts,
                             exec,
                             pkg,
                             &[&la("in_proj_b.weight"), &la("in_proj_a.weight")],
                             &[hv, hv],
                             h,
-                        )?),
+                        )?,
                         conv: pkg.vector(&la("conv1d.weight"))?,
                         dt_bias: pkg.vector(&la("dt_bias"))?,
-                        a_log: pkg.vector(&la("A_log"))?,
+                        a: gdn_a(pkg, &la("A_log"), &la("ssm_a"), hv)?,
                         norm: pkg.vector(&la("norm.weight"))?,
                         out: Box::new(projection(
                             opts,
@@ -159,7 +162,7 @@ pub fn load(
                     attn_norm,
                     gdn,
                     ffn_norm,
-                    gate_up: Box::new(gate_up),
+                    gate_up,
                     down: Box::new(down),
                 }));
             }
@@ -390,26 +393,52 @@ impl FlmLayout {
         };
         let ssm_a_name = la("ssm_a");
         let a = per_head(&ssm_a_name)?;
-        // ssm_a = −exp(A_log); the GDN step wants A_log back.
-        let mut a_log = Vec::with_capacity(hv);
-        for (j, &x) in a.iter().enumerate() {
-            if !(x < 0.0 && x.is_finite()) {
-                return Err(ModelError::Shape {
-                    what: format!("{ssm_a_name}[{j}] = {x}: expected −exp(A_log) < 0"),
-                });
-            }
-            a_log.push((-x).ln());
-        }
+        check_a(&ssm_a_name, &a)?;
         Ok(GdnWeights {
             in_qkvz: PermutedProjection::wrap(Box::new(in_qkvz), Some(qkvz_rows), None),
             in_ba: PermutedProjection::wrap(Box::new(in_ba), Some(ba), None),
             conv,
             dt_bias: per_head(&la("ssm_dt.bias"))?,
-            a_log,
+            a,
             norm: pkg.vector(&la("ssm_norm.weight"))?,
             out: PermutedProjection::wrap(Box::new(out), None, Some(out_cols)),
         })
     }
+}
+
+/// A = −exp(A_log) of one GDN layer, `[Hv]`: from the checkpoint's `A_log`, or, in packages
+/// imported from a llama.cpp GGUF, its stored `ssm_a` (already −exp(A_log), used as is).
+fn gdn_a(
+    pkg: &Package,
+    a_log_name: &str,
+    ssm_a_name: &str,
+    hv: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let (name, a) = if pkg.has_tensor(a_log_name) || !pkg.has_tensor(ssm_a_name) {
+        let a: Vec<f32> = pkg.vector(a_log_name)?.iter().map(|x| -x.exp()).collect();
+        (a_log_name, a)
+    } else {
+        (ssm_a_name, pkg.vector(ssm_a_name)?)
+    };
+    if a.len() != hv {
+        return Err(ModelError::Shape {
+            what: format!("{name}: {} values, expected {hv}", a.len()),
+        });
+    }
+    check_a(name, &a)?;
+    Ok(a)
+}
+
+/// A must be negative and finite (the decay α = exp(A · softplus(·)) then lies in (0, 1]).
+fn check_a(name: &str, a: &[f32]) -> Result<(), ModelError> {
+    for (j, &x) in a.iter().enumerate() {
+        if !(x < 0.0 && x.is_finite()) {
+            return Err(ModelError::Shape {
+                what: format!("{name}[{j}] = {x}: expected A = −exp(A_log) < 0"),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// llama.cpp `_reorder_v_heads`: GGUF index → HF index; heads of `unit` entries, tiled
@@ -440,6 +469,66 @@ fn invert(src: &[usize]) -> Vec<usize> {
         inv[s] = pos;
     }
     inv
+}
+
+/// `names` stacked by rows: one fused matrix when they share a format, else a
+/// [`StackedProjection`] of separate ones (a GGUF may mix types, e.g. Q4_1 `attn_qkv` with BF16
+/// `attn_gate`; tile row blocks of different formats cannot be concatenated).
+fn stacked(
+    opts: &LoadOptions,
+    exec: &Arc<Executor>,
+    pkg: &Arc<Package>,
+    names: &[&str],
+    rows_each: &[usize],
+    cols: usize,
+) -> Result<Box<dyn Projection>, ModelError> {
+    let mut formats = Vec::with_capacity(names.len());
+    for (&n, &r) in names.iter().zip(rows_each) {
+        formats.push(pkg.matrix(n, r, cols)?.format);
+    }
+    if formats.windows(2).all(|f| f[0] == f[1]) {
+        return Ok(Box::new(projection(
+            opts, exec, pkg, names, rows_each, cols,
+        )?));
+    }
+    let mut parts: Vec<Box<dyn Projection>> = Vec::with_capacity(names.len());
+    for (&n, &r) in names.iter().zip(rows_each) {
+        parts.push(Box::new(projection(opts, exec, pkg, &[n], &[r], cols)?));
+    }
+    Ok(Box::new(StackedProjection { parts }))
+}
+
+/// Matrices of different formats stacked by rows: each runs on its own, its output rows are
+/// placed after the previous part's.
+struct StackedProjection {
+    parts: Vec<Box<dyn Projection>>,
+}
+
+impl Projection for StackedProjection {
+    fn rows(&self) -> usize {
+        self.parts.iter().map(|p| p.rows()).sum()
+    }
+    fn cols(&self) -> usize {
+        self.parts.first().map_or(0, |p| p.cols())
+    }
+    fn weight_bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.weight_bytes()).sum()
+    }
+    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError> {
+        let total = self.rows();
+        let mut offset = 0;
+        for p in &self.parts {
+            let n = p.rows();
+            let mut tmp = vec![0.0f32; m * n];
+            p.gemm(x, m, &mut tmp, family)?;
+            for r in 0..m {
+                y[r * total + offset..r * total + offset + n]
+                    .copy_from_slice(&tmp[r * n..(r + 1) * n]);
+            }
+            offset += n;
+        }
+        Ok(())
+    }
 }
 
 /// A projection whose stored matrix has permuted rows and/or columns: the permutation is applied

@@ -393,7 +393,15 @@ impl HybridReference {
                         w_a: m(&la("in_proj_a.weight"), d.value_heads, h)?,
                         conv: pkg.vector(&la("conv1d.weight"))?,
                         dt_bias: pkg.vector(&la("dt_bias"))?,
-                        a_log: pkg.vector(&la("A_log"))?,
+                        // GGUF-imported packages store llama.cpp's ssm_a = −exp(A_log).
+                        a_log: if pkg.has_tensor(&la("ssm_a")) && !pkg.has_tensor(&la("A_log")) {
+                            pkg.vector(&la("ssm_a"))?
+                                .iter()
+                                .map(|&x| ((-(x as f64)).ln()) as f32)
+                                .collect()
+                        } else {
+                            pkg.vector(&la("A_log"))?
+                        },
                         norm: pkg.vector(&la("norm.weight"))?,
                         w_out: m(&la("out_proj.weight"), h, d.value_dim())?,
                     }

@@ -1,4 +1,5 @@
-//! `xdna pack import`: GGUF (llama architecture) → package directory.
+//! `xdna pack import`: GGUF (llama architecture, or Qwen3.5 `qwen35` hybrids through
+//! [`super::import_qwen35`]) → package directory.
 //!
 //! Output (`docs/formats.md` has the details):
 //! - `model.q4nx`: safetensors; F32 norms first, then `I8` tile grids `[n_tiles, chunk]`:
@@ -47,6 +48,18 @@ pub struct Part {
     /// Undo llama's rotary interleave with this many heads (q: heads, k: kv heads).
     pub unpermute_heads: Option<usize>,
     pub rows: usize,
+    /// Any other row map: entry r is the GGUF row of output row r (Qwen3.5 value-head order).
+    pub row_src: Option<Vec<usize>>,
+}
+
+impl Part {
+    /// The GGUF row holding output row `r` of this part.
+    pub fn gguf_row(&self, r: usize) -> usize {
+        match &self.row_src {
+            Some(m) => m.get(r).copied().unwrap_or(r),
+            None => gguf_row_for_hf_row(r, self.rows, self.unpermute_heads),
+        }
+    }
 }
 
 /// One output tensor.
@@ -59,6 +72,9 @@ pub enum Planned {
         parts: Vec<Part>,
         rows: usize,
         cols: usize,
+        /// Column blocks of 32 moved whole (exact for Q8_0 / Q4_1): entry b is the GGUF block of
+        /// output block b.
+        col_blocks: Option<Vec<usize>>,
     },
     /// A plain f32 vector copied (decoded) from one GGUF tensor.
     Vector {
@@ -66,12 +82,25 @@ pub enum Planned {
         tensor: String,
         len: usize,
     },
+    /// A plain f32 tensor decoded row by row from one GGUF tensor `[rows, cols]`, rows and columns
+    /// gathered through the maps (entry i: the GGUF index of output index i), declared `shape`.
+    Plain {
+        name: String,
+        tensor: String,
+        shape: Vec<usize>,
+        rows: usize,
+        cols: usize,
+        row_src: Option<Vec<usize>>,
+        col_src: Option<Vec<usize>>,
+    },
 }
 
 impl Planned {
     pub fn name(&self) -> &str {
         match self {
-            Planned::Matrix { name, .. } | Planned::Vector { name, .. } => name,
+            Planned::Matrix { name, .. }
+            | Planned::Vector { name, .. }
+            | Planned::Plain { name, .. } => name,
         }
     }
 }
@@ -95,7 +124,7 @@ pub struct LlamaParams {
 
 /// An f32 metadata value as the f64 with the same shortest decimal form (1e-5, not
 /// 9.999999747378752e-6), as HF configs write it.
-fn shortest(v: f64) -> f64 {
+pub(super) fn shortest(v: f64) -> f64 {
     format!("{}", v as f32).parse().unwrap_or(v)
 }
 
@@ -107,10 +136,7 @@ fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
         })?
         .to_string();
     if arch != "llama" {
-        return Err(WeightsError::invalid(
-            f.path(),
-            format!("general.architecture = {arch:?}: only \"llama\" can be imported"),
-        ));
+        return Err(unsupported_architecture(f, &arch));
     }
     let k = |s: &str| format!("{arch}.{s}");
     let hidden = f.require_u64(&k("embedding_length"))? as usize;
@@ -149,6 +175,39 @@ fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
         tied: f.tensor("output.weight").is_none(),
         arch,
     })
+}
+
+/// The error for a GGUF architecture the import does not read.
+pub(super) fn unsupported_architecture(f: &GgufFile, arch: &str) -> WeightsError {
+    let why = match arch {
+        "qwen35moe" | "qwen3next" => {
+            " (a mixture-of-experts hybrid: experts are not supported; dense \"qwen35\" is)"
+        }
+        _ => "",
+    };
+    WeightsError::invalid(
+        f.path(),
+        format!(
+            "general.architecture = {arch:?}{why}: only \"llama\" and \"qwen35\" can be imported"
+        ),
+    )
+}
+
+/// What a planned import is: the architecture's parameters (for `config.json`).
+pub enum Source {
+    Llama(LlamaParams),
+    Qwen35(super::import_qwen35::Qwen35Params),
+}
+
+/// The plan of any supported GGUF: `qwen35` hybrids, else llama.
+pub fn plan_any(f: &GgufFile, scale: ScaleType) -> Result<(Source, Vec<Planned>), WeightsError> {
+    if f.architecture() == Some(super::import_qwen35::ARCH) {
+        let (p, v) = super::import_qwen35::plan(f, scale)?;
+        Ok((Source::Qwen35(p), v))
+    } else {
+        let (p, v) = plan(f, scale)?;
+        Ok((Source::Llama(p), v))
+    }
 }
 
 /// The list of output tensors for a llama GGUF, in file order (vectors first).
@@ -202,6 +261,7 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>
                     tensor: name,
                     unpermute_heads: heads,
                     rows,
+                    row_src: None,
                 },
                 fmt,
                 t.shape[0] as usize,
@@ -241,6 +301,7 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>
                 parts: ps,
                 rows,
                 cols: cols.unwrap_or(0),
+                col_blocks: None,
             })
         };
     let vector = |out: String, src: String| -> Result<Planned, WeightsError> {
@@ -333,7 +394,7 @@ fn source_row<'a>(views: &[(GgufTensor<'a>, &Part)], r: usize) -> Option<(GgufTe
     let mut r = r;
     for (t, p) in views {
         if r < p.rows {
-            return Some((*t, gguf_row_for_hf_row(r, p.rows, p.unpermute_heads)));
+            return Some((*t, p.gguf_row(r)));
         }
         r -= p.rows;
     }
@@ -345,6 +406,7 @@ fn build_row_block(
     format: WeightFormat,
     views: &[(GgufTensor<'_>, &Part)],
     cols: usize,
+    col_blocks: Option<&[usize]>,
     pb: usize,
     out: &mut [u8],
 ) -> Result<(), WeightsError> {
@@ -367,9 +429,16 @@ fn build_row_block(
                 if blk >= blocks_per_row {
                     break;
                 }
+                let src = col_blocks.and_then(|m| m.get(blk).copied()).unwrap_or(blk);
+                if src >= blocks_per_row {
+                    return Err(WeightsError::Other(format!(
+                        "{}: column block {src} out of range",
+                        t.name
+                    )));
+                }
                 match format {
                     WeightFormat::Q41 { scale, order } => {
-                        let b = &row[blk * 20..blk * 20 + 20];
+                        let b = &row[src * 20..src * 20 + 20];
                         let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
                         let m = half::f16::from_bits(u16::from_le_bytes([b[2], b[3]])).to_f32();
                         let codes: [u8; 32] = std::array::from_fn(|i| {
@@ -382,7 +451,7 @@ fn build_row_block(
                         tiles::set_q41_cell(tile, scale, order, g, r, d, m, &codes);
                     }
                     WeightFormat::Q8 { scale, order } => {
-                        let b = &row[blk * 34..blk * 34 + 34];
+                        let b = &row[src * 34..src * 34 + 34];
                         let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
                         let codes: [i8; 32] = std::array::from_fn(|i| b[2 + i] as i8);
                         tiles::set_q8_cell(tile, scale, order, g, r, d, &codes);
@@ -420,7 +489,7 @@ fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
 pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), WeightsError> {
     let f = GgufFile::open(gguf)?;
     let tokenizer = Tokenizer::from_gguf(&f)?;
-    let (p, planned) = plan(&f, opts.scale)?;
+    let (source, planned) = plan_any(&f, opts.scale)?;
     std::fs::create_dir_all(out).map_err(|e| WeightsError::io(out, e))?;
 
     // Header declarations and metadata.
@@ -472,6 +541,20 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
                 meta.insert(format!("xdna.shape.{name}"), format!("{rows},{cols}"));
                 total += bytes as u64;
             }
+            Planned::Plain {
+                name,
+                shape,
+                rows,
+                cols,
+                ..
+            } => {
+                decl.push(Declared {
+                    name: name.clone(),
+                    dtype: Dtype::F32,
+                    shape: shape.clone(),
+                });
+                total += (*rows * *cols * 4) as u64;
+            }
         }
     }
     let model_path = out.join("model.q4nx");
@@ -490,12 +573,37 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
                 w.write(name, &bytes)?;
                 bar.inc(bytes.len() as u64);
             }
+            Planned::Plain {
+                name,
+                tensor,
+                rows,
+                cols,
+                row_src,
+                col_src,
+                ..
+            } => {
+                let t = f.require_tensor(tensor)?;
+                let mut src = vec![0f32; t.row_len()];
+                let mut bytes = Vec::with_capacity(cols * 4);
+                for r in 0..*rows {
+                    let from = row_src.as_ref().map_or(r, |m| m[r]);
+                    t.decode_row(from, &mut src)?;
+                    bytes.clear();
+                    for c in 0..*cols {
+                        let x = src[col_src.as_ref().map_or(c, |m| m[c])];
+                        bytes.extend_from_slice(&x.to_le_bytes());
+                    }
+                    w.write(name, &bytes)?;
+                    bar.inc(bytes.len() as u64);
+                }
+            }
             Planned::Matrix {
                 name,
                 format,
                 parts,
                 rows,
                 cols,
+                col_blocks,
             } => {
                 let views: Vec<(GgufTensor<'_>, &Part)> = parts
                     .iter()
@@ -504,7 +612,14 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
                 let tb = format.tile_bytes().unwrap_or(0);
                 let mut block = vec![0u8; format.padded_cols(*cols) / tiles::TILE_COLS * tb];
                 for pb in 0..rows / tiles::TILE_ROWS {
-                    build_row_block(*format, &views, *cols, pb, &mut block)?;
+                    build_row_block(
+                        *format,
+                        &views,
+                        *cols,
+                        col_blocks.as_deref(),
+                        pb,
+                        &mut block,
+                    )?;
                     w.write(name, &block)?;
                     bar.inc(block.len() as u64);
                 }
@@ -515,16 +630,26 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
     w.finish()?;
     bar.finish_and_clear();
 
-    write_json(
-        &out.join("config.json"),
-        &config_json(&f, &p, opts.scale, &tokenizer),
-    )?;
+    let config = match &source {
+        Source::Llama(p) => config_json(&f, p, opts.scale, &tokenizer),
+        Source::Qwen35(p) => super::import_qwen35::config_json(&f, p, opts.scale, &tokenizer),
+    };
+    write_json(&out.join("config.json"), &config)?;
     write_json(&out.join("tokenizer.json"), &tokenizer_json(&tokenizer))?;
     write_json(
         &out.join("tokenizer_config.json"),
         &tokenizer_config_json(&f, &tokenizer),
     )?;
     Ok(())
+}
+
+/// Whether a package `config.json` describes a hybrid (Gated DeltaNet) model: those run on the
+/// host backend and get no device kernel set.
+pub fn is_hybrid_config(raw: &serde_json::Value) -> bool {
+    matches!(
+        raw.get("model_type").and_then(|v| v.as_str()),
+        Some("qwen3_5" | "qwen3_5_text" | "qwen3_next")
+    )
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), WeightsError> {
@@ -629,13 +754,15 @@ pub fn tokenizer_json(tok: &Tokenizer) -> serde_json::Value {
                 byte_level.clone(),
             ]
         }),
-        p @ (PreTokenizer::Llama3 | PreTokenizer::Qwen2) => serde_json::json!({
-            "type": "Sequence",
-            "pretokenizers": [
-                { "type": "Split", "pattern": { "Regex": p.pattern() }, "behavior": "Isolated", "invert": false },
-                { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
-            ]
-        }),
+        p @ (PreTokenizer::Llama3 | PreTokenizer::Qwen2 | PreTokenizer::Qwen35) => {
+            serde_json::json!({
+                "type": "Sequence",
+                "pretokenizers": [
+                    { "type": "Split", "pattern": { "Regex": p.pattern() }, "behavior": "Isolated", "invert": false },
+                    { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
+                ]
+            })
+        }
     };
     serde_json::json!({
         "version": "1.0",
@@ -718,7 +845,7 @@ pub fn compare(
     gguf: &Path,
 ) -> Result<(CompareStats, CompareStats), WeightsError> {
     let f = GgufFile::open(gguf)?;
-    let (_, planned) = plan(&f, pkg.weights().scale_type())?;
+    let (_, planned) = plan_any(&f, pkg.weights().scale_type())?;
     let mut s41 = CompareStats::default();
     let mut s8 = CompareStats::default();
     for pl in &planned {
@@ -727,6 +854,7 @@ pub fn compare(
             parts,
             rows,
             cols,
+            col_blocks,
             ..
         } = pl
         else {
@@ -757,12 +885,16 @@ pub fn compare(
                         row -= parts[pi].rows;
                         pi += 1;
                     }
-                    let src = gguf_row_for_hf_row(row, parts[pi].rows, parts[pi].unpermute_heads);
+                    let src = parts[pi].gguf_row(row);
                     for c in 0..tiles::TILE_COLS {
                         let col = q * tiles::TILE_COLS + c;
                         let got = tile[r * tiles::TILE_COLS + c] as f64;
+                        let src_col = match col_blocks {
+                            Some(m) if col < *cols => m[col / 32] * 32 + col % 32,
+                            _ => col,
+                        };
                         let want = if col < *cols {
-                            decoded[pi][src * cols + col] as f64
+                            decoded[pi][src * cols + src_col] as f64
                         } else {
                             0.0
                         };
@@ -859,6 +991,10 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
         .join("packages")
         .join(format!("{stem}-{:x}-{mtime:x}", meta.len()));
     let dir = import_once(gguf, &dir, ImportOptions::default())?;
+    if super::Package::open_dir(&dir).is_ok_and(|p| is_hybrid_config(&p.config().raw)) {
+        // Hybrid models run on the host backend only (docs/model.md); no device kernel set.
+        return Ok(dir);
+    }
     // The kernel set is what the xdna backend runs; a model whose shapes cannot be derived still
     // opens (the host backend needs no kernel set), with the reason logged.
     if let Err(e) = super::default_model::ensure_kernel_set(&dir) {

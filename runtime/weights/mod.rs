@@ -12,6 +12,8 @@
 //! - [`package`]: a model package ([`Package`]): config.json, model.q4nx, tokenizer files, or a
 //!   `.gguf` file read directly.
 //! - [`import`]: `xdna pack import`: GGUF → package (fused QKV / gate-up, f16-scale q4_1 tiles).
+//! - [`import_qwen35`]: the import's plan for Qwen3.5 (`qwen35`) hybrid GGUFs: llama.cpp's
+//!   converter transforms undone into the Hugging Face layout the hybrid loader reads.
 //! - [`tokenizer`]: byte-level BPE ([`Tokenizer`]) with the `smollm` / GPT-2 pre-tokenizer.
 //! - [`default_model`]: fetch + import the default model (SmolLM2-135M-Instruct Q4_1).
 //!
@@ -33,6 +35,7 @@
 pub mod default_model;
 pub mod gguf;
 pub mod import;
+pub mod import_qwen35;
 pub mod package;
 pub mod safetensors;
 pub mod tokenizer;

@@ -9,8 +9,9 @@
 //!   `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`;
 //! - [`PreTokenizer::SmolLm`] (llama.cpp `smollm`, HF `Sequence[Split(\p{N}, Isolated),
 //!   ByteLevel(use_regex)]`): every `\p{N}` char split off first, then GPT-2 on each piece;
-//! - [`PreTokenizer::Llama3`] / [`PreTokenizer::Qwen2`] (llama.cpp `llama-bpe` / `qwen2`, HF
-//!   `Split(pattern, Isolated)` + `ByteLevel(use_regex=false)`), for FastFlowLM packages.
+//! - [`PreTokenizer::Llama3`] / [`PreTokenizer::Qwen2`] / [`PreTokenizer::Qwen35`] (llama.cpp
+//!   `llama-bpe` / `qwen2` / `qwen35`, HF `Split(pattern, Isolated)` +
+//!   `ByteLevel(use_regex=false)`), for FastFlowLM packages and Qwen3.5 GGUFs.
 //!
 //! Other `tokenizer.json` pre-tokenizers are refused by name rather than tokenized differently.
 //!
@@ -34,6 +35,9 @@ pub enum PreTokenizer {
     Llama3,
     /// llama.cpp `qwen2`: `Split(QWEN2_PATTERN, Isolated)` + ByteLevel(no regex).
     Qwen2,
+    /// llama.cpp `qwen35` (Qwen3.5): Qwen2's pattern with combining marks (`\p{M}`) kept in
+    /// letter runs.
+    Qwen35,
 }
 
 /// GPT-2's split pattern (HF ByteLevel `use_regex`).
@@ -43,6 +47,8 @@ pub const GPT2_PATTERN: &str =
 pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split pattern.
 pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's split pattern (llama.cpp `LLAMA_VOCAB_PRE_TYPE_QWEN35`, from its `tokenizer.json`).
+pub const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 impl PreTokenizer {
     /// The split pattern as HF and llama.cpp write it (with the `\s+(?!\S)` lookahead).
@@ -51,6 +57,7 @@ impl PreTokenizer {
             PreTokenizer::Gpt2 | PreTokenizer::SmolLm => GPT2_PATTERN,
             PreTokenizer::Llama3 => LLAMA3_PATTERN,
             PreTokenizer::Qwen2 => QWEN2_PATTERN,
+            PreTokenizer::Qwen35 => QWEN35_PATTERN,
         }
     }
     /// The pattern without its only lookaround, for the `regex` crate; the lookahead is
@@ -278,6 +285,7 @@ impl Tokenizer {
             "smollm" | "starcoder" | "refact" | "command-r" => PreTokenizer::SmolLm,
             "llama3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizer::Llama3,
             "qwen2" | "deepseek-r1-qwen" => PreTokenizer::Qwen2,
+            "qwen35" => PreTokenizer::Qwen35,
             "gpt2" | "default" | "gpt-2" => PreTokenizer::Gpt2,
             other => {
                 tracing::warn!(
@@ -476,9 +484,10 @@ impl Tokenizer {
             return;
         }
         match self.pre {
-            PreTokenizer::Gpt2 | PreTokenizer::Llama3 | PreTokenizer::Qwen2 => {
-                self.encode_gpt2(text, out)
-            }
+            PreTokenizer::Gpt2
+            | PreTokenizer::Llama3
+            | PreTokenizer::Qwen2
+            | PreTokenizer::Qwen35 => self.encode_gpt2(text, out),
             PreTokenizer::SmolLm => {
                 let mut last = 0;
                 for m in self.digit.find_iter(text) {
@@ -495,9 +504,10 @@ impl Tokenizer {
     pub fn pre_tokenize<'t>(&self, text: &'t str) -> Vec<&'t str> {
         let mut pieces = Vec::new();
         match self.pre {
-            PreTokenizer::Gpt2 | PreTokenizer::Llama3 | PreTokenizer::Qwen2 => {
-                self.split_gpt2(text, &mut pieces)
-            }
+            PreTokenizer::Gpt2
+            | PreTokenizer::Llama3
+            | PreTokenizer::Qwen2
+            | PreTokenizer::Qwen35 => self.split_gpt2(text, &mut pieces),
             PreTokenizer::SmolLm => {
                 let mut last = 0;
                 for m in self.digit.find_iter(text) {
@@ -527,7 +537,10 @@ impl Tokenizer {
             // `\s+(?!\S)`: a whitespace run followed by a non-space gives back its last char.
             // (Llama 3 / Qwen2 try `\s*[\r\n]+` first: a run holding a line break is that
             // alternative's match and is kept whole.)
-            let newline_alt = matches!(self.pre, PreTokenizer::Llama3 | PreTokenizer::Qwen2);
+            let newline_alt = matches!(
+                self.pre,
+                PreTokenizer::Llama3 | PreTokenizer::Qwen2 | PreTokenizer::Qwen35
+            );
             if end < text.len()
                 && s.chars().all(char::is_whitespace)
                 && !(newline_alt && s.contains(['\r', '\n']))
@@ -658,6 +671,7 @@ pub fn pre_tokenizer_of(v: &serde_json::Value) -> Option<PreTokenizer> {
         (r"\p{N}", true) => Some(PreTokenizer::SmolLm),
         (p, false) if p == LLAMA3_PATTERN => Some(PreTokenizer::Llama3),
         (p, false) if p == QWEN2_PATTERN => Some(PreTokenizer::Qwen2),
+        (p, false) if p == QWEN35_PATTERN => Some(PreTokenizer::Qwen35),
         _ => None,
     }
 }

@@ -167,6 +167,16 @@ pub fn run(args: Args) -> xdna::Result<()> {
                     progress: !quiet,
                 },
             )?;
+            let pkg = Package::open_dir(&output)?;
+            if import::is_hybrid_config(&pkg.config().raw) {
+                // Hybrid (Gated DeltaNet) models run on the host backend only: no kernel set.
+                eprintln!(
+                    "wrote {} (hybrid {} layers; host backend only, no kernel set)",
+                    output.display(),
+                    pkg.config().num_hidden_layers
+                );
+                return Ok(());
+            }
             // The package's kernel set: every shape it needs, in the weight formats it was
             // written with (f16 scales → q41h / q8h, bf16 → q41 / q8).
             let (wfmt, head) = match scale {

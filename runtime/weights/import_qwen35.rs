@@ -1,0 +1,600 @@
+//! The import plan of a Qwen3.5 hybrid GGUF (llama.cpp architecture `qwen35`): Gated DeltaNet
+//! layers and gated full-attention layers, written into the Hugging Face layout that
+//! `model::load_hybrid` reads (the names `xdna pack synth --arch qwen3_5` writes).
+//!
+//! What llama.cpp's converter (`conversion/qwen.py`: `Qwen3NextModel.modify_tensors`,
+//! `_LinearAttentionVReorderBase`, `Qwen3_5TextModel`) did to the Hugging Face checkpoint, and how
+//! the import undoes it (docs/formats.md, "Qwen3.5 layouts"):
+//! - value heads reordered from grouped (`k·r + j`) to tiled (`j·Hk + k`) order when key heads ≠
+//!   value heads: the v rows of `attn_qkv`, `attn_gate` rows and the v channels of `ssm_conv1d`
+//!   (unit d_v), `ssm_beta` / `ssm_alpha` rows, `ssm_a`, `ssm_dt.bias` (unit 1), `ssm_out`
+//!   columns (unit d_v). Rows are gathered back; `ssm_out` columns move as whole 32-column
+//!   blocks when d_v is a multiple of 32 (exact for Q8_0 / Q4_1), otherwise the matrix is
+//!   dequantized (exactly) to plain f32 and permuted per column;
+//! - `A_log` stored as `ssm_a` = −exp(A_log): kept as it is, under `linear_attn.ssm_a` (the
+//!   loader uses −exp(A_log) directly, so nothing is rounded twice);
+//! - every RMSNorm weight except the GDN gated norm stored as the effective `1 + w`: kept, and
+//!   `config.json` says so (`xdna.norms_include_one`, the loader then adds nothing);
+//! - `conv1d` squeezed to `[conv_dim, K]`: written back as `[conv_dim, 1, K]`;
+//! - `dt_bias` renamed `ssm_dt.bias`; full-attention q rows stay per head `[q, gate]` (no rotary
+//!   interleave: Qwen uses NEOX-style rotation, llama.cpp's `IMROPE` reduces to it for text).
+//!
+//! Matrices of type Q8_0 / Q4_1 become tiles (exact) when their rows are a multiple of 32;
+//! F32 / F16 / BF16 tensors, and quantized ones tiles cannot hold, become plain f32. MTP blocks
+//! (`nextn_predict_layers`) are not read; mixture-of-experts (`qwen35moe`) is not supported.
+
+use super::gguf::{GgmlType, GgufFile};
+use super::import::{Part, Planned};
+use super::tokenizer::Tokenizer;
+use super::WeightsError;
+use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
+
+/// llama.cpp's `general.architecture` of dense Qwen3.5 (`MODEL_ARCH.QWEN35`).
+pub const ARCH: &str = "qwen35";
+
+/// Hyper-parameters of a `qwen35` GGUF.
+#[derive(Clone, Debug)]
+pub struct Qwen35Params {
+    pub hidden: usize,
+    pub ffn: usize,
+    /// Decoder layers (`block_count` − `nextn_predict_layers`).
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Dimensions of each head that RoPE rotates (`rope.dimension_count`).
+    pub rotary_dim: usize,
+    pub vocab: usize,
+    pub eps: f64,
+    pub rope_theta: f64,
+    pub context: usize,
+    pub tied: bool,
+    /// Every `full_attention_interval`-th layer (1-based) is full attention, as llama.cpp marks it.
+    pub full_attention_interval: usize,
+    /// `ssm.group_count`.
+    pub key_heads: usize,
+    /// `ssm.time_step_rank`.
+    pub value_heads: usize,
+    /// `ssm.state_size`.
+    pub key_head_dim: usize,
+    /// `ssm.inner_size` / value heads.
+    pub value_head_dim: usize,
+    /// `ssm.conv_kernel`.
+    pub conv_kernel: usize,
+}
+
+impl Qwen35Params {
+    /// Whether layer `i` is a Gated DeltaNet layer (llama.cpp: `(i + 1) % interval != 0`).
+    pub fn is_linear(&self, i: usize) -> bool {
+        (i + 1) % self.full_attention_interval != 0
+    }
+    fn key_dim(&self) -> usize {
+        self.key_heads * self.key_head_dim
+    }
+    fn value_dim(&self) -> usize {
+        self.value_heads * self.value_head_dim
+    }
+    fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// GGUF index of Hugging Face index `idx` on a value-head axis of `unit`-wide heads.
+    fn v_src(&self, idx: usize, unit: usize) -> usize {
+        hf_to_gguf(idx, self.key_heads, self.value_heads, unit)
+    }
+    /// GGUF row of each Hugging Face row of `in_proj_qkv` (= conv channel): q, k as they are.
+    fn qkv_rows(&self) -> Vec<usize> {
+        let qk = 2 * self.key_dim();
+        (0..self.conv_dim())
+            .map(|r| {
+                if r < qk {
+                    r
+                } else {
+                    qk + self.v_src(r - qk, self.value_head_dim)
+                }
+            })
+            .collect()
+    }
+    fn value_map(&self, unit: usize, len: usize) -> Vec<usize> {
+        (0..len).map(|i| self.v_src(i, unit)).collect()
+    }
+}
+
+/// llama.cpp `_reorder_v_heads` as an index map: the GGUF index holding Hugging Face index `idx`
+/// of an axis of `hv` heads of `unit` entries (HF grouped `k·r + j` → GGUF tiled `j·hk + k`, with
+/// r = hv / hk). The identity when hk = hv.
+pub fn hf_to_gguf(idx: usize, hk: usize, hv: usize, unit: usize) -> usize {
+    if hk == hv || hk == 0 || unit == 0 {
+        return idx;
+    }
+    let r = hv / hk;
+    let (head, e) = (idx / unit, idx % unit);
+    let (k, j) = (head / r, head % r);
+    (j * hk + k) * unit + e
+}
+
+fn params(f: &GgufFile) -> Result<Qwen35Params, WeightsError> {
+    let k = |s: &str| format!("{ARCH}.{s}");
+    let req = |s: &str| -> Result<usize, WeightsError> { Ok(f.require_u64(&k(s))? as usize) };
+    let bad = |key: &str, what: String| WeightsError::invalid(f.path(), format!("{key}: {what}"));
+    if f.get_u64(&k("expert_count")).is_some_and(|n| n > 0) {
+        return Err(bad(
+            &k("expert_count"),
+            "mixture-of-experts layers are not supported".into(),
+        ));
+    }
+    if let Some(kind) = f.get_str(&k("rope.scaling.type")) {
+        if kind != "none" {
+            return Err(bad(
+                &k("rope.scaling.type"),
+                format!("{kind:?}: rope scaling is not supported for qwen35"),
+            ));
+        }
+    }
+    let hidden = req("embedding_length")?;
+    let heads = req("attention.head_count")?;
+    if hidden == 0 || heads == 0 {
+        return Err(bad(
+            &k("embedding_length"),
+            "zero embedding_length or head_count".into(),
+        ));
+    }
+    let kv_heads = f
+        .get_u64(&k("attention.head_count_kv"))
+        .unwrap_or(heads as u64) as usize;
+    let head_dim = f
+        .get_u64(&k("attention.key_length"))
+        .unwrap_or((hidden / heads) as u64) as usize;
+    if let Some(v) = f.get_u64(&k("attention.value_length")) {
+        if v as usize != head_dim {
+            return Err(bad(
+                &k("attention.value_length"),
+                format!("{v} ≠ key_length {head_dim} (llama.cpp requires them equal)"),
+            ));
+        }
+    }
+    let blocks = req("block_count")?;
+    let nextn = f.get_u64(&k("nextn_predict_layers")).unwrap_or(0) as usize;
+    let layers = blocks
+        .checked_sub(nextn)
+        .filter(|&l| l > 0)
+        .ok_or_else(|| {
+            bad(
+                &k("block_count"),
+                format!("{blocks} blocks with {nextn} MTP layers leave no decoder layer"),
+            )
+        })?;
+    let interval = f.get_u64(&k("full_attention_interval")).unwrap_or(4).max(1) as usize;
+    let value_heads = req("ssm.time_step_rank")?;
+    let key_heads = req("ssm.group_count")?;
+    let inner = req("ssm.inner_size")?;
+    if key_heads == 0 || value_heads == 0 || value_heads % key_heads != 0 {
+        return Err(bad(
+            &k("ssm.time_step_rank"),
+            format!("{value_heads} value heads are not a multiple of {key_heads} key heads"),
+        ));
+    }
+    if inner == 0 || inner % value_heads != 0 {
+        return Err(bad(
+            &k("ssm.inner_size"),
+            format!("{inner} does not split into {value_heads} value heads"),
+        ));
+    }
+    let embd = f.require_tensor("token_embd.weight")?;
+    Ok(Qwen35Params {
+        hidden,
+        ffn: req("feed_forward_length")?,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        rotary_dim: f
+            .get_u64(&k("rope.dimension_count"))
+            .unwrap_or(head_dim as u64) as usize,
+        vocab: embd.shape.get(1).copied().unwrap_or(0) as usize,
+        // Required by llama.cpp's qwen35 loader too.
+        eps: super::import::shortest(f.require_f64(&k("attention.layer_norm_rms_epsilon"))?),
+        // llama.cpp's default when absent.
+        rope_theta: f
+            .get_f64(&k("rope.freq_base"))
+            .map(super::import::shortest)
+            .unwrap_or(10_000.0),
+        context: f.get_u64(&k("context_length")).unwrap_or(4096) as usize,
+        tied: f.tensor("output.weight").is_none(),
+        full_attention_interval: interval,
+        key_heads,
+        value_heads,
+        key_head_dim: req("ssm.state_size")?,
+        value_head_dim: inner / value_heads,
+        conv_kernel: req("ssm.conv_kernel")?,
+    })
+}
+
+/// `Some(map)` unless it is the identity.
+fn non_identity(map: Vec<usize>) -> Option<Vec<usize>> {
+    if map.iter().enumerate().all(|(i, &s)| i == s) {
+        None
+    } else {
+        Some(map)
+    }
+}
+
+/// Builds the plan's entries, checking each GGUF tensor's shape and type.
+struct Planner<'a> {
+    f: &'a GgufFile,
+    scale: ScaleType,
+}
+
+impl Planner<'_> {
+    fn err(&self, tensor: &str, what: String) -> WeightsError {
+        WeightsError::tensor(self.f.path(), tensor, what)
+    }
+
+    /// The output matrix `out` `[rows, cols]` from GGUF `tensor` (ggml `[cols, rows]`), output
+    /// row r = GGUF row `row_src[r]`, output column c = GGUF column `col_src[c]`.
+    fn matrix(
+        &self,
+        out: &str,
+        tensor: &str,
+        rows: usize,
+        cols: usize,
+        row_src: Option<Vec<usize>>,
+        col_src: Option<Vec<usize>>,
+    ) -> Result<Planned, WeightsError> {
+        let t = self.f.require_tensor(tensor)?;
+        let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        if shape != [cols, rows] {
+            return Err(self.err(
+                tensor,
+                format!("shape (ggml ne) {shape:?}, expected [{cols}, {rows}] for {out}"),
+            ));
+        }
+        let format = match t.ggml_type {
+            GgmlType::Q4_1 => Some(WeightFormat::Q41 {
+                scale: self.scale,
+                order: TileOrder::ColumnMajor,
+            }),
+            GgmlType::Q8_0 => Some(WeightFormat::Q8 {
+                scale: self.scale,
+                order: TileOrder::ColumnMajor,
+            }),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => None,
+            other => {
+                return Err(self.err(
+                    tensor,
+                    format!(
+                        "ggml type {} is not supported (F32, F16, BF16, Q8_0, Q4_1 are)",
+                        other.name()
+                    ),
+                ))
+            }
+        };
+        // Whole 32-column blocks only: entry b is the GGUF block of output block b.
+        let col_blocks = match &col_src {
+            None => Some(None),
+            Some(m) => {
+                let blocks: Option<Vec<usize>> = (0..cols / 32)
+                    .map(|b| {
+                        let s = m[b * 32];
+                        (s % 32 == 0 && (0..32).all(|e| m[b * 32 + e] == s + e)).then_some(s / 32)
+                    })
+                    .collect();
+                blocks.map(Some)
+            }
+        };
+        match (format, col_blocks) {
+            (Some(format), Some(col_blocks)) if rows % tiles::TILE_ROWS == 0 => {
+                Ok(Planned::Matrix {
+                    name: out.to_string(),
+                    format,
+                    parts: vec![Part {
+                        tensor: tensor.to_string(),
+                        unpermute_heads: None,
+                        rows,
+                        row_src,
+                    }],
+                    rows,
+                    cols,
+                    col_blocks,
+                })
+            }
+            _ => Ok(Planned::Plain {
+                name: out.to_string(),
+                tensor: tensor.to_string(),
+                shape: vec![rows, cols],
+                rows,
+                cols,
+                row_src,
+                col_src,
+            }),
+        }
+    }
+
+    /// A float GGUF tensor of `len` values; `map` (output index → GGUF index) permutes it.
+    fn vector(
+        &self,
+        out: &str,
+        tensor: &str,
+        len: usize,
+        map: Option<Vec<usize>>,
+    ) -> Result<Planned, WeightsError> {
+        let t = self.f.require_tensor(tensor)?;
+        if !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            return Err(self.err(
+                tensor,
+                format!(
+                    "type {} (expected a float type: F32, F16, BF16)",
+                    t.ggml_type.name()
+                ),
+            ));
+        }
+        if t.elements() != len || t.rows() != 1 {
+            return Err(self.err(
+                tensor,
+                format!("shape (ggml ne) {:?}, expected [{len}] for {out}", t.shape),
+            ));
+        }
+        Ok(match map {
+            None => Planned::Vector {
+                name: out.to_string(),
+                tensor: tensor.to_string(),
+                len,
+            },
+            Some(m) => Planned::Plain {
+                name: out.to_string(),
+                tensor: tensor.to_string(),
+                shape: vec![len],
+                rows: 1,
+                cols: len,
+                row_src: None,
+                col_src: Some(m),
+            },
+        })
+    }
+}
+
+/// The output tensors of a `qwen35` GGUF: Hugging Face names and order (see the module docs).
+pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(Qwen35Params, Vec<Planned>), WeightsError> {
+    let p = params(f)?;
+    let pl = Planner { f, scale };
+    let (h, ffn) = (p.hidden, p.ffn);
+    let (cd, vd, hv, dv, kk) = (
+        p.conv_dim(),
+        p.value_dim(),
+        p.value_heads,
+        p.value_head_dim,
+        p.conv_kernel,
+    );
+    let qkv_rows = non_identity(p.qkv_rows());
+    let channel_map = non_identity(p.value_map(dv, vd));
+    let head_map = non_identity(p.value_map(1, hv));
+    let mut v = Vec::new();
+    v.push(pl.vector("model.norm.weight", "output_norm.weight", h, None)?);
+    v.push(pl.matrix(
+        "model.embed_tokens.weight",
+        "token_embd.weight",
+        p.vocab,
+        h,
+        None,
+        None,
+    )?);
+    if !p.tied {
+        v.push(pl.matrix("lm_head.weight", "output.weight", p.vocab, h, None, None)?);
+    }
+    for i in 0..p.layers {
+        let n = |s: &str| format!("model.layers.{i}.{s}");
+        let b = |s: &str| format!("blk.{i}.{s}");
+        v.push(pl.vector(
+            &n("input_layernorm.weight"),
+            &b("attn_norm.weight"),
+            h,
+            None,
+        )?);
+        v.push(pl.vector(
+            &n("post_attention_layernorm.weight"),
+            &b("post_attention_norm.weight"),
+            h,
+            None,
+        )?);
+        if p.is_linear(i) {
+            let la = |s: &str| n(&format!("linear_attn.{s}"));
+            v.push(pl.matrix(
+                &la("in_proj_qkv.weight"),
+                &b("attn_qkv.weight"),
+                cd,
+                h,
+                qkv_rows.clone(),
+                None,
+            )?);
+            v.push(pl.matrix(
+                &la("in_proj_z.weight"),
+                &b("attn_gate.weight"),
+                vd,
+                h,
+                channel_map.clone(),
+                None,
+            )?);
+            v.push(pl.matrix(
+                &la("in_proj_b.weight"),
+                &b("ssm_beta.weight"),
+                hv,
+                h,
+                head_map.clone(),
+                None,
+            )?);
+            v.push(pl.matrix(
+                &la("in_proj_a.weight"),
+                &b("ssm_alpha.weight"),
+                hv,
+                h,
+                head_map.clone(),
+                None,
+            )?);
+            // ggml [K, conv_dim]: rows are channels, as HF's [conv_dim, 1, K].
+            let conv = b("ssm_conv1d.weight");
+            let t = f.require_tensor(&conv)?;
+            if !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+                || t.shape != [kk as u64, cd as u64]
+            {
+                return Err(pl.err(
+                    &conv,
+                    format!(
+                        "{} {:?}, expected a float tensor of shape (ggml ne) [{kk}, {cd}]",
+                        t.ggml_type.name(),
+                        t.shape
+                    ),
+                ));
+            }
+            v.push(Planned::Plain {
+                name: la("conv1d.weight"),
+                tensor: conv,
+                shape: vec![cd, 1, kk],
+                rows: cd,
+                cols: kk,
+                row_src: qkv_rows.clone(),
+                col_src: None,
+            });
+            v.push(pl.vector(&la("dt_bias"), &b("ssm_dt.bias"), hv, head_map.clone())?);
+            v.push(pl.vector(&la("ssm_a"), &b("ssm_a"), hv, head_map.clone())?);
+            v.push(pl.vector(&la("norm.weight"), &b("ssm_norm.weight"), dv, None)?);
+            v.push(pl.matrix(
+                &la("out_proj.weight"),
+                &b("ssm_out.weight"),
+                h,
+                vd,
+                None,
+                channel_map.clone(),
+            )?);
+        } else {
+            let (qd, kvd) = (p.heads * p.head_dim, p.kv_heads * p.head_dim);
+            let sa = |s: &str| n(&format!("self_attn.{s}"));
+            v.push(pl.matrix(
+                &sa("q_proj.weight"),
+                &b("attn_q.weight"),
+                2 * qd,
+                h,
+                None,
+                None,
+            )?);
+            v.push(pl.matrix(
+                &sa("k_proj.weight"),
+                &b("attn_k.weight"),
+                kvd,
+                h,
+                None,
+                None,
+            )?);
+            v.push(pl.matrix(
+                &sa("v_proj.weight"),
+                &b("attn_v.weight"),
+                kvd,
+                h,
+                None,
+                None,
+            )?);
+            v.push(pl.matrix(
+                &sa("o_proj.weight"),
+                &b("attn_output.weight"),
+                h,
+                qd,
+                None,
+                None,
+            )?);
+            v.push(pl.vector(
+                &sa("q_norm.weight"),
+                &b("attn_q_norm.weight"),
+                p.head_dim,
+                None,
+            )?);
+            v.push(pl.vector(
+                &sa("k_norm.weight"),
+                &b("attn_k_norm.weight"),
+                p.head_dim,
+                None,
+            )?);
+        }
+        v.push(pl.matrix(
+            &n("mlp.gate_proj.weight"),
+            &b("ffn_gate.weight"),
+            ffn,
+            h,
+            None,
+            None,
+        )?);
+        v.push(pl.matrix(
+            &n("mlp.up_proj.weight"),
+            &b("ffn_up.weight"),
+            ffn,
+            h,
+            None,
+            None,
+        )?);
+        v.push(pl.matrix(
+            &n("mlp.down_proj.weight"),
+            &b("ffn_down.weight"),
+            h,
+            ffn,
+            None,
+            None,
+        )?);
+    }
+    Ok((p, v))
+}
+
+/// The package's Hugging Face `config.json` (`model_type` `qwen3_5`), with
+/// `xdna.norms_include_one` (the GGUF's norms already hold `1 + w`).
+pub fn config_json(
+    f: &GgufFile,
+    p: &Qwen35Params,
+    scale: ScaleType,
+    tok: &Tokenizer,
+) -> serde_json::Value {
+    let types: Vec<&str> = (0..p.layers)
+        .map(|i| {
+            if p.is_linear(i) {
+                "linear_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    let mut c = serde_json::json!({
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5",
+        "hidden_size": p.hidden,
+        "intermediate_size": p.ffn,
+        "num_hidden_layers": p.layers,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.kv_heads,
+        "head_dim": p.head_dim,
+        "vocab_size": p.vocab.max(tok.vocab_size()),
+        "rms_norm_eps": p.eps,
+        "rope_theta": p.rope_theta,
+        "partial_rotary_factor": p.rotary_dim as f64 / p.head_dim.max(1) as f64,
+        "max_position_embeddings": p.context,
+        "tie_word_embeddings": p.tied,
+        "hidden_act": "silu",
+        "attn_output_gate": true,
+        "layer_types": types,
+        "full_attention_interval": p.full_attention_interval,
+        "linear_num_key_heads": p.key_heads,
+        "linear_num_value_heads": p.value_heads,
+        "linear_key_head_dim": p.key_head_dim,
+        "linear_value_head_dim": p.value_head_dim,
+        "linear_conv_kernel_dim": p.conv_kernel,
+        "xdna": {
+            "fused": false,
+            "scale_type": match scale { ScaleType::F16 => "f16", ScaleType::Bf16 => "bf16" },
+            "tile_order": "column_major",
+            "norm_dtype": "F32",
+            "norms_include_one": true,
+            "source": f.path().file_name().map(|s| s.to_string_lossy().into_owned()),
+        },
+    });
+    if let Some(b) = f.get_u64("tokenizer.ggml.bos_token_id") {
+        c["bos_token_id"] = b.into();
+    }
+    if let Some(e) = f.get_u64("tokenizer.ggml.eos_token_id") {
+        c["eos_token_id"] = e.into();
+    }
+    c
+}
