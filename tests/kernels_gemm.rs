@@ -443,32 +443,35 @@ fn execute_runs_a_descriptor_over_byte_buffers() {
 /// the single-row and multi-row kernels must do the same operations in the same order.
 #[test]
 fn single_row_results_equal_the_same_row_of_a_batch() {
-    for (i, format) in WeightFormat::ALL
-        .into_iter()
-        .filter(|f| f.tile_bytes().is_some())
-        .enumerate()
-    {
-        let (n, k, m) = (64, 576, 16);
-        let mut rng = Rng(41 + i as u64);
-        let weights = rng.vec(n * k, 1.0);
-        let data = encode(format, &weights, n, k);
-        let w = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
-        let x = rng.vec(m * k, 2.0);
-        let mut batch = vec![f32::NAN; m * n];
-        HostExecutor::new()
-            .gemm(&w, &x, m, &mut batch)
-            .expect("gemm");
-        for row in 0..m {
-            let mut single = vec![f32::NAN; n];
+    // 16 rows (a verify pass), an odd count (the min-term pass pairs rows), and 17 rows over
+    // K = 2600 (82 groups: more than one 16-row chunk and one 64-group chunk of mins).
+    for (n, k, m) in [(64, 576, 16), (64, 576, 3), (32, 2600, 17)] {
+        for (i, format) in WeightFormat::ALL
+            .into_iter()
+            .filter(|f| f.tile_bytes().is_some())
+            .enumerate()
+        {
+            let mut rng = Rng(41 + i as u64);
+            let weights = rng.vec(n * k, 1.0);
+            let data = encode(format, &weights, n, k);
+            let w = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
+            let x = rng.vec(m * k, 2.0);
+            let mut batch = vec![f32::NAN; m * n];
             HostExecutor::new()
-                .gemm(&w, &x[row * k..(row + 1) * k], 1, &mut single)
+                .gemm(&w, &x, m, &mut batch)
                 .expect("gemm");
-            assert_eq!(
-                single,
-                batch[row * n..(row + 1) * n],
-                "{} row {row}",
-                format.name()
-            );
+            for row in 0..m {
+                let mut single = vec![f32::NAN; n];
+                HostExecutor::new()
+                    .gemm(&w, &x[row * k..(row + 1) * k], 1, &mut single)
+                    .expect("gemm");
+                assert_eq!(
+                    single,
+                    batch[row * n..(row + 1) * n],
+                    "{} m {m} k {k} row {row}",
+                    format.name()
+                );
+            }
         }
     }
 }

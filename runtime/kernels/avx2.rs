@@ -592,9 +592,11 @@ mod imp {
         }
     }
 
-    /// [`q4_add_min_term`] for several activation rows, each group's mins converted once for up to
-    /// 16 rows instead of once per row. Per row the FMAs run in the same order from zero and the
-    /// total is added to `out` last, so the bits equal the single-row kernel's.
+    /// [`q4_add_min_term`] for several activation rows. Each group's mins are converted once per
+    /// 16 rows into a stack buffer of f32 vectors (up to 64 groups at a time), and every row then
+    /// runs its FMAs over that buffer with its accumulators in registers. Per row the FMAs run in
+    /// the same order from zero and the total is added to `out` last, so the bits equal the
+    /// single-row kernel's.
     ///
     /// # Safety
     /// As [`q4_block`] (`out` holds `rows.len() × 32` natural-order floats).
@@ -606,27 +608,47 @@ mod imp {
         rows: std::ops::Range<usize>,
         out: &mut [f32],
     ) {
-        const CHUNK: usize = 16;
+        const ROW_CHUNK: usize = 16;
+        const GROUP_CHUNK: usize = 64;
         let groups_total = act.groups();
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
         debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
         let first = rows.start;
-        let mut start = rows.start;
-        while start < rows.end {
-            let chunk = start..(start + CHUNK).min(rows.end);
-            let mut mins_acc = [[_mm256_setzero_ps(); 4]; CHUNK];
-            for gg in 0..groups_total {
-                // SAFETY: tile gg / 8 exists (caller contract); the min area is inside it.
-                let tile = unsafe { block.as_ptr().add(gg / 8 * layout.tile_bytes) };
-                let mins = unsafe { q4_group_scales(layout.scales, tile, gg % 8) }.1;
-                for (acc, row) in mins_acc.iter_mut().zip(chunk.clone()) {
-                    let sum_x = _mm256_set1_ps(act.sums[row * groups_total + gg]);
-                    for (a, m) in acc.iter_mut().zip(mins) {
-                        *a = _mm256_fmadd_ps(m, sum_x, *a);
-                    }
+        let mut mins = [[_mm256_setzero_ps(); 4]; GROUP_CHUNK];
+        let mut row_start = rows.start;
+        while row_start < rows.end {
+            let row_chunk = row_start..(row_start + ROW_CHUNK).min(rows.end);
+            let mut mins_acc = [[_mm256_setzero_ps(); 4]; ROW_CHUNK];
+            let mut g0 = 0;
+            while g0 < groups_total {
+                let g1 = (g0 + GROUP_CHUNK).min(groups_total);
+                for (gg, slot) in (g0..g1).zip(mins.iter_mut()) {
+                    // SAFETY: tile gg / 8 exists (caller contract); the min area is inside it.
+                    let tile = unsafe { block.as_ptr().add(gg / 8 * layout.tile_bytes) };
+                    *slot = unsafe { q4_group_scales(layout.scales, tile, gg % 8) }.1;
                 }
+                // Two rows at a time: eight independent FMA chains hide the FMA latency.
+                let rows_here = row_chunk.len();
+                for pair in (0..rows_here).step_by(2) {
+                    let second = (pair + 1).min(rows_here - 1);
+                    let (row_a, row_b) = (row_chunk.start + pair, row_chunk.start + second);
+                    let (mut acc_a, mut acc_b) = (mins_acc[pair], mins_acc[second]);
+                    let sums_a = &act.sums[row_a * groups_total + g0..row_a * groups_total + g1];
+                    let sums_b = &act.sums[row_b * groups_total + g0..row_b * groups_total + g1];
+                    for ((m, &sum_a), &sum_b) in mins.iter().zip(sums_a).zip(sums_b) {
+                        let (sum_a, sum_b) = (_mm256_set1_ps(sum_a), _mm256_set1_ps(sum_b));
+                        for i in 0..4 {
+                            acc_a[i] = _mm256_fmadd_ps(m[i], sum_a, acc_a[i]);
+                            acc_b[i] = _mm256_fmadd_ps(m[i], sum_b, acc_b[i]);
+                        }
+                    }
+                    // With an odd row count the last "pair" is one row computed twice.
+                    mins_acc[pair] = acc_a;
+                    mins_acc[second] = acc_b;
+                }
+                g0 = g1;
             }
-            for (acc, row) in mins_acc.iter().zip(chunk.clone()) {
+            for (acc, row) in mins_acc.iter().zip(row_chunk.clone()) {
                 for (i, m) in acc.iter().enumerate() {
                     // SAFETY: row - first < rows.len(): 32 floats of `out` belong to it; 8 are
                     // read and written at 8·i for i < 4.
@@ -636,7 +658,7 @@ mod imp {
                     }
                 }
             }
-            start = chunk.end;
+            row_start = row_chunk.end;
         }
     }
 
