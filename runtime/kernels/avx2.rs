@@ -14,7 +14,10 @@
 //! permuted to match, once per group, and results are un-permuted once per block.
 //!
 //! For several activation rows, each group is unpacked once into a 1-2 KiB stack buffer and reused by
-//! every row: that keeps the M = 16 cost at a few times M = 1.
+//! every row: that keeps the M = 16 cost at a few times M = 1. The row loop broadcasts each
+//! activation quad once per row and feeds all four slot vectors from it (`q4_group_rows`); the q4_1
+//! min term is a separate pass over mins converted once per 16 rows (`q4_add_min_terms`). Both do
+//! the single-row kernel's float operations in its order, so a row's bits never depend on its batch.
 //!
 //! Q8 tiles use ggml's sign trick (`maddubs(|w|, sign(a, w))`, `ggml_vec_dot_q8_0_q8_0`) and a 4×32
 //! byte transpose; the legacy 32×128 q8 tile and the 16-row-lane orders only change the loads.
