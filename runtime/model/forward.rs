@@ -1232,23 +1232,35 @@ impl Model {
                         seq.v_cache[l][p * kvd..(p + 1) * kvd]
                             .copy_from_slice(&row[qr + kvd..qkvn]);
                     }
-                    for i in 0..m {
-                        let seq = &*segments[s.row_segment[i]].seq;
-                        let q = if gated {
-                            &s.q_compact[i * qd..(i + 1) * qd]
-                        } else {
-                            &s.qkv[i * qkvn..i * qkvn + qd]
+                    {
+                        // Every row's heads in one pool dispatch (rows of different sequences read
+                        // their own caches).
+                        let segs: &[Segment<'_, '_>] = segments;
+                        let (qkv, q_compact) = (&s.qkv, &s.q_compact);
+                        let (row_segment, row_position) = (&s.row_segment, &s.row_position);
+                        let row = |i: usize| {
+                            let seq = &*segs[row_segment[i]].seq;
+                            ops::AttentionRow {
+                                q: if gated {
+                                    &q_compact[i * qd..(i + 1) * qd]
+                                } else {
+                                    &qkv[i * qkvn..i * qkvn + qd]
+                                },
+                                k_cache: &seq.k_cache[l],
+                                v_cache: &seq.v_cache[l],
+                                last: row_position[i],
+                            }
                         };
-                        ops::attend_row(
-                            q,
-                            &seq.k_cache[l],
-                            &seq.v_cache[l],
-                            c.heads,
-                            c.kv_heads,
-                            hd,
-                            s.row_position[i],
+                        ops::attend_rows(
+                            ops::AttentionShape {
+                                heads: c.heads,
+                                kv_heads: c.kv_heads,
+                                hd,
+                            },
+                            m,
+                            &row,
                             &mut s.scores,
-                            &mut s.attn[i * qd..(i + 1) * qd],
+                            &mut s.attn[..m * qd],
                         );
                     }
                     if gated {
