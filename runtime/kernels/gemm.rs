@@ -340,11 +340,16 @@ fn run_block(
             // (m-1)·stride + N ≤ y.len() (checked in gemm_strided); blocks are disjoint, so no
             // two threads write it, and `src` (thread scratch) does not overlap `y`.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src.as_ptr(),
-                    y.0.add((row0 + i) * y_stride + n0),
-                    rows_here,
-                )
+                let dst = y.0.add((row0 + i) * y_stride + n0);
+                if rows_here == TILE_ROWS {
+                    // A full block row: a fixed-size copy (inlined vector moves, no memcpy call).
+                    std::ptr::write_unaligned(
+                        dst.cast::<[f32; TILE_ROWS]>(),
+                        std::ptr::read_unaligned(src.as_ptr().cast::<[f32; TILE_ROWS]>()),
+                    );
+                } else {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), dst, rows_here);
+                }
             };
         }
         row0 += pass;
