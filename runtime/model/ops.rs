@@ -272,14 +272,23 @@ pub fn attend_rows<'a>(
         }
         return;
     }
-    // One item per claim: items are few (rows × heads) and uneven (rows differ in length).
-    let counter = crate::kernels::pool::ChunkCounter::new(items, items, 1);
+    // Claim units: with enough of them, the query heads sharing one KV head of one row (its
+    // keys and values are then read from memory once, by one core, and reused from its cache);
+    // with few (a decode row has only kv_heads), single heads, for balance. One unit per claim:
+    // units are few and uneven (rows differ in length).
+    let unit = if heads % kv_heads == 0 && rows * kv_heads >= 4 * pool.threads() {
+        geometry.group
+    } else {
+        1
+    };
+    let units = items / unit;
+    let counter = crate::kernels::pool::ChunkCounter::new(units, units, 1);
     let out_ptr = HeadsOut(out.as_mut_ptr());
     pool.run(&|_, _| {
         HEAD_SCORES.with(|cell| {
             let mut scratch = cell.borrow_mut();
             while let Some(range) = counter.claim() {
-                for item in range {
+                for item in range.start * unit..range.end * unit {
                     let (i, h) = (item / heads, item % heads);
                     let r = row(i);
                     let n = r.last + 1;
@@ -621,7 +630,7 @@ mod tests {
 
     #[test]
     fn batched_rows_of_different_sequences_equal_each_row_alone() {
-        // Three rows over two "sequences" of different lengths (one shorter than a 4-position
+        // Rows over two "sequences" of different lengths (one shorter than a 4-position
         // block, one not a multiple of 4), head dims 64 and 80 (a 64-wide and an 8-wide chunk):
         // the batch is bit-identical to each row alone and close to the scalar reference.
         for hd in [64usize, 80] {
@@ -642,7 +651,18 @@ mod tests {
                     (k, v)
                 })
                 .collect();
-            let rows = [(0usize, 2usize), (1, 201), (1, 202)];
+            // Eight rows × two KV heads: enough units that a KV head's query heads are claimed
+            // together (on a ≤ 4-thread pool).
+            let rows = [
+                (0usize, 2usize),
+                (1, 201),
+                (1, 202),
+                (1, 150),
+                (0, 0),
+                (1, 7),
+                (1, 100),
+                (0, 1),
+            ];
             let qs: Vec<Vec<f32>> = rows
                 .iter()
                 .map(|_| (0..heads * hd).map(|_| 3.0 * next()).collect())
