@@ -434,3 +434,59 @@ fn truncate_forgets_committed_tokens() {
     a.step_batch_all(&[1], &[]).unwrap();
     assert!(matches!(a.truncate(1), Err(ModelError::State { .. })));
 }
+
+#[test]
+fn sequences_prefilled_in_one_pass_equal_each_prefilled_alone() {
+    let Some(mut server) = fast_model(128) else {
+        return;
+    };
+    // 8 + 4 + 5 = 17 rows in one pass (m128 family); alone each is its own m16 pass. Rows do not
+    // depend on their batch, so the last-row logits and the next step are bit-identical.
+    let prompts: [&[u32]; 3] = [&PROMPT, &[1, 504, 3458, 282], &[9637, 30, 216, 314, 4649]];
+    let mut states: Vec<_> = prompts
+        .iter()
+        .map(|_| server.new_sequence(64).unwrap())
+        .collect();
+    let mut batched = vec![Vec::new(); 3];
+    {
+        let [a, b, c] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut batch = [(a, prompts[0]), (b, prompts[1]), (c, prompts[2])];
+        server
+            .prefill_sequences(&mut batch, &mut |i, l| batched[i] = l.to_vec())
+            .unwrap();
+    }
+    for (s, p) in prompts.iter().enumerate() {
+        assert_eq!(states[s].position(), p.len());
+        let mut alone_state = server.new_sequence(64).unwrap();
+        let mut alone = Vec::new();
+        server
+            .prefill_sequence(&mut alone_state, p, p.len() - 1, &mut |_, l| {
+                alone = l.to_vec()
+            })
+            .unwrap();
+        assert_eq!(batched[s], alone, "sequence {s}: last-row logits differ");
+        // The committed KV is the same: the next token's logits agree too.
+        let next = [77u32];
+        let a = server
+            .step_sequences(&mut [(&mut states[s], &next[..])])
+            .unwrap()
+            .logits(0)
+            .to_vec();
+        server.commit_sequence(&mut states[s], 1).unwrap();
+        let b = server
+            .step_sequences(&mut [(&mut alone_state, &next[..])])
+            .unwrap()
+            .logits(0)
+            .to_vec();
+        assert_eq!(a, b, "sequence {s}: step after the prefill differs");
+    }
+    // Errors: too many rows, a pending state; nothing changes.
+    let mut big = server.new_sequence(256).unwrap();
+    let long = vec![1u32; 129];
+    assert!(server
+        .prefill_sequences(&mut [(&mut big, &long[..])], &mut |_, _| {})
+        .is_err());
+    assert_eq!(big.position(), 0);
+}

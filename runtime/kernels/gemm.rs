@@ -3,7 +3,7 @@
 //! Dispatch: AVX2+FMA+F16C kernels (`avx2`) when the CPU has them (detected once), else a portable
 //! scalar path that decodes one tile at a time. Tile formats quantize the activations to q8 once per
 //! call (`quant`); plain bf16/f16/f32 weights take f32 dot products. Work is split over the global
-//! [`Pool`] in contiguous chunks of 32-row blocks.
+//! [`Pool`] in contiguous chunks of 32-row blocks, guided (shrinking) so both threads finish together.
 
 use std::cell::RefCell;
 
@@ -15,9 +15,6 @@ use crate::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
 
 /// Activation rows handed to one block-kernel call: bounds the per-thread scratch (128 × 32 f32).
 const ROWS_PER_PASS: usize = 128;
-/// Chunks per thread in the dynamic schedule: enough to even out a noisy neighbour, few enough
-/// that every chunk is a long sequential stream.
-const CHUNKS_PER_THREAD: usize = 4;
 
 /// A `[rows = N, cols = K]` weight matrix in a stored format, borrowed (typically from an mmap).
 #[derive(Clone, Copy, Debug)]
@@ -256,7 +253,7 @@ impl HostExecutor {
         let blocks = w.rows.div_ceil(TILE_ROWS);
         let run = |act: Option<&QuantizedRows>| {
             let pool = Pool::global();
-            let counter = ChunkCounter::new(blocks, pool.threads(), CHUNKS_PER_THREAD);
+            let counter = ChunkCounter::guided(blocks, pool.threads(), 1);
             pool.run(&|_, _| {
                 BLOCK_SCRATCH.with(|scratch| {
                     let mut scratch = scratch.borrow_mut();
@@ -338,12 +335,22 @@ fn run_block(
             out,
             decoded,
         );
-        for i in 0..pass {
-            for r in 0..rows_here {
-                // SAFETY: (row0+i) < m and n0 + r < N, so the index is < (m-1)·stride + N ≤ y.len()
-                // (checked in gemm_strided); blocks are disjoint, so no two threads write it.
-                unsafe { *y.0.add((row0 + i) * y_stride + n0 + r) = out[i * TILE_ROWS + r] };
-            }
+        for (i, src) in out.chunks_exact(TILE_ROWS).enumerate() {
+            // SAFETY: (row0+i) < m and n0 + rows_here ≤ N, so the range ends at or before
+            // (m-1)·stride + N ≤ y.len() (checked in gemm_strided); blocks are disjoint, so no
+            // two threads write it, and `src` (thread scratch) does not overlap `y`.
+            unsafe {
+                let dst = y.0.add((row0 + i) * y_stride + n0);
+                if rows_here == TILE_ROWS {
+                    // A full block row: a fixed-size copy (inlined vector moves, no memcpy call).
+                    std::ptr::write_unaligned(
+                        dst.cast::<[f32; TILE_ROWS]>(),
+                        std::ptr::read_unaligned(src.as_ptr().cast::<[f32; TILE_ROWS]>()),
+                    );
+                } else {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), dst, rows_here);
+                }
+            };
         }
         row0 += pass;
     }

@@ -241,10 +241,18 @@ fn worker_loop(shared: &Shared, index: usize) {
 
 /// Hands out contiguous chunks of `0..total` to whichever thread asks next (ggml's
 /// `current_chunk`): fast threads take more chunks, and each chunk is one sequential stream.
+///
+/// Two schedules: fixed-size chunks ([`ChunkCounter::new`]), or guided ones
+/// ([`ChunkCounter::guided`]) that shrink as the work runs out — long streams first, then single
+/// items at the end, so both threads reach the per-call barrier together (with fixed chunks of a
+/// small GEMM the last chunk alone was an eighth of the call, and the other thread waited for it).
 pub struct ChunkCounter {
     next: AtomicUsize,
     total: usize,
+    /// Fixed schedule: the chunk size. Guided: the smallest chunk.
     chunk: usize,
+    /// Guided schedule: a claim takes `remaining / divisor` (at least `chunk`); 0 = fixed.
+    divisor: usize,
 }
 
 impl ChunkCounter {
@@ -255,13 +263,44 @@ impl ChunkCounter {
             next: AtomicUsize::new(0),
             total,
             chunk: total.div_ceil(pieces).max(1),
+            divisor: 0,
+        }
+    }
+
+    /// Guided schedule: each claim takes `1 / (2 × threads)` of what is left, never fewer than
+    /// `min_chunk` items (nor more than are left).
+    pub fn guided(total: usize, threads: usize, min_chunk: usize) -> ChunkCounter {
+        ChunkCounter {
+            next: AtomicUsize::new(0),
+            total,
+            chunk: min_chunk.max(1),
+            divisor: 2 * threads.max(1),
         }
     }
 
     /// The next unclaimed range, or `None` when all are taken.
     pub fn claim(&self) -> Option<std::ops::Range<usize>> {
-        let start = self.next.fetch_add(self.chunk, Ordering::Relaxed);
-        (start < self.total).then(|| start..(start + self.chunk).min(self.total))
+        if self.divisor == 0 {
+            let start = self.next.fetch_add(self.chunk, Ordering::Relaxed);
+            return (start < self.total).then(|| start..(start + self.chunk).min(self.total));
+        }
+        let mut start = self.next.load(Ordering::Relaxed);
+        loop {
+            if start >= self.total {
+                return None;
+            }
+            let left = self.total - start;
+            let size = (left / self.divisor).max(self.chunk).min(left);
+            match self.next.compare_exchange_weak(
+                start,
+                start + size,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(start..start + size),
+                Err(now) => start = now,
+            }
+        }
     }
 }
 
@@ -285,6 +324,33 @@ mod tests {
             });
             assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
         }
+    }
+
+    #[test]
+    fn guided_chunks_cover_every_item_once_and_shrink_to_the_minimum() {
+        let pool = Pool::new(3);
+        for total in [0usize, 1, 2, 17, 30, 96, 1536, 10_007] {
+            let counts: Vec<AtomicUsize> = (0..total).map(|_| AtomicUsize::new(0)).collect();
+            let counter = ChunkCounter::guided(total, pool.threads(), 2);
+            pool.run(&|_, _| {
+                while let Some(range) = counter.claim() {
+                    for i in range {
+                        counts[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+            assert!(
+                counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                "total {total}"
+            );
+        }
+        // Single-threaded claims: 1/6 of the rest each time, at least 2, the last one what is left.
+        let counter = ChunkCounter::guided(100, 3, 2);
+        let sizes: Vec<usize> = std::iter::from_fn(|| counter.claim().map(|r| r.len())).collect();
+        assert_eq!(sizes[..4], [16, 14, 11, 9]);
+        assert_eq!(sizes.iter().sum::<usize>(), 100);
+        assert!(sizes.windows(2).all(|w| w[1] <= w[0]));
+        assert!(sizes[..sizes.len() - 1].iter().all(|&s| s >= 2));
     }
 
     #[test]

@@ -1009,6 +1009,75 @@ impl Model {
         r
     }
 
+    /// Prefill several server-held sequences in ONE pass (one sweep over the weights instead of
+    /// one per sequence): each `(state, tokens)` feeds its tokens at its own `P..`, ≤ 128 rows in
+    /// all, and is committed on success; `on_last_logits(i, logits)` gets the logits of sequence
+    /// `i`'s last row (predicting its next token). Every row is computed as it would be alone
+    /// (rows do not depend on their batch), so the logits equal [`Model::prefill_sequence`]'s.
+    /// On failure no state changed (each stays ready).
+    pub fn prefill_sequences(
+        &mut self,
+        batch: &mut [(&mut SequenceState, &[u32])],
+        on_last_logits: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), ModelError> {
+        let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
+        if rows == 0 || rows > MAX_PREFILL_ROWS {
+            return Err(ModelError::BatchRows {
+                rows,
+                max: MAX_PREFILL_ROWS,
+            });
+        }
+        for (seq, tokens) in batch.iter() {
+            seq.check_ready()?;
+            if tokens.is_empty() {
+                return Err(ModelError::Context {
+                    what: "prefill of zero tokens".into(),
+                });
+            }
+            if seq.k_cache.len() != self.run_layers {
+                return Err(ModelError::State {
+                    what: format!(
+                        "a sequence state of {} layers given to a model running {}",
+                        seq.k_cache.len(),
+                        self.run_layers
+                    ),
+                });
+            }
+            seq.check_tokens(tokens, self.w.config.vocab)?;
+        }
+        let mut segments: Vec<Segment<'_, '_>> = batch
+            .iter_mut()
+            .map(|(seq, tokens)| Segment { seq, tokens })
+            .collect();
+        // Recurrent layers: the state at P, restored if the pass fails.
+        for seg in segments.iter_mut() {
+            seg.seq.snapshot();
+        }
+        self.out.taps.clear();
+        let mut sink = Sink::SegmentLast { f: on_last_logits };
+        match self.forward_rows(
+            &mut segments,
+            Family::for_rows(rows),
+            0,
+            &mut sink,
+            false,
+            false,
+        ) {
+            Ok(()) => {
+                for seg in segments.iter_mut() {
+                    seg.seq.pos += seg.tokens.len();
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for seg in segments.iter_mut() {
+                    seg.seq.restore_snapshot();
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// The verify pass proper: marks every segment pending (or failed).
     fn verify_pass(
         &mut self,
@@ -1232,23 +1301,35 @@ impl Model {
                         seq.v_cache[l][p * kvd..(p + 1) * kvd]
                             .copy_from_slice(&row[qr + kvd..qkvn]);
                     }
-                    for i in 0..m {
-                        let seq = &*segments[s.row_segment[i]].seq;
-                        let q = if gated {
-                            &s.q_compact[i * qd..(i + 1) * qd]
-                        } else {
-                            &s.qkv[i * qkvn..i * qkvn + qd]
+                    {
+                        // Every row's heads in one pool dispatch (rows of different sequences read
+                        // their own caches).
+                        let segs: &[Segment<'_, '_>] = segments;
+                        let (qkv, q_compact) = (&s.qkv, &s.q_compact);
+                        let (row_segment, row_position) = (&s.row_segment, &s.row_position);
+                        let row = |i: usize| {
+                            let seq = &*segs[row_segment[i]].seq;
+                            ops::AttentionRow {
+                                q: if gated {
+                                    &q_compact[i * qd..(i + 1) * qd]
+                                } else {
+                                    &qkv[i * qkvn..i * qkvn + qd]
+                                },
+                                k_cache: &seq.k_cache[l],
+                                v_cache: &seq.v_cache[l],
+                                last: row_position[i],
+                            }
                         };
-                        ops::attend_row(
-                            q,
-                            &seq.k_cache[l],
-                            &seq.v_cache[l],
-                            c.heads,
-                            c.kv_heads,
-                            hd,
-                            s.row_position[i],
+                        ops::attend_rows(
+                            ops::AttentionShape {
+                                heads: c.heads,
+                                kv_heads: c.kv_heads,
+                                hd,
+                            },
+                            m,
+                            &row,
                             &mut s.scores,
-                            &mut s.attn[i * qd..(i + 1) * qd],
+                            &mut s.attn[..m * qd],
                         );
                     }
                     if gated {
@@ -1329,8 +1410,38 @@ impl Model {
                 }
             }
         }
-        // Logits for rows first_logit_row.., up to 16 rows per lm_head GEMM.
         let vocab = c.vocab;
+        if let Sink::SegmentLast { f } = sink {
+            // The last row of each segment, up to 16 rows per lm_head GEMM.
+            let mut end = 0;
+            let mut g0 = 0;
+            while g0 < segments.len() {
+                let g1 = (g0 + MAX_VERIFY_ROWS).min(segments.len());
+                for (j, seg) in segments[g0..g1].iter().enumerate() {
+                    end += seg.tokens.len();
+                    let r = end - 1;
+                    ops::rmsnorm(
+                        &s.x[r * hidden..(r + 1) * hidden],
+                        &self.w.final_norm,
+                        eps,
+                        &mut s.head_in[j * hidden..(j + 1) * hidden],
+                    );
+                }
+                let n = g1 - g0;
+                self.w.lm_head.gemm(
+                    &s.head_in[..n * hidden],
+                    n,
+                    &mut self.out.logits[..n * vocab],
+                    Family::for_rows(n),
+                )?;
+                for j in 0..n {
+                    f(g0 + j, &self.out.logits[j * vocab..(j + 1) * vocab]);
+                }
+                g0 = g1;
+            }
+            return Ok(());
+        }
+        // Logits for rows first_logit_row.., up to 16 rows per lm_head GEMM.
         let mut r0 = first_logit_row;
         while r0 < m {
             let r1 = (r0 + MAX_VERIFY_ROWS).min(m);
@@ -1366,6 +1477,8 @@ enum Sink<'a> {
         base: usize,
         f: &'a mut dyn FnMut(usize, &[f32]),
     },
+    /// Only each segment's last row: `f(segment, logits)` (a multi-sequence prefill).
+    SegmentLast { f: &'a mut dyn FnMut(usize, &[f32]) },
 }
 
 fn add_rows(x: &mut [f32], d: &[f32], bias: Option<&[f32]>, hidden: usize) {

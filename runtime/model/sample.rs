@@ -59,8 +59,40 @@ pub struct Sampler {
     cand: Vec<(f32, u32)>,
 }
 
-/// Index of the largest logit (lowest index on ties).
+/// Index of the largest logit (lowest index on ties; NaN never wins, except a NaN at index 0,
+/// which nothing beats — the result of [`argmax_scan`], the reference).
+///
+/// Two passes: the maximum in eight lanes (the `>` select compiles to vector max instructions),
+/// then the first index holding it. The single scan's compare chain cost ~20 µs per 49 k-entry row,
+/// and a 16-stream step samples 16 rows.
 pub fn argmax(logits: &[f32]) -> u32 {
+    let Some(&first) = logits.first() else {
+        return 0;
+    };
+    if first.is_nan() {
+        return 0;
+    }
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = logits.chunks_exact(8);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (l, &v) in lanes.iter_mut().zip(chunk) {
+            *l = if v > *l { v } else { *l };
+        }
+    }
+    let mut max = first;
+    for &v in lanes.iter().chain(tail) {
+        if v > max {
+            max = v;
+        }
+    }
+    // `max` is a non-NaN value present in `logits` (or `first`): the first equal entry is the scan's
+    // answer (±0 compare equal, and the scan keeps the first of them too).
+    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
+}
+
+/// The reference of [`argmax`]: one scan keeping the first strictly larger value.
+pub fn argmax_scan(logits: &[f32]) -> u32 {
     let mut best = 0usize;
     for (i, &v) in logits.iter().enumerate() {
         if v > logits[best] {
@@ -148,6 +180,30 @@ mod tests {
         let b: Vec<u64> = (0..3).map(|_| r2.next_u64()).collect();
         assert_eq!(a, b);
         assert!(Rng::new(1).uniform() < 1.0);
+    }
+
+    #[test]
+    fn two_pass_argmax_equals_the_scan() {
+        let mut r = Rng::new(7);
+        for case in 0..400 {
+            let n = 1 + (r.next_u64() % 200) as usize;
+            let mut v: Vec<f32> = (0..n)
+                .map(|_| ((r.next_u64() % 9) as f32 - 4.0) * 0.5)
+                .collect();
+            // Ties everywhere (few distinct values); then NaN, ±0, -inf in places.
+            match case % 6 {
+                1 => v[(r.next_u64() as usize) % n] = f32::NAN,
+                2 => v[0] = f32::NAN,
+                3 => v.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+                4 => v
+                    .iter_mut()
+                    .for_each(|x| *x = if r.next_u64() % 2 == 0 { 0.0 } else { -0.0 }),
+                5 => v[n - 1] = 1e30,
+                _ => {}
+            }
+            assert_eq!(argmax(&v), argmax_scan(&v), "case {case}: {v:?}");
+        }
+        assert_eq!(argmax(&[]), 0);
     }
 
     #[test]

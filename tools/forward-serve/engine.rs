@@ -91,6 +91,21 @@ pub trait Engine {
         last: bool,
         sink: &mut dyn FnMut(&[f32]),
     ) -> Result<(), EngineError>;
+    /// Feed one prompt chunk each of several distinct sequences (≤ [`PREFILL_CHUNK`] tokens in
+    /// all), committed; `sink(i, logits)` gets the logits predicting item `i`'s first new token
+    /// when its `last` is set. The model engine runs them in ONE pass (one sweep over the weights
+    /// instead of one per prompt); this default feeds them one at a time. On failure the items are
+    /// to be failed by the caller (earlier ones may have been fed).
+    fn prefill_many(
+        &mut self,
+        items: &[(SeqId, &[u32], bool)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError> {
+        for (i, &(seq, tokens, last)) in items.iter().enumerate() {
+            self.prefill(seq, tokens, last, &mut |l| sink(i, l))?;
+        }
+        Ok(())
+    }
     /// One batched pass: every `(seq, tokens)` segment feeds its tokens at the sequence's own next
     /// positions (1.. tokens per segment, ≤ [`MAX_STEP_ROWS`] rows in all, distinct sequences).
     /// `sink(segment, row, logits)` gets each row's logits (row `j` predicts the token after input
@@ -280,6 +295,38 @@ impl Engine for ModelEngine {
         }
         self.seqs.insert(seq, state);
         r.map_err(device_err)
+    }
+    fn prefill_many(
+        &mut self,
+        items: &[(SeqId, &[u32], bool)],
+        sink: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError> {
+        let mut taken: Vec<(SeqId, SequenceState)> = Vec::with_capacity(items.len());
+        for &(id, _, _) in items {
+            match self.seqs.remove(&id) {
+                Some(s) => taken.push((id, s)),
+                None => {
+                    self.seqs.extend(taken);
+                    return Err(EngineError::NoSequence(id));
+                }
+            }
+        }
+        let result = {
+            let mut batch: Vec<(&mut SequenceState, &[u32])> = taken
+                .iter_mut()
+                .zip(items)
+                .map(|((_, s), &(_, toks, _))| (s, toks))
+                .collect();
+            self.model
+                .prefill_sequences(&mut batch, &mut |i, l| {
+                    if items[i].2 {
+                        sink(i, l)
+                    }
+                })
+                .map_err(device_err)
+        };
+        self.seqs.extend(taken);
+        result
     }
     fn step(
         &mut self,

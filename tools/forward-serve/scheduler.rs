@@ -195,15 +195,35 @@ pub fn run(
         }
         // At most PREFILL_CHUNK prompt tokens per turn, oldest prompt first: several short
         // prompts start together, a long one is read one chunk per turn.
+        // Several prompts go into one engine pass (one sweep over the weights, not one each).
         let mut budget = PREFILL_CHUNK;
-        while budget > 0 {
-            let Some(a) = active
-                .iter_mut()
-                .find(|a| !a.done && a.fed < a.req.prompt.len())
-            else {
+        let mut picks: Vec<(usize, usize)> = Vec::new();
+        for (i, a) in active.iter().enumerate() {
+            if budget == 0 {
                 break;
-            };
-            budget -= prefill_chunk(&mut *engine, &*codec, a, budget, &metrics, &mut scratch);
+            }
+            if a.done || a.fed >= a.req.prompt.len() {
+                continue;
+            }
+            let end = (a.fed + budget).min(a.req.prompt.len());
+            budget -= end - a.fed;
+            picks.push((i, end));
+        }
+        match picks[..] {
+            [] => {}
+            [(i, end)] => {
+                let a = &mut active[i];
+                let budget = end - a.fed;
+                prefill_chunk(&mut *engine, &*codec, a, budget, &metrics, &mut scratch);
+            }
+            _ => prefill_together(
+                &mut *engine,
+                &*codec,
+                &mut active,
+                &picks,
+                &metrics,
+                &mut scratch,
+            ),
         }
         // One decode pass over every generating sequence.
         decode_turn(
@@ -285,6 +305,66 @@ fn prefill_chunk(
         }
     }
     spent.max(1)
+}
+
+/// Feed the chunks `picks` (`(index into active, end of the chunk)`, distinct sequences, ≤
+/// [`PREFILL_CHUNK`] tokens in all) in one engine pass; a chunk that ends its prompt samples the
+/// first token. A failed pass fails every request in it.
+fn prefill_together(
+    engine: &mut dyn Engine,
+    codec: &dyn TextCodec,
+    active: &mut [Active],
+    picks: &[(usize, usize)],
+    metrics: &Metrics,
+    scratch: &mut String,
+) {
+    // The chunks' tokens, copied (≤ 128) so the sink may borrow the samplers mutably.
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut bounds = Vec::with_capacity(picks.len());
+    for &(i, end) in picks {
+        let a = &active[i];
+        let start = tokens.len();
+        tokens.extend_from_slice(&a.req.prompt[a.fed..end]);
+        bounds.push((start, tokens.len(), end == a.req.prompt.len()));
+    }
+    let items: Vec<(SeqId, &[u32], bool)> = picks
+        .iter()
+        .zip(&bounds)
+        .map(|(&(i, _), &(s, e, last))| (active[i].seq, &tokens[s..e], last))
+        .collect();
+    let mut firsts: Vec<Option<u32>> = vec![None; picks.len()];
+    let res = engine.prefill_many(&items, &mut |k, logits| {
+        firsts[k] = Some(active[picks[k].0].sampler.sample(logits))
+    });
+    match res {
+        Ok(()) => {
+            for (k, &(i, end)) in picks.iter().enumerate() {
+                let a = &mut active[i];
+                metrics
+                    .prompt_tokens
+                    .fetch_add((end - a.fed) as u64, Relaxed);
+                a.fed = end;
+                if bounds[k].2 {
+                    match firsts[k] {
+                        Some(t) => {
+                            let pos = engine.position(a.seq);
+                            take_token(a, t, codec, pos, metrics, scratch);
+                        }
+                        None => fail(a, "engine returned no logits for the prompt", metrics),
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            if matches!(e, EngineError::Device(_)) {
+                metrics.device_errors.fetch_add(1, Relaxed);
+            }
+            tracing::error!("prefill failed: {e}");
+            for &(i, _) in picks {
+                fail(&mut active[i], &e.to_string(), metrics);
+            }
+        }
+    }
 }
 
 /// How many drafts each generating sequence may carry this pass: one row each for the pending
