@@ -443,12 +443,14 @@ mod imp {
     /// (an i16 sum is exact in any order, then the same `fma(dot, d · d_x, acc)` per group, in
     /// group order), so a row's bits do not depend on the rows batched with it.
     ///
+    /// `FIRST` (group 0) overwrites the accumulators instead of adding to them.
+    ///
     /// # Safety
     /// AVX2/FMA/F16C available; `rows` inside `act`; `gg < act.groups()`;
     /// `out.len() ≥ rows.len() * 32`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_group_rows(
+    unsafe fn q4_group_rows<const FIRST: bool>(
         unpacked: &[[__m256i; 4]; 8],
         d: &[__m256; 4],
         act: &QuantizedRows,
@@ -480,7 +482,14 @@ mod imp {
                 unsafe {
                     let p = out.as_mut_ptr().add(i * TILE_ROWS + slot * 8);
                     let scale = _mm256_mul_ps(d[slot], scale_x);
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, scale, _mm256_loadu_ps(p)));
+                    // The first group starts from zero, as the single-row kernel's registers do
+                    // (and `out` need not be cleared first).
+                    let acc = if FIRST {
+                        _mm256_setzero_ps()
+                    } else {
+                        _mm256_loadu_ps(p)
+                    };
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, scale, acc));
                 }
             }
         }
@@ -696,7 +705,10 @@ mod imp {
             }
             return;
         }
-        out[..m * TILE_ROWS].fill(0.0);
+        if groups_total == 0 {
+            // K = 0: nothing overwrites the accumulators below.
+            out[..m * TILE_ROWS].fill(0.0);
+        }
         let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / 8, gg % 8);
@@ -729,7 +741,13 @@ mod imp {
             }
             // SAFETY: rows ⊂ 0..act.rows and gg < groups (caller contract); `out` holds m × 32
             // floats.
-            unsafe { q4_group_rows(&unpacked, &d, act, rows.clone(), gg, out) };
+            unsafe {
+                if gg == 0 {
+                    q4_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, out)
+                } else {
+                    q4_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, out)
+                }
+            };
         }
         // SAFETY: AVX2 available; `out` holds m × 32 floats.
         unsafe { unpermute_rows(out, m, SlotOrder::Q4) };
@@ -790,7 +808,7 @@ mod imp {
     /// As [`q4_group_rows`]; `unpacked[quad]` is `[codes, magnitudes]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_group_rows(
+    unsafe fn q8_group_rows<const FIRST: bool>(
         unpacked: &[[[__m256i; 4]; 2]; 8],
         d: &[__m256; 4],
         act: &QuantizedRows,
@@ -817,7 +835,14 @@ mod imp {
                 unsafe {
                     let p = out.as_mut_ptr().add(i * TILE_ROWS + slot * 8);
                     let scale = _mm256_mul_ps(d[slot], scale_x);
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, scale, _mm256_loadu_ps(p)));
+                    // The first group starts from zero, as the single-row kernel's registers do
+                    // (and `out` need not be cleared first).
+                    let acc = if FIRST {
+                        _mm256_setzero_ps()
+                    } else {
+                        _mm256_loadu_ps(p)
+                    };
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, scale, acc));
                 }
             }
         }
@@ -841,7 +866,8 @@ mod imp {
         debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
         debug_assert!(block.len() >= groups_total.div_ceil(groups_per_tile) * layout.tile_bytes);
         let mut acc1 = [_mm256_setzero_ps(); 4];
-        if m > 1 {
+        if m > 1 && groups_total == 0 {
+            // K = 0: nothing overwrites the accumulators below.
             out[..m * TILE_ROWS].fill(0.0);
         }
         // Per quad: the codes (for the sign) and their magnitudes (the unsigned maddubs operand).
@@ -885,7 +911,13 @@ mod imp {
                 *slot = [w, w.map(|v| _mm256_sign_epi8(v, v))];
             }
             // SAFETY: as for the 4-bit kernel.
-            unsafe { q8_group_rows(&unpacked, &d, act, rows.clone(), gg, out) };
+            unsafe {
+                if gg == 0 {
+                    q8_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, out)
+                } else {
+                    q8_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, out)
+                }
+            };
         }
         if m == 1 {
             store_rows(acc1, SlotOrder::Q8, &mut out[..TILE_ROWS]);
