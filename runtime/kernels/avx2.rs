@@ -351,6 +351,36 @@ mod imp {
 
     // ---- accumulators ------------------------------------------------------------------------------
 
+    /// `acc[slot] = fma(dot[slot], d[slot] · scale_x, acc[slot])` for one row's four slot-ordered
+    /// accumulators kept in `acc_mem[..32]` — the single-row kernel's per-group update. `FIRST`
+    /// starts from zero, as that kernel's registers do (so `acc_mem` need not be cleared first).
+    ///
+    /// # Safety
+    /// AVX2/FMA available; `acc_mem.len() ≥ 32`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate_row<const FIRST: bool>(
+        acc_mem: &mut [f32],
+        dots: [__m256; 4],
+        d: &[__m256; 4],
+        scale_x: __m256,
+    ) {
+        debug_assert!(acc_mem.len() >= TILE_ROWS);
+        for (slot, dot) in dots.into_iter().enumerate() {
+            // SAFETY: acc_mem holds ≥ 32 floats; 8 are read and written at 8·slot for slot < 4.
+            unsafe {
+                let p = acc_mem.as_mut_ptr().add(slot * 8);
+                let acc = if FIRST {
+                    _mm256_setzero_ps()
+                } else {
+                    _mm256_loadu_ps(p)
+                };
+                let scale = _mm256_mul_ps(d[slot], scale_x);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, scale, acc));
+            }
+        }
+    }
+
     /// Turn slot-ordered accumulators kept in `out` (32 floats per row) into natural row order.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -476,22 +506,9 @@ mod imp {
                 }
             }
             let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-            for (slot, sum) in sum16.iter().enumerate() {
-                let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(*sum, ones));
-                // SAFETY: i < rows.len(), so floats 32·i + 8·slot .. + 8 are inside `out`.
-                unsafe {
-                    let p = out.as_mut_ptr().add(i * TILE_ROWS + slot * 8);
-                    let scale = _mm256_mul_ps(d[slot], scale_x);
-                    // The first group starts from zero, as the single-row kernel's registers do
-                    // (and `out` need not be cleared first).
-                    let acc = if FIRST {
-                        _mm256_setzero_ps()
-                    } else {
-                        _mm256_loadu_ps(p)
-                    };
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, scale, acc));
-                }
-            }
+            let dots = sum16.map(|sum| _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)));
+            // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
+            unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
         }
     }
 
@@ -829,22 +846,9 @@ mod imp {
                 unsafe { q8_quad_dot(w, magnitude, x4, &mut sum32) };
             }
             let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-            for (slot, sum) in sum32.iter().enumerate() {
-                let dot = _mm256_cvtepi32_ps(*sum);
-                // SAFETY: i < rows.len(), so floats 32·i + 8·slot .. + 8 are inside `out`.
-                unsafe {
-                    let p = out.as_mut_ptr().add(i * TILE_ROWS + slot * 8);
-                    let scale = _mm256_mul_ps(d[slot], scale_x);
-                    // The first group starts from zero, as the single-row kernel's registers do
-                    // (and `out` need not be cleared first).
-                    let acc = if FIRST {
-                        _mm256_setzero_ps()
-                    } else {
-                        _mm256_loadu_ps(p)
-                    };
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, scale, acc));
-                }
-            }
+            let dots = sum32.map(|sum| _mm256_cvtepi32_ps(sum));
+            // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
+            unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
         }
     }
 

@@ -940,6 +940,19 @@ impl Model {
         Ok(&self.out)
     }
 
+    /// A sequence state made for this model (same layer count) and tokens inside its vocabulary.
+    fn check_sequence(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
+        if seq.k_cache.len() != self.run_layers {
+            return Err(ModelError::State {
+                what: format!(
+                    "a sequence state of {} layers given to a model running {}",
+                    seq.k_cache.len(),
+                    self.run_layers
+                ),
+            });
+        }
+        seq.check_tokens(tokens, self.w.config.vocab)
+    }
     /// One batched pass over several sequences: each `(state, tokens)` feeds its tokens at its own
     /// `P..`, and all rows (1..=16 in total) share every projection. Logit rows come back in input
     /// order (the first sequence's rows first). Every state then waits for its own
@@ -964,16 +977,7 @@ impl Model {
                     max: MAX_VERIFY_ROWS,
                 });
             }
-            if seq.k_cache.len() != self.run_layers {
-                return Err(ModelError::State {
-                    what: format!(
-                        "a sequence state of {} layers given to a model running {}",
-                        seq.k_cache.len(),
-                        self.run_layers
-                    ),
-                });
-            }
-            seq.check_tokens(tokens, self.w.config.vocab)?;
+            self.check_sequence(seq, tokens)?;
         }
         let mut segments: Vec<Segment<'_, '_>> = batch
             .iter_mut()
@@ -1034,16 +1038,7 @@ impl Model {
                     what: "prefill of zero tokens".into(),
                 });
             }
-            if seq.k_cache.len() != self.run_layers {
-                return Err(ModelError::State {
-                    what: format!(
-                        "a sequence state of {} layers given to a model running {}",
-                        seq.k_cache.len(),
-                        self.run_layers
-                    ),
-                });
-            }
-            seq.check_tokens(tokens, self.w.config.vocab)?;
+            self.check_sequence(seq, tokens)?;
         }
         let mut segments: Vec<Segment<'_, '_>> = batch
             .iter_mut()
