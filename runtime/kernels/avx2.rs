@@ -467,9 +467,8 @@ mod imp {
     /// (32 slot-ordered floats per row). The group's 32 unpacked weight vectors are unpacked once
     /// (by the caller) and stay in L1 while the rows stream past; per row, each of the 8 activation
     /// quads is broadcast once and feeds the 4 slot vectors (32 `maddubs` summed in four i16
-    /// registers), then one widening and one FMA per slot. Broadcasting once per row rather than
-    /// once per (row, slot) made this loop order about 1.3× faster than slot-outer with the
-    /// weights held in registers (25 vs 19 MAC/cycle on L2-resident tiles). The arithmetic is the single-row kernel's, operation for operation
+    /// registers), then one widening and one FMA per slot: each broadcast serves four slots instead
+    /// of one. The arithmetic is the single-row kernel's, operation for operation
     /// (an i16 sum is exact in any order, then the same `fma(dot, d · d_x, acc)` per group, in
     /// group order), so a row's bits do not depend on the rows batched with it.
     ///
