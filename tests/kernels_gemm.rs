@@ -1,5 +1,6 @@
 //! Host GEMM: every path against its scalar reference, and quantization error within ggml's bounds.
 
+use xdna::kernels::host_layout;
 use xdna::kernels::reference::{gemm_reference, gemm_reference_quantized};
 use xdna::kernels::{HostExecutor, KernelError, WeightMatrix};
 use xdna::tiles::{
@@ -473,5 +474,143 @@ fn single_row_results_equal_the_same_row_of_a_batch() {
                 );
             }
         }
+    }
+}
+
+/// q4_1 and Q8 formats: the ones the host executor repacks into group records.
+fn record_formats() -> impl Iterator<Item = WeightFormat> {
+    WeightFormat::ALL
+        .into_iter()
+        .filter(|f| host_layout::record_bytes(*f).is_some())
+}
+
+#[test]
+fn host_group_records_give_the_tile_results_bit_for_bit() {
+    // K = 576 and 100 end inside a tile (padding skipped), 1536 fills whole tiles, 2600 has 82
+    // groups; M covers one row, pairs and a tail, a verify pass, and more than one pass of 128.
+    let shapes: [(usize, usize); 4] = [(64, 576), (32, 100), (96, 1536), (32, 2600)];
+    let ms = [1, 2, 3, 16, 17, 130];
+    let formats: Vec<WeightFormat> = record_formats().collect();
+    assert_eq!(formats.len(), 8, "q4_1 and Q8, two scale types, two orders");
+    for (i, format) in formats.into_iter().enumerate() {
+        for &(n, k) in &shapes {
+            let mut rng = Rng(97 + i as u64);
+            let data = encode(format, &rng.vec(n * k, 1.0), n, k);
+            let tiles = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
+            let packed = host_layout::pack_group_records(format, n, k, &data)
+                .expect("packs")
+                .expect("q4_1 and Q8 have a record layout");
+            assert_eq!(
+                packed.len(),
+                n / TILE_ROWS * k.div_ceil(GROUP) * host_layout::record_bytes(format).unwrap_or(0)
+            );
+            let records = WeightMatrix::group_records(format, n, k, &packed).expect("valid");
+            assert_eq!(records.streamed_bytes(), tiles.streamed_bytes());
+            for &m in &ms {
+                let x = rng.vec(m * k, 2.0);
+                for executor in [HostExecutor::new(), HostExecutor::scalar()] {
+                    let mut from_tiles = vec![f32::NAN; m * n];
+                    let mut from_records = vec![f32::NAN; m * n];
+                    executor.gemm(&tiles, &x, m, &mut from_tiles).expect("gemm");
+                    executor
+                        .gemm(&records, &x, m, &mut from_records)
+                        .expect("gemm");
+                    assert_eq!(
+                        from_tiles,
+                        from_records,
+                        "{} n {n} k {k} m {m} avx2 {}",
+                        format.name(),
+                        executor.uses_avx2()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn group_record_bytes_follow_the_documented_layout() {
+    // docs/formats.md: per 32-row block, one record per group; q4_1 = scales (64 B), mins (64 B),
+    // codes at 128 + c·16 + r/2 (odd rows in the high nibble); Q8 = scales (64 B), codes at
+    // 64 + c·32 + r. Checked here against the tile's own cell and code positions.
+    let (n, k): (usize, usize) = (64, 576);
+    let groups = k.div_ceil(GROUP);
+    for (i, format) in record_formats().enumerate() {
+        let mut rng = Rng(7 + i as u64);
+        let data = encode(format, &rng.vec(n * k, 1.0), n, k);
+        let packed = host_layout::pack_group_records(format, n, k, &data)
+            .expect("packs")
+            .expect("has records");
+        let tile_bytes = format.tile_bytes().expect("tiled");
+        let tiles_per_block = format.padded_cols(k) / tiles::TILE_COLS;
+        let record = host_layout::record_bytes(format).expect("has records");
+        for (block, gg, r, c) in [(0, 0, 0, 0), (0, 5, 31, 17), (1, 17, 6, 31), (1, 8, 13, 2)] {
+            let tile_index = block * tiles_per_block + gg / 8;
+            let tile = &data[tile_index * tile_bytes..(tile_index + 1) * tile_bytes];
+            let rec = &packed[(block * groups + gg) * record..(block * groups + gg + 1) * record];
+            let g = gg % 8;
+            let scale_at = 2 * cell(g, r);
+            assert_eq!(
+                rec[2 * r..2 * r + 2],
+                tile[scale_at..scale_at + 2],
+                "scale {gg} {r}"
+            );
+            match format {
+                WeightFormat::Q41 { order, .. } => {
+                    let min_at = tiles::Q41_MINS + scale_at;
+                    assert_eq!(rec[64 + 2 * r..66 + 2 * r], tile[min_at..min_at + 2], "min");
+                    let (byte, high) = tiles::q4_code_pos(order, r, g * GROUP + c);
+                    let b = tile[tiles::Q41_CODES + byte];
+                    let want = if high { b >> 4 } else { b & 0x0F };
+                    let got = rec[128 + c * 16 + r / 2];
+                    let got = if r % 2 == 1 { got >> 4 } else { got & 0x0F };
+                    assert_eq!(got, want, "{} code ({gg}, {r}, {c})", format.name());
+                }
+                WeightFormat::Q8 { order, .. } => {
+                    let want = tile[tiles::Q8_CODES + tiles::q8_code_pos(order, r, g * GROUP + c)];
+                    assert_eq!(
+                        rec[64 + c * 32 + r],
+                        want,
+                        "{} code ({gg}, {r}, {c})",
+                        format.name()
+                    );
+                }
+                other => panic!("{} has no records", other.name()),
+            }
+        }
+    }
+}
+
+#[test]
+fn group_records_are_refused_where_tiles_are_required() {
+    let format = WeightFormat::Q41 {
+        scale: ScaleType::F16,
+        order: TileOrder::ColumnMajor,
+    };
+    let (n, k) = (32, 64);
+    let data = encode(format, &Rng(3).vec(n * k, 1.0), n, k);
+    // Formats without a record layout stay in tiles.
+    for other in [WeightFormat::Q4K, WeightFormat::Q8Legacy, WeightFormat::F32] {
+        let bytes = vec![0u8; other.matrix_bytes(n, k).expect("shape")];
+        assert!(host_layout::pack_group_records(other, n, k, &bytes)
+            .expect("no error")
+            .is_none());
+    }
+    // A wrong length is a typed error, for packing and for a record matrix.
+    assert!(matches!(
+        host_layout::pack_group_records(format, n, k, &data[1..]),
+        Err(KernelError::Weight { .. })
+    ));
+    let packed = host_layout::pack_group_records(format, n, k, &data)
+        .expect("packs")
+        .expect("has records");
+    assert!(WeightMatrix::group_records(format, n, k, &packed[..packed.len() - 1]).is_err());
+    assert!(WeightMatrix::group_records(WeightFormat::Q4K, n, k, &packed).is_err());
+    // The scalar reference (and device uploads) take tiles only, and say so.
+    let records = WeightMatrix::group_records(format, n, k, &packed).expect("valid");
+    let mut y = vec![0f32; n];
+    match gemm_reference(&records, &vec![1.0; k], 1, &mut y) {
+        Err(KernelError::Unsupported(msg)) => assert!(msg.contains("group-record"), "{msg}"),
+        other => panic!("expected Unsupported, got {other:?}"),
     }
 }

@@ -55,8 +55,12 @@ pub struct Q4Layout {
     pub column_major: bool,
     /// Offset of the code area in the tile.
     pub codes: usize,
+    /// Offset of the min area (q4_1; 512 in a tile, 64 in a host group record).
+    pub mins: usize,
     /// Bytes per tile.
     pub tile_bytes: usize,
+    /// 32-column groups per tile: 8, or 1 for host group records (`gemm::Packing`).
+    pub groups_per_tile: usize,
 }
 
 /// Geometry of an 8-bit tile kernel.
@@ -130,17 +134,17 @@ mod imp {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_group_scales(
-        kind: Q4Scales,
+        layout: Q4Layout,
         tile: *const u8,
         g: usize,
     ) -> ([__m256; 4], [__m256; 4]) {
         // SAFETY (whole body): `tile` points at a full tile (checked by the caller), and every
-        // offset below is inside the tile's scale/min areas for g < 8.
+        // offset below is inside the tile's scale/min areas for g < layout.groups_per_tile.
         unsafe {
-            match kind {
+            match layout.scales {
                 Q4Scales::Bf16 => {
                     let d = tile.add(g * 64);
-                    let m = tile.add(512 + g * 64);
+                    let m = tile.add(layout.mins + g * 64);
                     (
                         [
                             bf16x8(d),
@@ -158,7 +162,7 @@ mod imp {
                 }
                 Q4Scales::F16 => {
                     let d = tile.add(g * 64);
-                    let m = tile.add(512 + g * 64);
+                    let m = tile.add(layout.mins + g * 64);
                     (
                         [
                             f16x8(d),
@@ -434,7 +438,7 @@ mod imp {
     fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
         let (scales, mins) = match layout.scales {
             Q4Scales::Q4K => (g * 32, 256 + g * 32),
-            _ => (g * 64, 512 + g * 64),
+            _ => (g * 64, layout.mins + g * 64),
         };
         if layout.column_major {
             [(scales, 1), (mins, 1), (layout.codes + g * 512, 8)]
@@ -530,7 +534,9 @@ mod imp {
     ) {
         let groups_total = act.groups();
         debug_assert!(row < act.rows && out.len() >= TILE_ROWS);
-        debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
+        debug_assert!(
+            block.len() >= groups_total.div_ceil(layout.groups_per_tile) * layout.tile_bytes
+        );
         debug_assert_eq!(COLUMN_MAJOR, layout.column_major);
         let ones = _mm256_set1_epi16(1);
         let scales = &act.scales[row * groups_total..(row + 1) * groups_total];
@@ -539,11 +545,11 @@ mod imp {
         let a_row = unsafe { act.codes.as_ptr().add(row * act.cols) };
         let mut acc = [_mm256_setzero_ps(); 4];
         for (gg, &scale_x) in scales.iter().enumerate() {
-            let (t, g) = (gg / 8, gg % 8);
+            let (t, g) = (gg / layout.groups_per_tile, gg % layout.groups_per_tile);
             prefetch_group(
                 block,
                 groups_total,
-                8,
+                layout.groups_per_tile,
                 layout.tile_bytes,
                 |_, g| q4_group_lines(layout, g),
                 gg + PREFETCH_AHEAD,
@@ -552,9 +558,9 @@ mod imp {
                 prefetch_group(
                     block,
                     groups_total,
-                    8,
+                    layout.groups_per_tile,
                     layout.tile_bytes,
-                    |_, g| [(512 + g * 64, 1), (0, 0), (0, 0)],
+                    |_, g| [(layout.mins + g * 64, 1), (0, 0), (0, 0)],
                     gg + PREFETCH_AHEAD,
                 );
             }
@@ -576,7 +582,7 @@ mod imp {
                     sum16[i] = _mm256_add_epi16(sum16[i], _mm256_maddubs_epi16(w[i], x4));
                 }
             }
-            let d = q4_slot_order(unsafe { q4_group_scales(layout.scales, tile, g) }.0);
+            let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
             let scale_x = _mm256_set1_ps(scale_x);
             for i in 0..4 {
                 let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[i], ones));
@@ -594,18 +600,24 @@ mod imp {
     /// with it (the model's batched = sequential guarantee rests on that).
     ///
     /// # Safety
-    /// AVX2/FMA/F16C available; `block` holds `sums.len().div_ceil(8)` tiles of `layout.tile_bytes`;
+    /// AVX2/FMA/F16C available; `block` holds `sums.len().div_ceil(layout.groups_per_tile)` tiles of `layout.tile_bytes`;
     /// `out.len() ≥ 32`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_add_min_term(layout: Q4Layout, block: &[u8], sums: &[f32], out: &mut [f32]) {
-        debug_assert!(block.len() >= sums.len().div_ceil(8) * layout.tile_bytes);
+        debug_assert!(
+            block.len() >= sums.len().div_ceil(layout.groups_per_tile) * layout.tile_bytes
+        );
         debug_assert!(out.len() >= TILE_ROWS);
         let mut mins_acc = [_mm256_setzero_ps(); 4];
         for (gg, &sum_x) in sums.iter().enumerate() {
-            // SAFETY: tile gg / 8 exists (caller contract); the min area is inside it.
-            let tile = unsafe { block.as_ptr().add(gg / 8 * layout.tile_bytes) };
-            let mins = unsafe { q4_group_scales(layout.scales, tile, gg % 8) }.1;
+            // SAFETY: tile gg / groups_per_tile exists (caller contract); its min area holds the group.
+            let tile = unsafe {
+                block
+                    .as_ptr()
+                    .add(gg / layout.groups_per_tile * layout.tile_bytes)
+            };
+            let mins = unsafe { q4_group_scales(layout, tile, gg % layout.groups_per_tile) }.1;
             let sum_x = _mm256_set1_ps(sum_x);
             for i in 0..4 {
                 mins_acc[i] = _mm256_fmadd_ps(mins[i], sum_x, mins_acc[i]);
@@ -640,7 +652,9 @@ mod imp {
         const GROUP_CHUNK: usize = 64;
         let groups_total = act.groups();
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
-        debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
+        debug_assert!(
+            block.len() >= groups_total.div_ceil(layout.groups_per_tile) * layout.tile_bytes
+        );
         let first = rows.start;
         let mut mins = [[_mm256_setzero_ps(); 4]; GROUP_CHUNK];
         let mut row_start = rows.start;
@@ -651,9 +665,13 @@ mod imp {
             while g0 < groups_total {
                 let g1 = (g0 + GROUP_CHUNK).min(groups_total);
                 for (gg, slot) in (g0..g1).zip(mins.iter_mut()) {
-                    // SAFETY: tile gg / 8 exists (caller contract); the min area is inside it.
-                    let tile = unsafe { block.as_ptr().add(gg / 8 * layout.tile_bytes) };
-                    *slot = unsafe { q4_group_scales(layout.scales, tile, gg % 8) }.1;
+                    // SAFETY: tile gg / groups_per_tile exists (caller contract); its min area holds the group.
+                    let tile = unsafe {
+                        block
+                            .as_ptr()
+                            .add(gg / layout.groups_per_tile * layout.tile_bytes)
+                    };
+                    *slot = unsafe { q4_group_scales(layout, tile, gg % layout.groups_per_tile) }.1;
                 }
                 // Two rows at a time: eight independent FMA chains hide the FMA latency.
                 let rows_here = row_chunk.len();
@@ -709,7 +727,9 @@ mod imp {
         let groups_total = act.groups();
         let m = rows.len();
         debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
-        debug_assert!(block.len() >= groups_total.div_ceil(8) * layout.tile_bytes);
+        debug_assert!(
+            block.len() >= groups_total.div_ceil(layout.groups_per_tile) * layout.tile_bytes
+        );
         if m == 1 {
             // SAFETY: the caller's contract is this function's.
             unsafe {
@@ -727,11 +747,11 @@ mod imp {
         }
         let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
         for gg in 0..groups_total {
-            let (t, g) = (gg / 8, gg % 8);
+            let (t, g) = (gg / layout.groups_per_tile, gg % layout.groups_per_tile);
             prefetch_group(
                 block,
                 groups_total,
-                8,
+                layout.groups_per_tile,
                 layout.tile_bytes,
                 |_, g| q4_group_lines(layout, g),
                 gg + PREFETCH_AHEAD,
@@ -741,16 +761,16 @@ mod imp {
                 prefetch_group(
                     block,
                     groups_total,
-                    8,
+                    layout.groups_per_tile,
                     layout.tile_bytes,
-                    |_, g| [(512 + g * 64, 1), (0, 0), (0, 0)],
+                    |_, g| [(layout.mins + g * 64, 1), (0, 0), (0, 0)],
                     gg + PREFETCH_AHEAD,
                 );
             }
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
-            let d = q4_slot_order(unsafe { q4_group_scales(layout.scales, tile, g) }.0);
+            let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
             for (quad, slot) in unpacked.iter_mut().enumerate() {
                 // SAFETY: column g·32 + 4·quad + 3 < 256.
                 *slot = unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };

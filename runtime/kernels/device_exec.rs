@@ -333,6 +333,7 @@ impl DeviceExecutor {
         y: &mut [f32],
     ) -> Result<(), KernelError> {
         w.check_bytes()?;
+        w.require_tiles("a device executor")?;
         let wid = WeightId::Host(weight_key(w.data));
         let shape = (w.format, w.cols, w.rows);
         self.run_passes(shape, wid, Some(w.data), x, m, y)
@@ -343,6 +344,7 @@ impl DeviceExecutor {
     /// the caller may drop them or release their pages.
     pub fn upload(&self, w: &WeightMatrix) -> Result<DeviceWeights, KernelError> {
         w.check_bytes()?;
+        w.require_tiles("a device upload")?;
         let wbo = self
             .upload_weights(w.data)
             .map_err(|e| dev_err(self.device.path(), e))?;

@@ -8,6 +8,7 @@
 use std::cell::RefCell;
 
 use super::avx2::{self, Q4Layout, Q4Scales, Q8Layout};
+use super::host_layout::{self, Packing};
 use super::pool::{ChunkCounter, Pool};
 use super::quant::QuantizedRows;
 use super::KernelError;
@@ -25,8 +26,10 @@ pub struct WeightMatrix<'a> {
     pub rows: usize,
     /// Logical input features K (tile formats store K zero-padded to the tile width).
     pub cols: usize,
-    /// The stored bytes, exactly `format.matrix_bytes(rows, cols)` long.
+    /// The bytes, exactly `format.matrix_bytes(rows, cols)` long for tiles (see [`Packing`]).
     pub data: &'a [u8],
+    /// How `data` is arranged: the format's tiles, or the host executor's group records.
+    pub packing: Packing,
 }
 
 impl<'a> WeightMatrix<'a> {
@@ -56,15 +59,57 @@ impl<'a> WeightMatrix<'a> {
             rows,
             cols,
             data,
+            packing: Packing::Tiles,
         })
+    }
+
+    /// A matrix in the host executor's group-record layout (from
+    /// [`host_layout::pack_group_records`]), its length checked against format and shape.
+    pub fn group_records(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        let w = WeightMatrix {
+            format,
+            rows,
+            cols,
+            data,
+            packing: Packing::GroupRecords,
+        };
+        w.check_bytes()?;
+        Ok(w)
+    }
+
+    /// Bytes `data` must have for this format, shape and packing.
+    fn expected_bytes(&self) -> Result<usize, tiles::TileError> {
+        match self.packing {
+            Packing::Tiles => self.format.matrix_bytes(self.rows, self.cols),
+            Packing::GroupRecords => {
+                host_layout::records_matrix_bytes(self.format, self.rows, self.cols)
+            }
+        }
+    }
+
+    /// An error unless `data` is in the format's tile grid: what devices and the reference take.
+    pub fn require_tiles(&self, consumer: &'static str) -> Result<(), KernelError> {
+        match self.packing {
+            Packing::Tiles => Ok(()),
+            Packing::GroupRecords => Err(KernelError::Unsupported(format!(
+                "{consumer} takes {} tiles; this {}×{} matrix is in the host executor's group-record layout",
+                self.format.name(),
+                self.rows,
+                self.cols
+            ))),
+        }
     }
 
     /// `data` has exactly the bytes its format and shape imply (the fields are public, so a
     /// hand-built matrix may be inconsistent; every executor re-checks before reading).
     pub fn check_bytes(&self) -> Result<(), KernelError> {
         let expected = self
-            .format
-            .matrix_bytes(self.rows, self.cols)
+            .expected_bytes()
             .map_err(|source| KernelError::Weight {
                 format: self.format.name(),
                 rows: self.rows,
@@ -99,9 +144,14 @@ impl<'a> WeightMatrix<'a> {
 
     /// Bytes of one 32-row block (tile formats).
     fn block_bytes(&self) -> usize {
-        match self.format.tile_bytes() {
-            Some(tile) => self.format.padded_cols(self.cols) / self.format.tile_cols() * tile,
-            None => 0,
+        match (self.packing, self.format.tile_bytes()) {
+            (Packing::GroupRecords, _) => {
+                self.cols.div_ceil(GROUP) * host_layout::record_bytes(self.format).unwrap_or(0)
+            }
+            (Packing::Tiles, Some(tile)) => {
+                self.format.padded_cols(self.cols) / self.format.tile_cols() * tile
+            }
+            (Packing::Tiles, None) => 0,
         }
     }
 }
@@ -114,23 +164,55 @@ enum FastKernel {
     Plain(avx2::PlainKind),
 }
 
-fn fast_kernel(format: WeightFormat) -> FastKernel {
+fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
     let column_major = |order| order == TileOrder::ColumnMajor;
+    let q4_scales = |scale| match scale {
+        ScaleType::Bf16 => Q4Scales::Bf16,
+        ScaleType::F16 => Q4Scales::F16,
+    };
+    if packing == Packing::GroupRecords {
+        // A record is a column-major tile of one group (host_layout).
+        match format {
+            WeightFormat::Q41 { scale, .. } => {
+                return FastKernel::Q4(Q4Layout {
+                    scales: q4_scales(scale),
+                    column_major: true,
+                    codes: host_layout::Q41_RECORD_CODES,
+                    mins: host_layout::Q41_RECORD_MINS,
+                    tile_bytes: host_layout::Q41_RECORD_BYTES,
+                    groups_per_tile: 1,
+                })
+            }
+            WeightFormat::Q8 { scale, .. } => {
+                return FastKernel::Q8(Q8Layout {
+                    f16_scales: scale == ScaleType::F16,
+                    column_major: true,
+                    codes: host_layout::Q8_RECORD_CODES,
+                    plane: 0,
+                    tile_cols: GROUP,
+                    tile_bytes: host_layout::Q8_RECORD_BYTES,
+                })
+            }
+            // No record layout: `check_bytes` has already rejected such a matrix.
+            _ => {}
+        }
+    }
     match format {
         WeightFormat::Q41 { scale, order } => FastKernel::Q4(Q4Layout {
-            scales: match scale {
-                ScaleType::Bf16 => Q4Scales::Bf16,
-                ScaleType::F16 => Q4Scales::F16,
-            },
+            scales: q4_scales(scale),
             column_major: column_major(order),
             codes: tiles::Q41_CODES,
+            mins: tiles::Q41_MINS,
             tile_bytes: tiles::Q41_TILE_BYTES,
+            groups_per_tile: tiles::GROUPS,
         }),
         WeightFormat::Q4K => FastKernel::Q4(Q4Layout {
             scales: Q4Scales::Q4K,
             column_major: true,
             codes: 512,
+            mins: 256,
             tile_bytes: tiles::Q4K_TILE_BYTES,
+            groups_per_tile: tiles::GROUPS,
         }),
         WeightFormat::Q8 { scale, order } => FastKernel::Q8(Q8Layout {
             f16_scales: scale == ScaleType::F16,
@@ -248,7 +330,7 @@ impl HostExecutor {
             return Ok(());
         }
         let fast = self.uses_avx2();
-        let kernel = fast_kernel(w.format);
+        let kernel = fast_kernel(w.format, w.packing);
         let out = OutPtr(y.as_mut_ptr());
         let blocks = w.rows.div_ceil(TILE_ROWS);
         let run = |act: Option<&QuantizedRows>| {
@@ -453,7 +535,19 @@ fn scalar_tiled_block(
     let tile_cols = w.format.tile_cols();
     decoded.resize(TILE_ROWS * tile_cols, 0.0);
     out[..rows.len() * TILE_ROWS].fill(0.0);
-    for (t, tile) in data.chunks_exact(tile_bytes).enumerate() {
+    // Group records are turned back into tiles, so both packings sum in the same order.
+    let mut rebuilt = match w.packing {
+        Packing::Tiles => Vec::new(),
+        Packing::GroupRecords => vec![0u8; tile_bytes],
+    };
+    for t in 0..w.format.padded_cols(k) / tile_cols {
+        let tile = match w.packing {
+            Packing::Tiles => &data[t * tile_bytes..(t + 1) * tile_bytes],
+            Packing::GroupRecords => {
+                host_layout::tile_from_records(w.format, data, t, &mut rebuilt);
+                &rebuilt[..]
+            }
+        };
         // The tile length is exact, so decoding cannot fail.
         if tiles::decode_tile(w.format, tile, decoded).is_err() {
             continue;

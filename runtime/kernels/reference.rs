@@ -8,6 +8,7 @@ use crate::tiles::{self, WeightFormat, GROUP, TILE_ROWS};
 
 /// Decode a whole weight matrix to row-major f32 `[rows, cols]` (padding columns dropped).
 pub fn decode_matrix(w: &WeightMatrix) -> Result<Vec<f32>, KernelError> {
+    w.require_tiles("the scalar reference")?;
     let weight_error = |source| KernelError::Weight {
         format: w.format.name(),
         rows: w.rows,

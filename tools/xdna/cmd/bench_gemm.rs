@@ -9,6 +9,7 @@
 
 use std::time::Instant;
 
+use xdna::kernels::host_layout::{pack_group_records, Packing};
 use xdna::kernels::pool::Pool;
 use xdna::kernels::{HostExecutor, WeightMatrix};
 use xdna::tiles::WeightFormat;
@@ -36,6 +37,10 @@ pub struct Args {
     /// Layers to sweep (SmolLM2-135M has 30).
     #[arg(long, default_value_t = 30)]
     layers: usize,
+    /// Weight layout: `host` (what the host backend runs: q4_1/Q8 repacked into group records
+    /// at load) or `tiles` (the package's tile grid, as a device receives it).
+    #[arg(long, default_value = "host")]
+    layout: String,
 }
 
 /// SmolLM2-135M: hidden 576, FFN 1536, 9 heads × 64, 3 KV heads, vocab 49152.
@@ -49,6 +54,7 @@ struct Matrix {
     rows: usize,
     cols: usize,
     data: Vec<u8>,
+    packing: Packing,
 }
 
 impl Matrix {
@@ -58,6 +64,7 @@ impl Matrix {
             rows: self.rows,
             cols: self.cols,
             data: &self.data,
+            packing: self.packing,
         }
     }
 }
@@ -69,6 +76,7 @@ fn synthetic(
     format: WeightFormat,
     rows: usize,
     cols: usize,
+    host_layout: bool,
     seed: &mut u64,
 ) -> xdna::Result<Matrix> {
     let bytes = format
@@ -105,11 +113,25 @@ fn synthetic(
             s.copy_from_slice(&small);
         }
     }
+    if host_layout {
+        let records = pack_group_records(format, rows, cols, &data)
+            .map_err(|e| xdna::Error::Usage(format!("{name}: {e}")))?;
+        if let Some(records) = records {
+            return Ok(Matrix {
+                format,
+                rows,
+                cols,
+                data: records,
+                packing: Packing::GroupRecords,
+            });
+        }
+    }
     Ok(Matrix {
         format,
         rows,
         cols,
         data,
+        packing: Packing::Tiles,
     })
 }
 
@@ -138,18 +160,55 @@ pub fn run(args: Args) -> xdna::Result<()> {
         .map_err(|e| xdna::Error::Usage(format!("--wfmt: {e}")))?;
     let head_wfmt = WeightFormat::from_name(&args.head_wfmt)
         .map_err(|e| xdna::Error::Usage(format!("--head-wfmt: {e}")))?;
+    let host_layout = match args.layout.as_str() {
+        "host" => true,
+        "tiles" => false,
+        other => {
+            return Err(xdna::Error::Usage(format!(
+                "--layout: {other:?} is neither `host` nor `tiles`"
+            )))
+        }
+    };
     if args.m.is_empty() || args.m.contains(&0) {
         return Err(xdna::Error::Usage("--m needs positive row counts".into()));
     }
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut matrices = Vec::new();
     for _ in 0..args.layers {
-        matrices.push(synthetic("qkv", wfmt, QKV, HIDDEN, &mut seed)?);
-        matrices.push(synthetic("o", wfmt, HIDDEN, HIDDEN, &mut seed)?);
-        matrices.push(synthetic("gate+up", wfmt, 2 * FFN, HIDDEN, &mut seed)?);
-        matrices.push(synthetic("down", wfmt, HIDDEN, FFN, &mut seed)?);
+        matrices.push(synthetic("qkv", wfmt, QKV, HIDDEN, host_layout, &mut seed)?);
+        matrices.push(synthetic(
+            "o",
+            wfmt,
+            HIDDEN,
+            HIDDEN,
+            host_layout,
+            &mut seed,
+        )?);
+        matrices.push(synthetic(
+            "gate+up",
+            wfmt,
+            2 * FFN,
+            HIDDEN,
+            host_layout,
+            &mut seed,
+        )?);
+        matrices.push(synthetic(
+            "down",
+            wfmt,
+            HIDDEN,
+            FFN,
+            host_layout,
+            &mut seed,
+        )?);
     }
-    matrices.push(synthetic("lm_head", head_wfmt, VOCAB, HIDDEN, &mut seed)?);
+    matrices.push(synthetic(
+        "lm_head",
+        head_wfmt,
+        VOCAB,
+        HIDDEN,
+        host_layout,
+        &mut seed,
+    )?);
     let views: Vec<WeightMatrix> = matrices.iter().map(Matrix::view).collect();
     let streamed: usize = views.iter().map(|w| w.streamed_bytes()).sum();
     let stored: usize = views.iter().map(|w| w.data.len()).sum();
@@ -211,6 +270,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "shapes": "SmolLM2-135M: 30 x (qkv 960x576, o 576x576, gate+up 3072x576, down 576x1536) + lm_head 49152x576",
             "wfmt": wfmt.name(),
             "head_wfmt": head_wfmt.name(),
+            "layout": args.layout,
             "threads": threads,
             "avx2": executor.uses_avx2(),
             "calls_per_sweep": views.len(),
@@ -234,10 +294,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
         return Ok(());
     }
     println!(
-        "host GEMM sweep: {} layers x (qkv, o, gate+up, down) {} + lm_head {}; {} calls, {:.1} MB streamed ({:.1} MB stored); {} thread(s), {}",
+        "host GEMM sweep: {} layers x (qkv, o, gate+up, down) {} + lm_head {}, {} layout; {} calls, {:.1} MB streamed ({:.1} MB stored); {} thread(s), {}",
         args.layers,
         wfmt.name(),
         head_wfmt.name(),
+        args.layout,
         views.len(),
         streamed as f64 / 1e6,
         stored as f64 / 1e6,

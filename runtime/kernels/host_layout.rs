@@ -1,0 +1,191 @@
+//! The host executor's own weight layout: tiles re-laid as contiguous per-group records.
+//!
+//! A package stores K zero-padded to the 256-column tile width, and inside a tile a group's
+//! scales, mins and codes sit in three separate areas. On the NPU that is the DMA layout; on the
+//! CPU it costs bandwidth: for SmolLM2's K = 576 a third of every row block's last tile is padding
+//! that the hardware prefetcher streams in anyway (123 MB stored for 96 MB used per token), and
+//! each group is three short streams instead of one. So the host backend repacks q4_1 and Q8
+//! matrices once at load into *group records*: per 32-row block, one record per 32-column group
+//! that holds real columns, back to back —
+//!
+//! - q4_1: 32 scales (64 B), 32 mins (64 B), then the group's 32 columns of codes in column-major
+//!   nibble order (`c * 16 + r / 2`, 512 B): 640 B;
+//! - Q8: 32 scales (64 B), then the 32 columns of codes column-major (`c * 32 + r`, 1024 B): 1088 B.
+//!
+//! Scales keep their stored type (bf16 or f16), codes their stored bits, so a record is a tile of
+//! one group and the AVX2 kernels read it through the same code with `groups_per_tile = 1`. Every
+//! row's arithmetic is the tile kernels' (same groups, same order): results are bit-identical.
+//! Devices never see this layout; it is built only for matrices the host executor runs.
+
+use super::KernelError;
+use crate::tiles::{self, TileOrder, WeightFormat, GROUP, GROUPS, TILE_ROWS};
+
+/// How a tiled matrix's bytes are arranged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Packing {
+    /// The format's tile grid: what packages store and devices receive.
+    #[default]
+    Tiles,
+    /// Per-group records without tile padding (q4_1 and Q8 only); see the module docs.
+    GroupRecords,
+}
+
+/// Offset of the min area in a q4_1 record.
+pub const Q41_RECORD_MINS: usize = 64;
+/// Offset of the codes in a q4_1 record.
+pub const Q41_RECORD_CODES: usize = 128;
+/// Bytes of a q4_1 record.
+pub const Q41_RECORD_BYTES: usize = Q41_RECORD_CODES + GROUP * TILE_ROWS / 2;
+/// Offset of the codes in a Q8 record.
+pub const Q8_RECORD_CODES: usize = 64;
+/// Bytes of a Q8 record.
+pub const Q8_RECORD_BYTES: usize = Q8_RECORD_CODES + GROUP * TILE_ROWS;
+
+/// Bytes of one group record of `format`, or `None` if the format has no record layout.
+pub fn record_bytes(format: WeightFormat) -> Option<usize> {
+    match format {
+        WeightFormat::Q41 { .. } => Some(Q41_RECORD_BYTES),
+        WeightFormat::Q8 { .. } => Some(Q8_RECORD_BYTES),
+        _ => None,
+    }
+}
+
+/// Bytes of a `[rows, cols]` matrix as group records.
+pub fn records_matrix_bytes(
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+) -> Result<usize, tiles::TileError> {
+    let record = record_bytes(format)
+        .ok_or_else(|| tiles::TileError::UnknownFormat(format!("{} records", format.name())))?;
+    if rows % TILE_ROWS != 0 {
+        return Err(tiles::TileError::NotMultiple {
+            what: "tiled matrix rows",
+            value: rows,
+            multiple: TILE_ROWS,
+        });
+    }
+    Ok(rows / TILE_ROWS * cols.div_ceil(GROUP) * record)
+}
+
+/// The group records of a tiled `[rows, cols]` matrix (`data` in `format`'s tile grid), or `None`
+/// when the format has no record layout (Q4_K, the legacy q8 tile, plain formats), in which case
+/// the host executor keeps the tiles. Either tile order is accepted; records are column-major.
+pub fn pack_group_records(
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+) -> Result<Option<Vec<u8>>, KernelError> {
+    let Some(record) = record_bytes(format) else {
+        return Ok(None);
+    };
+    let weight_error = |source| KernelError::Weight {
+        format: format.name(),
+        rows,
+        cols,
+        source,
+    };
+    let expected = format.matrix_bytes(rows, cols).map_err(weight_error)?;
+    if data.len() != expected {
+        return Err(weight_error(tiles::TileError::Size {
+            what: "matrix bytes",
+            expected,
+            got: data.len(),
+        }));
+    }
+    let tile_bytes = format.tile_bytes().unwrap_or(0);
+    let tiles_per_block = format.padded_cols(cols) / tiles::TILE_COLS;
+    let groups = cols.div_ceil(GROUP);
+    let mut out = vec![0u8; records_matrix_bytes(format, rows, cols).map_err(weight_error)?];
+    for (block, dst_block) in out.chunks_exact_mut(groups * record).enumerate() {
+        for (gg, dst) in dst_block.chunks_exact_mut(record).enumerate() {
+            let t = block * tiles_per_block + gg / GROUPS;
+            let tile = &data[t * tile_bytes..(t + 1) * tile_bytes];
+            group_record(format, tile, gg % GROUPS, dst);
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Copy group `g` of `tile` into the record `dst` (`record_bytes(format)` long).
+fn group_record(format: WeightFormat, tile: &[u8], g: usize, dst: &mut [u8]) {
+    // Scales (and mins) are group-major in a tile: group g's 32 cells are 64 contiguous bytes.
+    let cells = 2 * TILE_ROWS;
+    match format {
+        WeightFormat::Q41 { order, .. } => {
+            dst[..cells].copy_from_slice(&tile[g * cells..(g + 1) * cells]);
+            let mins = tiles::Q41_MINS + g * cells;
+            dst[Q41_RECORD_MINS..Q41_RECORD_MINS + cells]
+                .copy_from_slice(&tile[mins..mins + cells]);
+            let codes = &mut dst[Q41_RECORD_CODES..];
+            for c in 0..GROUP {
+                for r in 0..TILE_ROWS {
+                    let (src, high) = tiles::q4_code_pos(order, r, g * GROUP + c);
+                    let byte = tile[tiles::Q41_CODES + src];
+                    let q = if high { byte >> 4 } else { byte & 0x0F };
+                    let (at, to_high) = tiles::q4_code_pos(TileOrder::ColumnMajor, r, c);
+                    codes[at] |= if to_high { q << 4 } else { q };
+                }
+            }
+        }
+        WeightFormat::Q8 { order, .. } => {
+            dst[..cells].copy_from_slice(&tile[g * cells..(g + 1) * cells]);
+            let codes = &mut dst[Q8_RECORD_CODES..];
+            for c in 0..GROUP {
+                for r in 0..TILE_ROWS {
+                    let src = tiles::q8_code_pos(order, r, g * GROUP + c);
+                    codes[tiles::q8_code_pos(TileOrder::ColumnMajor, r, c)] =
+                        tile[tiles::Q8_CODES + src];
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Rebuild tile `t` of one row block from its group records (`records` = the block's records):
+/// the inverse of [`pack_group_records`] for the groups the records hold, zero elsewhere. The
+/// scalar path decodes this with `tiles::decode_tile`, so it sums exactly as it does over tiles.
+pub(super) fn tile_from_records(format: WeightFormat, records: &[u8], t: usize, tile: &mut [u8]) {
+    let Some(record) = record_bytes(format) else {
+        return;
+    };
+    tile.fill(0);
+    let cells = 2 * TILE_ROWS;
+    for (g, src) in records
+        .chunks_exact(record)
+        .skip(t * GROUPS)
+        .take(GROUPS)
+        .enumerate()
+    {
+        match format {
+            WeightFormat::Q41 { order, .. } => {
+                tile[g * cells..(g + 1) * cells].copy_from_slice(&src[..cells]);
+                let mins = tiles::Q41_MINS + g * cells;
+                tile[mins..mins + cells]
+                    .copy_from_slice(&src[Q41_RECORD_MINS..Q41_RECORD_MINS + cells]);
+                for c in 0..GROUP {
+                    for r in 0..TILE_ROWS {
+                        let (at, high) = tiles::q4_code_pos(TileOrder::ColumnMajor, r, c);
+                        let byte = src[Q41_RECORD_CODES + at];
+                        let q = if high { byte >> 4 } else { byte & 0x0F };
+                        let (to, to_high) = tiles::q4_code_pos(order, r, g * GROUP + c);
+                        tile[tiles::Q41_CODES + to] |= if to_high { q << 4 } else { q };
+                    }
+                }
+            }
+            WeightFormat::Q8 { order, .. } => {
+                tile[g * cells..(g + 1) * cells].copy_from_slice(&src[..cells]);
+                for c in 0..GROUP {
+                    for r in 0..TILE_ROWS {
+                        let at = tiles::q8_code_pos(TileOrder::ColumnMajor, r, c);
+                        tile[tiles::Q8_CODES + tiles::q8_code_pos(order, r, g * GROUP + c)] =
+                            src[Q8_RECORD_CODES + at];
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
