@@ -119,6 +119,12 @@ fn group_record(format: WeightFormat, tile: &[u8], g: usize, dst: &mut [u8]) {
             dst[Q41_RECORD_MINS..Q41_RECORD_MINS + cells]
                 .copy_from_slice(&tile[mins..mins + cells]);
             let codes = &mut dst[Q41_RECORD_CODES..];
+            if order == TileOrder::ColumnMajor {
+                // Already column-major: the group's 32 columns are 512 contiguous bytes.
+                let at = tiles::Q41_CODES + g * codes.len();
+                codes.copy_from_slice(&tile[at..at + codes.len()]);
+                return;
+            }
             for c in 0..GROUP {
                 for r in 0..TILE_ROWS {
                     let (src, high) = tiles::q4_code_pos(order, r, g * GROUP + c);
@@ -132,6 +138,11 @@ fn group_record(format: WeightFormat, tile: &[u8], g: usize, dst: &mut [u8]) {
         WeightFormat::Q8 { order, .. } => {
             dst[..cells].copy_from_slice(&tile[g * cells..(g + 1) * cells]);
             let codes = &mut dst[Q8_RECORD_CODES..];
+            if order == TileOrder::ColumnMajor {
+                let at = tiles::Q8_CODES + g * codes.len();
+                codes.copy_from_slice(&tile[at..at + codes.len()]);
+                return;
+            }
             for c in 0..GROUP {
                 for r in 0..TILE_ROWS {
                     let src = tiles::q8_code_pos(order, r, g * GROUP + c);
