@@ -255,6 +255,35 @@ impl ModelEngine {
     }
 }
 
+impl ModelEngine {
+    /// Run one pass over the states of the distinct sequences `ids`, taken out of the map for its
+    /// duration and always put back. On failure each state is `recover`ed: a failed pass leaves
+    /// the committed state untouched, and the sequence is ready for the next one.
+    fn with_states(
+        &mut self,
+        ids: impl Iterator<Item = SeqId>,
+        pass: impl FnOnce(&mut Model, &mut [SequenceState]) -> Result<(), ModelError>,
+    ) -> Result<(), EngineError> {
+        let mut taken: Vec<(SeqId, SequenceState)> = Vec::new();
+        for id in ids {
+            match self.seqs.remove(&id) {
+                Some(state) => taken.push((id, state)),
+                None => {
+                    self.seqs.extend(taken);
+                    return Err(EngineError::NoSequence(id));
+                }
+            }
+        }
+        let (order, mut states): (Vec<SeqId>, Vec<SequenceState>) = taken.into_iter().unzip();
+        let result = pass(&mut self.model, &mut states);
+        if result.is_err() {
+            states.iter_mut().for_each(SequenceState::recover);
+        }
+        self.seqs.extend(order.into_iter().zip(states));
+        result.map_err(device_err)
+    }
+}
+
 impl Engine for ModelEngine {
     fn max_sequences(&self) -> usize {
         self.capacity
@@ -301,76 +330,40 @@ impl Engine for ModelEngine {
         items: &[(SeqId, &[u32], bool)],
         sink: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), EngineError> {
-        let mut taken: Vec<(SeqId, SequenceState)> = Vec::with_capacity(items.len());
-        for &(id, _, _) in items {
-            match self.seqs.remove(&id) {
-                Some(s) => taken.push((id, s)),
-                None => {
-                    self.seqs.extend(taken);
-                    return Err(EngineError::NoSequence(id));
-                }
-            }
-        }
-        let result = {
-            let mut batch: Vec<(&mut SequenceState, &[u32])> = taken
+        self.with_states(items.iter().map(|item| item.0), |model, states| {
+            let mut batch: Vec<(&mut SequenceState, &[u32])> = states
                 .iter_mut()
                 .zip(items)
-                .map(|((_, s), &(_, toks, _))| (s, toks))
+                .map(|(state, &(_, toks, _))| (state, toks))
                 .collect();
-            self.model
-                .prefill_sequences(&mut batch, &mut |i, l| {
-                    if items[i].2 {
-                        sink(i, l)
-                    }
-                })
-                .map_err(device_err)
-        };
-        self.seqs.extend(taken);
-        result
+            model.prefill_sequences(&mut batch, &mut |i, l| {
+                if items[i].2 {
+                    sink(i, l)
+                }
+            })
+        })
     }
     fn step(
         &mut self,
         batch: &[(SeqId, &[u32])],
         sink: &mut dyn FnMut(usize, usize, &[f32]),
     ) -> Result<(), EngineError> {
-        // Take the states out of the map for the pass (distinct sequences: each is taken once).
-        let mut taken: Vec<(SeqId, SequenceState)> = Vec::with_capacity(batch.len());
-        for &(id, _) in batch {
-            match self.seqs.remove(&id) {
-                Some(s) => taken.push((id, s)),
-                None => {
-                    self.seqs.extend(taken);
-                    return Err(EngineError::NoSequence(id));
-                }
-            }
-        }
-        let result = {
-            let mut segments: Vec<(&mut SequenceState, &[u32])> = taken
+        self.with_states(batch.iter().map(|item| item.0), |model, states| {
+            let mut segments: Vec<(&mut SequenceState, &[u32])> = states
                 .iter_mut()
                 .zip(batch)
-                .map(|((_, s), &(_, toks))| (s, toks))
+                .map(|(state, &(_, toks))| (state, toks))
                 .collect();
-            match self.model.step_sequences(&mut segments) {
-                Ok(out) => {
-                    let mut row = 0;
-                    for (g, &(_, toks)) in batch.iter().enumerate() {
-                        for j in 0..toks.len() {
-                            sink(g, j, out.logits(row));
-                            row += 1;
-                        }
-                    }
-                    Ok(())
-                }
-                Err(e) => {
-                    for (s, _) in segments.iter_mut() {
-                        s.recover();
-                    }
-                    Err(device_err(e))
+            let out = model.step_sequences(&mut segments)?;
+            let mut row = 0;
+            for (g, &(_, toks)) in batch.iter().enumerate() {
+                for j in 0..toks.len() {
+                    sink(g, j, out.logits(row));
+                    row += 1;
                 }
             }
-        };
-        self.seqs.extend(taken);
-        result
+            Ok(())
+        })
     }
     fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), EngineError> {
         let mut state = self.seqs.remove(&seq).ok_or(EngineError::NoSequence(seq))?;

@@ -209,21 +209,15 @@ pub fn run(
             budget -= end - a.fed;
             picks.push((i, end));
         }
-        match picks[..] {
-            [] => {}
-            [(i, end)] => {
-                let a = &mut active[i];
-                let budget = end - a.fed;
-                prefill_chunk(&mut *engine, &*codec, a, budget, &metrics, &mut scratch);
-            }
-            _ => prefill_together(
+        if !picks.is_empty() {
+            prefill_together(
                 &mut *engine,
                 &*codec,
                 &mut active,
                 &picks,
                 &metrics,
                 &mut scratch,
-            ),
+            );
         }
         // One decode pass over every generating sequence.
         decode_turn(
@@ -259,52 +253,6 @@ pub fn run(
             }
         }
     }
-}
-
-/// Feed the next ≤ `budget` (≤ [`PREFILL_CHUNK`]) prompt tokens of `a`; the last chunk samples
-/// the first token. Returns the tokens spent (a failed chunk spends its whole budget).
-fn prefill_chunk(
-    engine: &mut dyn Engine,
-    codec: &dyn TextCodec,
-    a: &mut Active,
-    budget: usize,
-    metrics: &Metrics,
-    scratch: &mut String,
-) -> usize {
-    let len = a.req.prompt.len();
-    let end = (a.fed + budget.clamp(1, PREFILL_CHUNK)).min(len);
-    let spent = end - a.fed;
-    let last = end == len;
-    let mut first = None;
-    let sampler = &mut a.sampler;
-    let res = engine.prefill(a.seq, &a.req.prompt[a.fed..end], last, &mut |logits| {
-        first = Some(sampler.sample(logits))
-    });
-    match res {
-        Ok(()) => {
-            metrics
-                .prompt_tokens
-                .fetch_add((end - a.fed) as u64, Relaxed);
-            a.fed = end;
-            if last {
-                match first {
-                    Some(t) => {
-                        let pos = engine.position(a.seq);
-                        take_token(a, t, codec, pos, metrics, scratch);
-                    }
-                    None => fail(a, "engine returned no logits for the prompt", metrics),
-                }
-            }
-        }
-        Err(e) => {
-            if matches!(e, EngineError::Device(_)) {
-                metrics.device_errors.fetch_add(1, Relaxed);
-            }
-            tracing::error!("prefill failed: {e}");
-            fail(a, &e.to_string(), metrics);
-        }
-    }
-    spent.max(1)
 }
 
 /// Feed the chunks `picks` (`(index into active, end of the chunk)`, distinct sequences, ≤
