@@ -274,8 +274,10 @@ fn bench_load(model: &Path, backend: &str, shim: bool) -> serde_json::Value {
 }
 
 /// Peak RSS of loading SmolLM2 and generating 32 + 8 tokens (which reads every weight) stays
-/// within 1.3× the weight bytes on both backends: the host maps the package zero-copy, the xdna
-/// backend holds the weights once (in the dma-buf pages) after releasing the mapped copy.
+/// within 1.3× the weight bytes on both backends: the host holds its q4_1/Q8 matrices once, as
+/// group records (the tile padding dropped: 96.4 of the 123.2 MB), releasing each stripe of mapped
+/// tiles as it is packed; the xdna backend holds the weights once (in the dma-buf pages) after
+/// releasing the mapped copy.
 #[test]
 fn load_peak_rss_within_1_3x_weight_bytes() {
     let Some(gguf) = smollm2::smollm2_gguf() else {
@@ -299,7 +301,8 @@ fn load_peak_rss_within_1_3x_weight_bytes() {
             ratio <= 1.3,
             "{backend}: peak RSS {ratio:.3} × weight bytes > 1.3: {j}"
         );
-        // The measurement is real: generating touched (nearly) every weight byte once.
+        // The measurement is real: every weight is resident once (host: the records plus the
+        // embedding rows read, ≈ 0.98× with the process's own ≈ 29 MiB).
         assert!(
             ratio >= 0.9,
             "{backend}: peak RSS only {ratio:.3} × weight bytes: {j}"

@@ -17,7 +17,7 @@
 use super::config::ModelConfig;
 use super::forward::{Embedding, Family, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
-use crate::kernels::host_layout::{pack_group_records, Packing};
+use crate::kernels::host_layout::{self, pack_group_records, Packing};
 use crate::kernels::{
     self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, WeightMatrix,
     WeightPath,
@@ -131,15 +131,35 @@ impl KernelProjection {
         if self.packing != Packing::Tiles {
             return Ok(());
         }
-        let data: &[u8] = match bytes {
-            Bytes::Mapped(b) => b,
-            Bytes::Owned(v) => v,
+        let (data, mapped): (&[u8], bool) = match bytes {
+            Bytes::Mapped(b) => (b, true),
+            Bytes::Owned(v) => (v, false),
         };
-        let Some(records) = pack_group_records(self.format, self.rows, self.cols, data)? else {
+        let Some(record) = host_layout::record_bytes(self.format) else {
             return Ok(());
         };
-        if let Bytes::Mapped(b) = bytes {
-            release_mapped_pages(b);
+        // A stripe of row blocks at a time, its mapped pages released as soon as it is packed:
+        // the tiles of a large matrix (the 38 MiB lm_head) are never all resident next to the
+        // records. Tiles and records are both row-block major, so stripes simply concatenate.
+        const STRIPE_ROWS: usize = 1024;
+        // `data` holds exactly rows / 32 row blocks (checked by `matrix()` when the projection was built).
+        let tile_row_bytes = data.len() / (self.rows / tiles::TILE_ROWS).max(1);
+        let mut records = Vec::with_capacity(
+            self.rows / tiles::TILE_ROWS * self.cols.div_ceil(tiles::GROUP) * record,
+        );
+        let mut row = 0;
+        while row < self.rows {
+            let rows = STRIPE_ROWS.min(self.rows - row);
+            let stripe = &data[row / tiles::TILE_ROWS * tile_row_bytes
+                ..(row + rows) / tiles::TILE_ROWS * tile_row_bytes];
+            match pack_group_records(self.format, rows, self.cols, stripe)? {
+                Some(packed) => records.extend_from_slice(&packed),
+                None => return Ok(()),
+            }
+            if mapped {
+                release_mapped_pages(stripe);
+            }
+            row += rows;
         }
         self.store = Store::Host(Bytes::Owned(records));
         self.packing = Packing::GroupRecords;
