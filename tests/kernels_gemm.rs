@@ -497,7 +497,7 @@ fn host_group_records_give_the_tile_results_bit_for_bit() {
             let mut rng = Rng(97 + i as u64);
             let data = encode(format, &rng.vec(n * k, 1.0), n, k);
             let tiles = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
-            let packed = host_layout::pack_group_records(format, n, k, &data)
+            let packed = host_layout::pack_group_records(&tiles)
                 .expect("packs")
                 .expect("q4_1 and Q8 have a record layout");
             assert_eq!(
@@ -538,7 +538,8 @@ fn group_record_bytes_follow_the_documented_layout() {
     for (i, format) in record_formats().enumerate() {
         let mut rng = Rng(7 + i as u64);
         let data = encode(format, &rng.vec(n * k, 1.0), n, k);
-        let packed = host_layout::pack_group_records(format, n, k, &data)
+        let tiles_matrix = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
+        let packed = host_layout::pack_group_records(&tiles_matrix)
             .expect("packs")
             .expect("has records");
         let tile_bytes = format.tile_bytes().expect("tiled");
@@ -592,22 +593,32 @@ fn group_records_are_refused_where_tiles_are_required() {
     // Formats without a record layout stay in tiles.
     for other in [WeightFormat::Q4K, WeightFormat::Q8Legacy, WeightFormat::F32] {
         let bytes = vec![0u8; other.matrix_bytes(n, k).expect("shape")];
-        assert!(host_layout::pack_group_records(other, n, k, &bytes)
+        let w = WeightMatrix::new(other, n, k, &bytes).expect("valid matrix");
+        assert!(host_layout::pack_group_records(&w)
             .expect("no error")
             .is_none());
     }
-    // A wrong length is a typed error, for packing and for a record matrix.
+    // A hand-built matrix of the wrong length is a typed error, for packing and for records.
+    let short = WeightMatrix {
+        data: &data[1..],
+        ..WeightMatrix::new(format, n, k, &data).expect("valid matrix")
+    };
     assert!(matches!(
-        host_layout::pack_group_records(format, n, k, &data[1..]),
-        Err(KernelError::Weight { .. })
+        host_layout::pack_group_records(&short),
+        Err(KernelError::Shape { .. })
     ));
-    let packed = host_layout::pack_group_records(format, n, k, &data)
-        .expect("packs")
-        .expect("has records");
+    let packed =
+        host_layout::pack_group_records(&WeightMatrix::new(format, n, k, &data).expect("valid"))
+            .expect("packs")
+            .expect("has records");
     assert!(WeightMatrix::group_records(format, n, k, &packed[..packed.len() - 1]).is_err());
     assert!(WeightMatrix::group_records(WeightFormat::Q4K, n, k, &packed).is_err());
-    // The scalar reference (and device uploads) take tiles only, and say so.
+    // The scalar reference, device uploads and a second packing take tiles only, and say so.
     let records = WeightMatrix::group_records(format, n, k, &packed).expect("valid");
+    match host_layout::pack_group_records(&records) {
+        Err(KernelError::Unsupported(msg)) => assert!(msg.contains("group-record"), "{msg}"),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
     let mut y = vec![0f32; n];
     match gemm_reference(&records, &vec![1.0; k], 1, &mut y) {
         Err(KernelError::Unsupported(msg)) => assert!(msg.contains("group-record"), "{msg}"),

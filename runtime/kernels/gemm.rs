@@ -40,27 +40,7 @@ impl<'a> WeightMatrix<'a> {
         cols: usize,
         data: &'a [u8],
     ) -> Result<Self, KernelError> {
-        let weight_error = |source| KernelError::Weight {
-            format: format.name(),
-            rows,
-            cols,
-            source,
-        };
-        let expected = format.matrix_bytes(rows, cols).map_err(weight_error)?;
-        if data.len() != expected {
-            return Err(weight_error(tiles::TileError::Size {
-                what: "matrix bytes",
-                expected,
-                got: data.len(),
-            }));
-        }
-        Ok(WeightMatrix {
-            format,
-            rows,
-            cols,
-            data,
-            packing: Packing::Tiles,
-        })
+        Self::checked(format, rows, cols, data, Packing::Tiles)
     }
 
     /// A matrix in the host executor's group-record layout (from
@@ -71,14 +51,37 @@ impl<'a> WeightMatrix<'a> {
         cols: usize,
         data: &'a [u8],
     ) -> Result<Self, KernelError> {
+        Self::checked(format, rows, cols, data, Packing::GroupRecords)
+    }
+
+    fn checked(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+        packing: Packing,
+    ) -> Result<Self, KernelError> {
         let w = WeightMatrix {
             format,
             rows,
             cols,
             data,
-            packing: Packing::GroupRecords,
+            packing,
         };
-        w.check_bytes()?;
+        let weight_error = |source| KernelError::Weight {
+            format: format.name(),
+            rows,
+            cols,
+            source,
+        };
+        let expected = w.expected_bytes().map_err(weight_error)?;
+        if data.len() != expected {
+            return Err(weight_error(tiles::TileError::Size {
+                what: "matrix bytes",
+                expected,
+                got: data.len(),
+            }));
+        }
         Ok(w)
     }
 

@@ -17,6 +17,7 @@
 //! row's arithmetic is the tile kernels' (same groups, same order): results are bit-identical.
 //! Devices never see this layout; it is built only for matrices the host executor runs.
 
+use super::gemm::WeightMatrix;
 use super::KernelError;
 use crate::tiles::{self, TileOrder, WeightFormat, GROUP, GROUPS, TILE_ROWS};
 
@@ -68,32 +69,22 @@ pub fn records_matrix_bytes(
     Ok(rows / TILE_ROWS * cols.div_ceil(GROUP) * record)
 }
 
-/// The group records of a tiled `[rows, cols]` matrix (`data` in `format`'s tile grid), or `None`
-/// when the format has no record layout (Q4_K, the legacy q8 tile, plain formats), in which case
-/// the host executor keeps the tiles. Either tile order is accepted; records are column-major.
-pub fn pack_group_records(
-    format: WeightFormat,
-    rows: usize,
-    cols: usize,
-    data: &[u8],
-) -> Result<Option<Vec<u8>>, KernelError> {
+/// The group records of `w`, a matrix in its format's tile grid, or `None` when the format has no
+/// record layout (Q4_K, the legacy q8 tile, plain formats), in which case the host executor keeps
+/// the tiles. Either tile order is accepted; records are column-major.
+pub fn pack_group_records(w: &WeightMatrix<'_>) -> Result<Option<Vec<u8>>, KernelError> {
+    let (format, rows, cols, data) = (w.format, w.rows, w.cols, w.data);
     let Some(record) = record_bytes(format) else {
         return Ok(None);
     };
+    w.require_tiles("repacking into group records")?;
+    w.check_bytes()?;
     let weight_error = |source| KernelError::Weight {
         format: format.name(),
         rows,
         cols,
         source,
     };
-    let expected = format.matrix_bytes(rows, cols).map_err(weight_error)?;
-    if data.len() != expected {
-        return Err(weight_error(tiles::TileError::Size {
-            what: "matrix bytes",
-            expected,
-            got: data.len(),
-        }));
-    }
     let tile_bytes = format.tile_bytes().unwrap_or(0);
     let tiles_per_block = format.padded_cols(cols) / tiles::TILE_COLS;
     let groups = cols.div_ceil(GROUP);

@@ -152,7 +152,7 @@ impl KernelProjection {
             let rows = STRIPE_ROWS.min(self.rows - row);
             let stripe = &data[row / tiles::TILE_ROWS * tile_row_bytes
                 ..(row + rows) / tiles::TILE_ROWS * tile_row_bytes];
-            match pack_group_records(self.format, rows, self.cols, stripe)? {
+            match pack_group_records(&WeightMatrix::new(self.format, rows, self.cols, stripe)?)? {
                 Some(packed) => records.extend_from_slice(&packed),
                 None => return Ok(()),
             }

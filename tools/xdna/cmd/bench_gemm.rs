@@ -114,7 +114,8 @@ fn synthetic(
         }
     }
     if host_layout {
-        let records = pack_group_records(format, rows, cols, &data)
+        let records = WeightMatrix::new(format, rows, cols, &data)
+            .and_then(|tiles| pack_group_records(&tiles))
             .map_err(|e| xdna::Error::Usage(format!("{name}: {e}")))?;
         if let Some(records) = records {
             return Ok(Matrix {
