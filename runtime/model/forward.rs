@@ -940,18 +940,41 @@ impl Model {
         Ok(&self.out)
     }
 
-    /// A sequence state made for this model (same layer count) and tokens inside its vocabulary.
-    fn check_sequence(&self, seq: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
-        if seq.k_cache.len() != self.run_layers {
-            return Err(ModelError::State {
-                what: format!(
-                    "a sequence state of {} layers given to a model running {}",
-                    seq.k_cache.len(),
-                    self.run_layers
-                ),
+    /// A batch of `(state, tokens)` for one pass: 1..=`max_rows` rows in all, every segment
+    /// non-empty, every state ready, made for this model (same layer count), with tokens inside
+    /// its vocabulary. Returns the row count.
+    fn check_batch(
+        &self,
+        batch: &[(&mut SequenceState, &[u32])],
+        max_rows: usize,
+    ) -> Result<usize, ModelError> {
+        let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
+        if rows == 0 || rows > max_rows {
+            return Err(ModelError::BatchRows {
+                rows,
+                max: max_rows,
             });
         }
-        seq.check_tokens(tokens, self.w.config.vocab)
+        for (seq, tokens) in batch {
+            seq.check_ready()?;
+            if tokens.is_empty() {
+                return Err(ModelError::BatchRows {
+                    rows: 0,
+                    max: max_rows,
+                });
+            }
+            if seq.k_cache.len() != self.run_layers {
+                return Err(ModelError::State {
+                    what: format!(
+                        "a sequence state of {} layers given to a model running {}",
+                        seq.k_cache.len(),
+                        self.run_layers
+                    ),
+                });
+            }
+            seq.check_tokens(tokens, self.w.config.vocab)?;
+        }
+        Ok(rows)
     }
     /// One batched pass over several sequences: each `(state, tokens)` feeds its tokens at its own
     /// `P..`, and all rows (1..=16 in total) share every projection. Logit rows come back in input
@@ -962,23 +985,7 @@ impl Model {
         &mut self,
         batch: &mut [(&mut SequenceState, &[u32])],
     ) -> Result<&BatchOutput, ModelError> {
-        let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
-        if rows == 0 || rows > MAX_VERIFY_ROWS {
-            return Err(ModelError::BatchRows {
-                rows,
-                max: MAX_VERIFY_ROWS,
-            });
-        }
-        for (seq, tokens) in batch.iter() {
-            seq.check_ready()?;
-            if tokens.is_empty() {
-                return Err(ModelError::BatchRows {
-                    rows: 0,
-                    max: MAX_VERIFY_ROWS,
-                });
-            }
-            self.check_sequence(seq, tokens)?;
-        }
+        self.check_batch(batch, MAX_VERIFY_ROWS)?;
         let mut segments: Vec<Segment<'_, '_>> = batch
             .iter_mut()
             .map(|(seq, tokens)| Segment { seq, tokens })
@@ -1024,22 +1031,7 @@ impl Model {
         batch: &mut [(&mut SequenceState, &[u32])],
         on_last_logits: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), ModelError> {
-        let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
-        if rows == 0 || rows > MAX_PREFILL_ROWS {
-            return Err(ModelError::BatchRows {
-                rows,
-                max: MAX_PREFILL_ROWS,
-            });
-        }
-        for (seq, tokens) in batch.iter() {
-            seq.check_ready()?;
-            if tokens.is_empty() {
-                return Err(ModelError::Context {
-                    what: "prefill of zero tokens".into(),
-                });
-            }
-            self.check_sequence(seq, tokens)?;
-        }
+        let rows = self.check_batch(batch, MAX_PREFILL_ROWS)?;
         let mut segments: Vec<Segment<'_, '_>> = batch
             .iter_mut()
             .map(|(seq, tokens)| Segment { seq, tokens })
