@@ -313,36 +313,33 @@ mod tests {
         let pool = Pool::new(3);
         for round in 0..200 {
             let total = 1 + round * 7;
-            let counts: Vec<AtomicUsize> = (0..total).map(|_| AtomicUsize::new(0)).collect();
             let counter = ChunkCounter::new(total, pool.threads(), 4);
-            pool.run(&|_, _| {
-                while let Some(range) = counter.claim() {
-                    for i in range {
-                        counts[i].fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            });
-            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+            assert_each_item_claimed_once(&pool, &counter, total);
         }
+    }
+
+    /// Run `counter` dry on every thread of `pool`: each of `0..total` is handed out exactly once.
+    fn assert_each_item_claimed_once(pool: &Pool, counter: &ChunkCounter, total: usize) {
+        let counts: Vec<AtomicUsize> = (0..total).map(|_| AtomicUsize::new(0)).collect();
+        pool.run(&|_, _| {
+            while let Some(range) = counter.claim() {
+                for i in range {
+                    counts[i].fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        assert!(
+            counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+            "total {total}"
+        );
     }
 
     #[test]
     fn guided_chunks_cover_every_item_once_and_shrink_to_the_minimum() {
         let pool = Pool::new(3);
         for total in [0usize, 1, 2, 17, 30, 96, 1536, 10_007] {
-            let counts: Vec<AtomicUsize> = (0..total).map(|_| AtomicUsize::new(0)).collect();
             let counter = ChunkCounter::guided(total, pool.threads(), 2);
-            pool.run(&|_, _| {
-                while let Some(range) = counter.claim() {
-                    for i in range {
-                        counts[i].fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            });
-            assert!(
-                counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
-                "total {total}"
-            );
+            assert_each_item_claimed_once(&pool, &counter, total);
         }
         // Single-threaded claims: 1/6 of the rest each time, at least 2, the last one what is left.
         let counter = ChunkCounter::guided(100, 3, 2);

@@ -479,6 +479,35 @@ mod tests {
         assert!((out[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
     }
 
+    /// Every head of one attention row `out` (`[heads, hd]`, over position-major caches, positions
+    /// `0..=last`) equals the scalar reference [`attend_head`] within f32 rounding.
+    #[allow(clippy::too_many_arguments)]
+    fn assert_heads_match_reference(
+        out: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+        last: usize,
+        what: &str,
+    ) {
+        for h in 0..heads {
+            let mut sc = vec![0f32; last + 1];
+            let mut want = vec![0f32; hd];
+            let g = h / (heads / kv_heads);
+            let (qh, kvd) = (&q[h * hd..(h + 1) * hd], kv_heads * hd);
+            attend_head(qh, k, v, kvd, g * hd, hd, &mut sc, &mut want);
+            for (a, b) in out[h * hd..(h + 1) * hd].iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{what} head {h}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn parallel_simd_attention_matches_the_scalar_reference() {
         // 9 query heads over 3 KV heads, head dim 64, 300 positions: long enough for the pool.
@@ -507,27 +536,7 @@ mod tests {
             &mut scores,
             &mut out,
         );
-        for h in 0..heads {
-            let mut sc = vec![0f32; n];
-            let mut want = vec![0f32; hd];
-            let g = h / (heads / kv_heads);
-            attend_head(
-                &q[h * hd..(h + 1) * hd],
-                &k,
-                &v,
-                kvd,
-                g * hd,
-                hd,
-                &mut sc,
-                &mut want,
-            );
-            for (a, b) in out[h * hd..(h + 1) * hd].iter().zip(&want) {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "head {h}: {a} vs {b}"
-                );
-            }
-        }
+        assert_heads_match_reference(&out, &q, &k, &v, heads, kv_heads, hd, n - 1, "");
     }
 
     #[test]
@@ -604,27 +613,8 @@ mod tests {
                 );
                 let got = &batch[i * heads * hd..(i + 1) * heads * hd];
                 assert_eq!(got, &alone[..], "hd {hd} row {i}: batch differs from alone");
-                for h in 0..heads {
-                    let mut sc = vec![0f32; last + 1];
-                    let mut want = vec![0f32; hd];
-                    let g = h / (heads / kv_heads);
-                    attend_head(
-                        &qs[i][h * hd..(h + 1) * hd],
-                        k,
-                        v,
-                        kvd,
-                        g * hd,
-                        hd,
-                        &mut sc,
-                        &mut want,
-                    );
-                    for (a, b) in got[h * hd..(h + 1) * hd].iter().zip(&want) {
-                        assert!(
-                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                            "hd {hd} row {i} head {h}: {a} vs {b}"
-                        );
-                    }
-                }
+                let what = format!("hd {hd} row {i}");
+                assert_heads_match_reference(got, &qs[i], k, v, heads, kv_heads, hd, last, &what);
             }
         }
     }
