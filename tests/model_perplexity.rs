@@ -3,7 +3,7 @@
 #[path = "model_common.rs"]
 mod common;
 
-use xdna::model::perplexity::{nll, perplexity};
+use xdna::model::perplexity::perplexity;
 use xdna::model::reference::Reference;
 
 /// Per-token agreement of a model run with the reference: mean |ΔNLL| over the scored tokens, and
@@ -37,20 +37,13 @@ fn model_and_reference(exact: bool) -> Option<(f64, f64, f64)> {
     } else {
         None
     };
-    // Per-token NLLs alongside (row i predicts chunk[i + 1]; only the first token is BOS-replaced).
-    let mut model_nll = Vec::new();
     let fast = perplexity(
         tokens,
         128,
         bos,
         &mut |chunk, first, f| {
             model.reset();
-            model.prefill_with(chunk, first, &mut |i, l| {
-                if i + 1 < chunk.len() {
-                    model_nll.push(nll(l, chunk[i + 1]));
-                }
-                f(i, l)
-            })
+            model.prefill_with(chunk, first, f)
         },
         &mut |_, _| {},
     )
@@ -59,16 +52,12 @@ fn model_and_reference(exact: bool) -> Option<(f64, f64, f64)> {
     static REFERENCE: std::sync::OnceLock<(f64, usize, Vec<f64>)> = std::sync::OnceLock::new();
     let (reference_ppl, reference_tokens, reference_nll) = REFERENCE.get_or_init(|| {
         let r = Reference::open(&gguf).unwrap();
-        let mut nlls = Vec::new();
         let reference = perplexity(
             tokens,
             128,
             bos,
             &mut |chunk, first, f| {
                 for (i, l) in r.forward(chunk, first)?.iter().enumerate() {
-                    if first + i + 1 < chunk.len() {
-                        nlls.push(nll(l, chunk[first + i + 1]));
-                    }
                     f(first + i, l);
                 }
                 Ok(())
@@ -76,7 +65,7 @@ fn model_and_reference(exact: bool) -> Option<(f64, f64, f64)> {
             &mut |_, _| {},
         )
         .unwrap();
-        (reference.ppl, reference.tokens, nlls)
+        (reference.ppl, reference.tokens, reference.token_nll)
     });
     let (reference_ppl, reference_tokens) = (*reference_ppl, *reference_tokens);
     assert_eq!(fast.tokens, reference_tokens);
@@ -88,7 +77,7 @@ fn model_and_reference(exact: bool) -> Option<(f64, f64, f64)> {
         reference_ppl
     );
     let rel = (fast.ppl - reference_ppl).abs() / reference_ppl;
-    let (mean_abs, spread) = per_token_agreement(&model_nll, reference_nll);
+    let (mean_abs, spread) = per_token_agreement(&fast.token_nll, reference_nll);
     eprintln!(
         "perplexity: reference {:.4}; model (exact projections: {exact}) {:.4} ({:.4} %); \
          per token: mean |ΔNLL| {mean_abs:.5} nats, ppl spread ≈ {:.3} %",

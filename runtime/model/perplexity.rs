@@ -14,6 +14,8 @@ pub struct PerplexityResult {
     pub chunks: usize,
     /// Running estimate after each chunk.
     pub per_chunk: Vec<f64>,
+    /// `-log p(target)` of every scored token, in order (for per-token comparisons of runtimes).
+    pub token_nll: Vec<f64>,
 }
 
 /// `-log softmax(logits)[target]`, in f64.
@@ -63,6 +65,7 @@ pub fn perplexity(
     let mut total = 0f64;
     let mut count = 0usize;
     let mut per_chunk = Vec::with_capacity(n_chunks);
+    let mut token_nll = Vec::with_capacity(n_chunks * (ctx - 1 - first));
     for c in 0..n_chunks {
         let chunk = &tokens[c * ctx..(c + 1) * ctx];
         buf.copy_from_slice(chunk);
@@ -79,6 +82,7 @@ pub fn perplexity(
                 } else {
                     err = Some(i);
                 }
+                token_nll.push(v);
                 count += 1;
             }
         })?;
@@ -96,6 +100,7 @@ pub fn perplexity(
         tokens: count,
         chunks: n_chunks,
         per_chunk,
+        token_nll,
     })
 }
 
@@ -126,6 +131,8 @@ mod tests {
         assert_eq!(r.chunks, 2);
         assert_eq!(r.tokens, 6);
         assert!((r.ppl - 10.0).abs() < 1e-9);
+        assert_eq!(r.token_nll.len(), 6);
+        assert!(r.token_nll.iter().all(|v| (v - 10f64.ln()).abs() < 1e-9));
         assert_eq!(seen, vec![(9, 4), (9, 4)]);
         assert!(perplexity(&toks[..15], 8, None, &mut |_, _, _| Ok(()), &mut |_, _| {}).is_err());
     }
