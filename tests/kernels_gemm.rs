@@ -484,6 +484,21 @@ fn record_formats() -> impl Iterator<Item = WeightFormat> {
         .filter(|f| host_layout::record_bytes(*f).is_some())
 }
 
+/// A random `[n, k]` matrix in `format`'s tiles, and the same matrix packed into group records.
+fn encoded_and_packed(
+    format: WeightFormat,
+    n: usize,
+    k: usize,
+    rng: &mut Rng,
+) -> (Vec<u8>, Vec<u8>) {
+    let data = encode(format, &rng.vec(n * k, 1.0), n, k);
+    let tiles = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
+    let packed = host_layout::pack_group_records(&tiles)
+        .expect("packs")
+        .expect("q4_1 and Q8 have a record layout");
+    (data, packed)
+}
+
 #[test]
 fn host_group_records_give_the_tile_results_bit_for_bit() {
     // K = 576 and 100 end inside a tile (padding skipped), 1536 fills whole tiles, 2600 has 82
@@ -495,11 +510,8 @@ fn host_group_records_give_the_tile_results_bit_for_bit() {
     for (i, format) in formats.into_iter().enumerate() {
         for &(n, k) in &shapes {
             let mut rng = Rng(97 + i as u64);
-            let data = encode(format, &rng.vec(n * k, 1.0), n, k);
+            let (data, packed) = encoded_and_packed(format, n, k, &mut rng);
             let tiles = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
-            let packed = host_layout::pack_group_records(&tiles)
-                .expect("packs")
-                .expect("q4_1 and Q8 have a record layout");
             assert_eq!(
                 packed.len(),
                 n / TILE_ROWS * k.div_ceil(GROUP) * host_layout::record_bytes(format).unwrap_or(0)
@@ -529,6 +541,22 @@ fn host_group_records_give_the_tile_results_bit_for_bit() {
 }
 
 #[test]
+fn group_records_of_row_stripes_concatenate_to_the_whole_matrix() {
+    // What the loader does: pack a stripe of row blocks at a time into one buffer.
+    let (n, k) = (96, 576);
+    for (i, format) in record_formats().enumerate() {
+        let (data, whole) = encoded_and_packed(format, n, k, &mut Rng(300 + i as u64));
+        let block = data.len() / (n / TILE_ROWS);
+        let mut striped = Vec::new();
+        for (rows, bytes) in [(32, &data[..block]), (64, &data[block..])] {
+            let stripe = WeightMatrix::new(format, rows, k, bytes).expect("valid stripe");
+            assert!(host_layout::append_group_records(&stripe, &mut striped).expect("packs"));
+        }
+        assert_eq!(striped, whole, "{}", format.name());
+    }
+}
+
+#[test]
 fn group_record_bytes_follow_the_documented_layout() {
     // docs/formats.md: per 32-row block, one record per group; q4_1 = scales (64 B), mins (64 B),
     // codes at 128 + c·16 + r/2 (odd rows in the high nibble); Q8 = scales (64 B), codes at
@@ -536,12 +564,7 @@ fn group_record_bytes_follow_the_documented_layout() {
     let (n, k): (usize, usize) = (64, 576);
     let groups = k.div_ceil(GROUP);
     for (i, format) in record_formats().enumerate() {
-        let mut rng = Rng(7 + i as u64);
-        let data = encode(format, &rng.vec(n * k, 1.0), n, k);
-        let tiles_matrix = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
-        let packed = host_layout::pack_group_records(&tiles_matrix)
-            .expect("packs")
-            .expect("has records");
+        let (data, packed) = encoded_and_packed(format, n, k, &mut Rng(7 + i as u64));
         let tile_bytes = format.tile_bytes().expect("tiled");
         let tiles_per_block = format.padded_cols(k) / tiles::TILE_COLS;
         let record = host_layout::record_bytes(format).expect("has records");

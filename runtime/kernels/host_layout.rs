@@ -73,30 +73,39 @@ pub fn records_matrix_bytes(
 /// record layout (Q4_K, the legacy q8 tile, plain formats), in which case the host executor keeps
 /// the tiles. Either tile order is accepted; records are column-major.
 pub fn pack_group_records(w: &WeightMatrix<'_>) -> Result<Option<Vec<u8>>, KernelError> {
+    let mut out = Vec::new();
+    Ok(append_group_records(w, &mut out)?.then_some(out))
+}
+
+/// [`pack_group_records`] appending to `out` (row blocks are independent, so a matrix can be
+/// packed a stripe of row blocks at a time into one buffer). Returns false, appending nothing,
+/// when the format has no record layout.
+pub fn append_group_records(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, KernelError> {
     let (format, rows, cols, data) = (w.format, w.rows, w.cols, w.data);
     let Some(record) = record_bytes(format) else {
-        return Ok(None);
+        return Ok(false);
     };
     w.require_tiles("repacking into group records")?;
     w.check_bytes()?;
-    let weight_error = |source| KernelError::Weight {
+    let added = records_matrix_bytes(format, rows, cols).map_err(|source| KernelError::Weight {
         format: format.name(),
         rows,
         cols,
         source,
-    };
+    })?;
     let tile_bytes = format.tile_bytes().unwrap_or(0);
     let tiles_per_block = format.padded_cols(cols) / tiles::TILE_COLS;
     let groups = cols.div_ceil(GROUP);
-    let mut out = vec![0u8; records_matrix_bytes(format, rows, cols).map_err(weight_error)?];
-    for (block, dst_block) in out.chunks_exact_mut(groups * record).enumerate() {
+    let start = out.len();
+    out.resize(start + added, 0);
+    for (block, dst_block) in out[start..].chunks_exact_mut(groups * record).enumerate() {
         for (gg, dst) in dst_block.chunks_exact_mut(record).enumerate() {
             let t = block * tiles_per_block + gg / GROUPS;
             let tile = &data[t * tile_bytes..(t + 1) * tile_bytes];
             group_record(format, tile, gg % GROUPS, dst);
         }
     }
-    Ok(Some(out))
+    Ok(true)
 }
 
 /// Copy group `g` of `tile` into the record `dst` (`record_bytes(format)` long).

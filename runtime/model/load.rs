@@ -17,7 +17,7 @@
 use super::config::ModelConfig;
 use super::forward::{Embedding, Family, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
-use crate::kernels::host_layout::{self, pack_group_records, Packing};
+use crate::kernels::host_layout::{self, append_group_records, Packing};
 use crate::kernels::{
     self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, WeightMatrix,
     WeightPath,
@@ -152,9 +152,9 @@ impl KernelProjection {
             let rows = STRIPE_ROWS.min(self.rows - row);
             let stripe = &data[row / tiles::TILE_ROWS * tile_row_bytes
                 ..(row + rows) / tiles::TILE_ROWS * tile_row_bytes];
-            match pack_group_records(&WeightMatrix::new(self.format, rows, self.cols, stripe)?)? {
-                Some(packed) => records.extend_from_slice(&packed),
-                None => return Ok(()),
+            let tiles = WeightMatrix::new(self.format, rows, self.cols, stripe)?;
+            if !append_group_records(&tiles, &mut records)? {
+                return Ok(());
             }
             if mapped {
                 release_mapped_pages(stripe);
