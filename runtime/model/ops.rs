@@ -479,6 +479,16 @@ mod tests {
         assert!((out[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
     }
 
+    /// Deterministic test values in [-0.5, 0.5) (xorshift64).
+    fn uniform_values(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        }
+    }
+
     /// Every head of one attention row `out` (`[heads, hd]`, over position-major caches, positions
     /// `0..=last`) equals the scalar reference [`attend_head`] within f32 rounding.
     #[allow(clippy::too_many_arguments)]
@@ -513,13 +523,7 @@ mod tests {
         // 9 query heads over 3 KV heads, head dim 64, 300 positions: long enough for the pool.
         let (heads, kv_heads, hd, n) = (9, 3, 64, 300);
         let kvd = kv_heads * hd;
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        };
+        let mut next = uniform_values(0x9e37_79b9_7f4a_7c15);
         let q: Vec<f32> = (0..heads * hd).map(|_| 4.0 * next()).collect();
         let k: Vec<f32> = (0..n * kvd).map(|_| next()).collect();
         let v: Vec<f32> = (0..n * kvd).map(|_| next()).collect();
@@ -547,13 +551,7 @@ mod tests {
         for hd in [64usize, 80] {
             let (heads, kv_heads) = (6, 2);
             let kvd = kv_heads * hd;
-            let mut seed = 0x2545_f491_4f6c_dd1du64;
-            let mut next = || {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            };
+            let mut next = uniform_values(0x2545_f491_4f6c_dd1d);
             let caches: Vec<(Vec<f32>, Vec<f32>)> = [3usize, 203]
                 .iter()
                 .map(|&n| {
