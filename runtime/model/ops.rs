@@ -45,15 +45,55 @@ pub fn rope_half_split(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 }
 
 /// `out[i] = silu(gate[i]) * up[i]` for a fused `[rows, 2*inter]` gate‖up row layout.
+///
+/// Element-wise, so large batches (a 16-row pass: 16 × inter `exp`s per layer) are split over the
+/// kernels' worker pool; every element is the same expression on any thread.
 pub fn swiglu(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
-        let (g, u) = gu.split_at(inter);
-        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+    // Below this many elements a pool dispatch costs more than it saves.
+    const PARALLEL_MIN_ELEMENTS: usize = 4096;
+    // Columns per pool claim (an L1-sized slice of gate, up and out).
+    const COLUMN_BLOCK: usize = 512;
+    let rows = out.len() / inter.max(1);
+    let pool = crate::kernels::pool::Pool::global();
+    if inter == 0 || rows * inter < PARALLEL_MIN_ELEMENTS || pool.threads() < 2 {
+        swiglu_span(gate_up, inter, 0..rows * inter, &mut out[..rows * inter]);
+        return;
+    }
+    let blocks = inter.div_ceil(COLUMN_BLOCK);
+    let counter = crate::kernels::pool::ChunkCounter::new(rows * blocks, pool.threads(), 4);
+    let out_ptr = SharedF32(out.as_mut_ptr());
+    pool.run(&|_, _| {
+        while let Some(range) = counter.claim() {
+            for unit in range {
+                let (r, b) = (unit / blocks, unit % blocks);
+                let cols =
+                    r * inter + b * COLUMN_BLOCK..r * inter + ((b + 1) * COLUMN_BLOCK).min(inter);
+                // SAFETY: `out` holds `rows * inter` floats (cols.end ≤ that) and outlives the
+                // pool job; each (row, block) span is claimed by exactly one thread, so the
+                // spans are disjoint.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(out_ptr.get().add(cols.start), cols.len())
+                };
+                swiglu_span(gate_up, inter, cols, out);
+            }
+        }
+    });
+}
+
+/// [`swiglu`] of the flat output elements `span` (`row * inter + column`) into `out`, which holds
+/// exactly those elements.
+fn swiglu_span(gate_up: &[f32], inter: usize, span: std::ops::Range<usize>, out: &mut [f32]) {
+    let mut i = span.start;
+    while i < span.end {
+        let (r, c) = (i / inter, i % inter);
+        let end = span.end.min((r + 1) * inter);
+        let g = &gate_up[r * 2 * inter + c..r * 2 * inter + inter];
+        let u = &gate_up[r * 2 * inter + inter + c..(r + 1) * 2 * inter];
+        let at = i - span.start;
+        for ((o, &g), &u) in out[at..at + end - i].iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + (-g).exp()) * u;
         }
+        i = end;
     }
 }
 
@@ -135,11 +175,12 @@ pub struct AttentionRow<'a> {
 /// `scores` is caller scratch of at least the longest row's `last + 1` (used when the work runs on
 /// the caller alone).
 ///
-/// Every (row, head) pair is independent, so all of them go over the kernels' worker pool in ONE
-/// dispatch (a per-row dispatch would cost `rows` pool handoffs per layer); tiny totals run on the
-/// caller. Each pair is computed by the same code whichever thread runs it and whatever else is in
-/// the batch, so a row's result does not depend on its batch. AVX2+FMA when the CPU has it
-/// ([`attend_head`] is the scalar reference).
+/// Every (row, KV head) group is independent, so all of them go over the kernels' worker pool in
+/// ONE dispatch (a per-row dispatch would cost `rows` pool handoffs per layer); a batch with fewer
+/// groups than twice the threads (a decode row) is split finer, by positions and columns
+/// ([`attend_rows_split`]); tiny totals run on the caller. Every head's arithmetic is the same
+/// whichever path, thread or batch computes it, so a row's result does not depend on its batch.
+/// AVX2+FMA when the CPU has it ([`attend_head`] is the scalar reference).
 pub fn attend_rows<'a>(
     shape: AttentionShape,
     rows: usize,
@@ -170,48 +211,186 @@ pub fn attend_rows<'a>(
             let r = row(i);
             let qh = &r.q[h * hd..(h + 1) * hd];
             let sc = &mut scores[..r.last + 1];
-            attend_one(fast, geometry, h, qh, r.k_cache, r.v_cache, sc, oh);
+            attend_heads(fast, geometry, h, 1, qh, r.k_cache, r.v_cache, sc, oh);
         }
         return;
     }
-    // Claim units: with enough of them, the query heads sharing one KV head of one row (its
-    // keys and values are then read from memory once, by one core, and reused from its cache);
-    // with few (a decode row has only kv_heads), single heads, for balance. One unit per claim:
-    // units are few and uneven (rows differ in length).
-    let unit = if heads % kv_heads == 0 && rows * kv_heads >= 4 * pool.threads() {
+    #[cfg(target_arch = "x86_64")]
+    if fast && hd % 8 == 0 && heads % kv_heads == 0 && rows * kv_heads < 2 * pool.threads() {
+        attend_rows_split(geometry, rows, row, out, pool);
+        return;
+    }
+    // Claim units: the query heads sharing one KV head of one row (its keys and values are then
+    // read from memory once, by one core). One unit per claim: units are few and uneven (rows
+    // differ in length).
+    let count = if heads % kv_heads == 0 {
         geometry.group
     } else {
         1
     };
-    let units = items / unit;
+    let units = items / count;
     let counter = crate::kernels::pool::ChunkCounter::new(units, units, 1);
-    let out_ptr = HeadsOut(out.as_mut_ptr());
+    let out_ptr = SharedF32(out.as_mut_ptr());
     pool.run(&|_, _| {
         HEAD_SCORES.with(|cell| {
             let mut scratch = cell.borrow_mut();
             while let Some(range) = counter.claim() {
-                for item in range.start * unit..range.end * unit {
-                    let (i, h) = (item / heads, item % heads);
+                for unit in range {
+                    let (i, h0) = (unit * count / heads, unit * count % heads);
                     let r = row(i);
                     let n = r.last + 1;
-                    if scratch.len() < n {
-                        scratch.resize(n, 0.0);
+                    if scratch.len() < count * n {
+                        scratch.resize(count * n, 0.0);
                     }
-                    // SAFETY: `out` holds `items * hd` floats and every item is claimed by exactly
-                    // one thread, so the slices are disjoint and `out` outlives the pool job.
-                    let oh =
-                        unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(item * hd), hd) };
-                    let qh = &r.q[h * hd..(h + 1) * hd];
-                    attend_one(
+                    // SAFETY: `out` holds `rows * heads * hd` floats and every (row, head) belongs
+                    // to exactly one unit, claimed by exactly one thread, so the slices are
+                    // disjoint and `out` outlives the pool job.
+                    let oh = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out_ptr.get().add((i * heads + h0) * hd),
+                            count * hd,
+                        )
+                    };
+                    let qh = &r.q[h0 * hd..(h0 + count) * hd];
+                    attend_heads(
                         fast,
                         geometry,
-                        h,
+                        h0,
+                        count,
                         qh,
                         r.k_cache,
                         r.v_cache,
-                        &mut scratch[..n],
+                        &mut scratch[..count * n],
                         oh,
                     );
+                }
+            }
+        });
+    });
+}
+
+/// [`attend_rows`] for a batch with fewer KV groups than twice the threads (a decode row has
+/// `kv_heads`): three pool jobs — scores split by positions, softmax by heads, values by columns —
+/// so the threads share every group's keys and values (each byte read once per token) instead of
+/// one thread reading a whole group while the other idles. The bits are those of [`attend_heads`]
+/// (see [`avx2`]).
+#[cfg(target_arch = "x86_64")]
+fn attend_rows_split<'a>(
+    g: HeadShape,
+    rows: usize,
+    row: &(dyn Fn(usize) -> AttentionRow<'a> + Sync),
+    out: &mut [f32],
+    pool: &crate::kernels::pool::Pool,
+) {
+    use crate::kernels::pool::ChunkCounter;
+    // Columns per value unit: whole cache lines, a multiple of 8.
+    const COLUMN_CHUNK: usize = 32;
+    let (hd, kv_heads) = (g.hd, g.kvd / g.hd);
+    let heads = kv_heads * g.group;
+    let positions = |i: usize| row(i).last + 1;
+    // Row i's scores start at base(i): `[heads, positions(i)]` per row.
+    let base = |i: usize| (0..i).map(|j| heads * positions(j)).sum::<usize>();
+    // Position units: about 4 per thread per row, whole 4-position blocks.
+    let span_len = |i: usize| {
+        positions(i)
+            .div_ceil(4 * pool.threads())
+            .next_multiple_of(4)
+            .max(16)
+    };
+    let spans = |i: usize| positions(i).div_ceil(span_len(i));
+    let col_chunks = hd.div_ceil(COLUMN_CHUNK);
+    SPLIT_SCORES.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        let total = base(rows);
+        if buf.len() < total {
+            buf.resize(total, 0.0);
+        }
+        let scores = SharedF32(buf.as_mut_ptr());
+        let units: usize = (0..rows).map(spans).sum();
+        let counter = ChunkCounter::new(units, units, 1);
+        pool.run(&|_, _| {
+            while let Some(range) = counter.claim() {
+                for unit in range {
+                    let (mut i, mut s) = (0, unit);
+                    while s >= spans(i) {
+                        s -= spans(i);
+                        i += 1;
+                    }
+                    let (r, n) = (row(i), positions(i));
+                    let span = s * span_len(i)..((s + 1) * span_len(i)).min(n);
+                    // Every KV head of 16 positions at a time: whole cache rows, read in order.
+                    for t in span.clone().step_by(16) {
+                        let block = t..(t + 16).min(span.end);
+                        for kv in 0..kv_heads {
+                            let h0 = kv * g.group;
+                            // SAFETY: AVX2/FMA available (caller); `buf` holds every row's
+                            // `[heads, n]` scores from base(i), and this unit alone writes
+                            // positions `span` of them, while the job runs inside the borrow
+                            // of `buf`.
+                            unsafe {
+                                avx2::group_scores(
+                                    &r.q[h0 * hd..],
+                                    g.group,
+                                    r.k_cache,
+                                    (g.kvd, kv * hd, hd),
+                                    n,
+                                    block.clone(),
+                                    scores.get().add(base(i) + h0 * n),
+                                )
+                            };
+                        }
+                    }
+                }
+            }
+        });
+        let counter = ChunkCounter::new(rows * heads, rows * heads, 1);
+        pool.run(&|_, _| {
+            while let Some(range) = counter.claim() {
+                for unit in range {
+                    let (i, h) = (unit / heads, unit % heads);
+                    let n = positions(i);
+                    // SAFETY: head h of row i owns `n` floats of `buf` at base(i) + h·n, and
+                    // only this unit touches them in this job.
+                    let head = unsafe {
+                        std::slice::from_raw_parts_mut(scores.get().add(base(i) + h * n), n)
+                    };
+                    softmax_in_place(head);
+                }
+            }
+        });
+        let units = rows * kv_heads * col_chunks;
+        let counter = ChunkCounter::new(units, units, 1);
+        let out_ptr = SharedF32(out.as_mut_ptr());
+        pool.run(&|_, _| {
+            while let Some(range) = counter.claim() {
+                for unit in range {
+                    let (i, kv, chunk) = (
+                        unit / (kv_heads * col_chunks),
+                        unit / col_chunks % kv_heads,
+                        unit % col_chunks,
+                    );
+                    let (r, n) = (row(i), positions(i));
+                    let h0 = kv * g.group;
+                    let cols = chunk * COLUMN_CHUNK..((chunk + 1) * COLUMN_CHUNK).min(hd);
+                    // SAFETY: the softmax job has finished, so the group's probabilities are
+                    // only read now.
+                    let probs = unsafe {
+                        std::slice::from_raw_parts(scores.get().add(base(i) + h0 * n), g.group * n)
+                    };
+                    // SAFETY: AVX2/FMA available (caller); `out` holds `rows * heads * hd`
+                    // floats and this unit alone writes columns `cols` of row i's heads
+                    // h0..h0 + group.
+                    unsafe {
+                        avx2::group_values(
+                            probs,
+                            g.group,
+                            r.v_cache,
+                            (g.kvd, kv * hd, hd),
+                            n,
+                            cols,
+                            out_ptr.get().add((i * heads + h0) * hd),
+                        )
+                    };
                 }
             }
         });
@@ -221,20 +400,23 @@ pub fn attend_rows<'a>(
 thread_local! {
     /// Per-thread softmax scratch of the parallel attention (grows to the context, then reused).
     static HEAD_SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The caller's `[rows, heads, positions]` scores of [`attend_rows_split`] (grows to the
+    /// context, then reused).
+    static SPLIT_SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The output rows of the heads, shared by the pool threads (each writes its own heads).
+/// A float buffer shared by the pool threads, each writing its own disjoint part.
 #[derive(Clone, Copy)]
-struct HeadsOut(*mut f32);
-impl HeadsOut {
+struct SharedF32(*mut f32);
+impl SharedF32 {
     fn get(self) -> *mut f32 {
         self.0
     }
 }
-// SAFETY: threads write disjoint head slices of an output that outlives the pool job.
-unsafe impl Send for HeadsOut {}
+// SAFETY: threads write disjoint parts of a buffer that outlives the pool job.
+unsafe impl Send for SharedF32 {}
 // SAFETY: as above.
-unsafe impl Sync for HeadsOut {}
+unsafe impl Sync for SharedF32 {}
 
 /// Geometry of one attention row: query heads per KV head, KV row width, head dim.
 #[derive(Clone, Copy)]
@@ -249,28 +431,49 @@ fn fast_attention_available() -> bool {
     crate::kernels::gemm::fast_available()
 }
 
+/// Query heads `h0..h0 + count` of one row, all of the same KV head: `qs` and `out` are
+/// `[count, hd]`, `scores` is `[count, n]` scratch.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-fn attend_one(
+fn attend_heads(
     fast: bool,
     s: HeadShape,
-    h: usize,
-    qh: &[f32],
+    h0: usize,
+    count: usize,
+    qs: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     scores: &mut [f32],
-    oh: &mut [f32],
+    out: &mut [f32],
 ) {
-    let g = h / s.group;
+    let k_off = h0 / s.group * s.hd;
+    debug_assert!(count > 0 && (h0 + count - 1) / s.group == h0 / s.group);
+    let n = scores.len() / count;
     #[cfg(target_arch = "x86_64")]
     if fast && s.hd % 8 == 0 {
-        // SAFETY: AVX2/FMA are available (`fast`); the caches hold `n` positions of `kvd`
-        // floats (asserted inside), `qh` and `oh` hold `hd`, `scores` holds `n`.
-        unsafe { attend_head_avx2(qh, k_cache, v_cache, s.kvd, g * s.hd, s.hd, scores, oh) };
+        let dims = (s.kvd, k_off, s.hd);
+        assert!(qs.len() >= count * s.hd && out.len() >= count * s.hd && n > 0);
+        // SAFETY: AVX2/FMA are available (`fast`); `scores` and `out` are this call's own
+        // `[count, n]` and `[count, hd]` slices (the caches are bounds-checked inside).
+        unsafe {
+            avx2::group_scores(qs, count, k_cache, dims, n, 0..n, scores.as_mut_ptr());
+        }
+        for head in scores.chunks_exact_mut(n) {
+            softmax_in_place(head);
+        }
+        // SAFETY: as above.
+        unsafe { avx2::group_values(scores, count, v_cache, dims, n, 0..s.hd, out.as_mut_ptr()) };
         return;
     }
     let _ = fast;
-    attend_head(qh, k_cache, v_cache, s.kvd, g * s.hd, s.hd, scores, oh);
+    for ((qh, oh), sc) in qs
+        .chunks_exact(s.hd)
+        .zip(out.chunks_exact_mut(s.hd))
+        .zip(scores.chunks_exact_mut(n))
+        .take(count)
+    {
+        attend_head(qh, k_cache, v_cache, s.kvd, k_off, s.hd, sc, oh);
+    }
 }
 
 /// Scalar reference of one head: softmax(q·Kᵀ/√hd)·V over `scores.len()` positions, reading the
@@ -309,75 +512,197 @@ pub fn attend_head(
     }
 }
 
-/// [`attend_head`] with AVX2+FMA (hd a multiple of 8).
+/// AVX2+FMA attention, in pieces that a pool can split among threads without changing a bit:
+/// every position's score, every head's softmax and every output column's value sum is computed
+/// by the same operations in the same order whichever piece or thread computes it.
 ///
-/// Scores: four positions at a time, each with its own accumulator chain, reduced together by one
-/// `hadd` tree (a position's sum does not depend on its neighbours or on `n`: the tail reuses the
-/// same tree). Values: the output head lives in registers (64 columns at a time) across all
-/// positions instead of a load + store per position.
-///
-/// # Safety
-/// AVX2 and FMA available; `hd % 8 == 0`.
+/// Why pieces: a cached position costs 2·hd·4 bytes of KV per KV head and only 4·hd FLOPs per
+/// query head, so decode attention is bound by that traffic. Every piece reads each key and value
+/// row once for all the query heads of its KV head, and a decode row (only `kv_heads` groups) splits
+/// its positions (scores) and columns (values) between the threads, so each byte is read once
+/// per token by one core.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_head_avx2(
-    qh: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    kvd: usize,
-    k_off: usize,
-    hd: usize,
-    scores: &mut [f32],
-    oh: &mut [f32],
-) {
+mod avx2 {
     use std::arch::x86_64::*;
-    let n = scores.len();
-    // Bounds for every raw access below: positions 0..n, columns k_off..k_off+hd of kvd.
-    assert!(
-        n > 0
-            && hd % 8 == 0
-            && qh.len() >= hd
-            && oh.len() >= hd
-            && k_off + hd <= kvd
-            && k_cache.len() >= n * kvd
-            && v_cache.len() >= n * kvd
-    );
-    let scale = _mm_set1_ps(1.0 / (hd as f32).sqrt());
-    let q = qh.as_ptr();
-    let mut t = 0;
-    while t < n {
-        // Positions t..t+4; past the end the last position is recomputed and not stored.
-        let key = |j: usize| k_cache[(t + j).min(n - 1) * kvd + k_off..].as_ptr();
-        let (k0, k1, k2, k3) = (key(0), key(1), key(2), key(3));
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut c = 0;
-        while c < hd {
-            // SAFETY: c + 8 ≤ hd; q and every key row hold hd floats from their start (asserted).
-            unsafe {
-                let qv = _mm256_loadu_ps(q.add(c));
-                acc[0] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(c)), acc[0]);
-                acc[1] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1.add(c)), acc[1]);
-                acc[2] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2.add(c)), acc[2]);
-                acc[3] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3.add(c)), acc[3]);
+    use std::ops::Range;
+
+    /// Positions whose value rows are reused from L1 by every head of a group.
+    const VALUE_BLOCK: usize = 32;
+
+    /// Scores `q·k/√hd` of positions `span` for the `count` query heads at `qs` (`[count, hd]`)
+    /// over the KV head at column `k_off`, written to `scores[h * n + t]`.
+    ///
+    /// Four positions at a time, each with its own accumulator chain, reduced together by one
+    /// `hadd` tree (a position's sum does not depend on its neighbours, its block or `n`: a block
+    /// past `n` recomputes the last position and does not store it); the four key rows stay in L1
+    /// while every head takes its turn.
+    ///
+    /// # Safety
+    /// AVX2 and FMA available; `hd % 8 == 0`; `qs` holds `count * hd` floats; `span.end ≤ n`;
+    /// `scores` is valid for writes at `h * n + t` for `h < count`, `t ∈ span`, and no other
+    /// thread touches those floats meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn group_scores(
+        qs: &[f32],
+        count: usize,
+        k_cache: &[f32],
+        (kvd, k_off, hd): (usize, usize, usize),
+        n: usize,
+        span: Range<usize>,
+        scores: *mut f32,
+    ) {
+        // Bounds for every raw read below: positions < n, columns k_off..k_off+hd of kvd.
+        assert!(
+            hd % 8 == 0
+                && span.end <= n
+                && qs.len() >= count * hd
+                && k_off + hd <= kvd
+                && k_cache.len() >= n * kvd
+        );
+        let scale = _mm_set1_ps(1.0 / (hd as f32).sqrt());
+        let mut t = span.start;
+        while t < span.end {
+            let key = |j: usize| k_cache[(t + j).min(n - 1) * kvd + k_off..].as_ptr();
+            let (k0, k1, k2, k3) = (key(0), key(1), key(2), key(3));
+            let valid = (span.end - t).min(4);
+            for h in 0..count {
+                let q = qs[h * hd..].as_ptr();
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut c = 0;
+                while c < hd {
+                    // SAFETY: c + 8 ≤ hd; the head's q and every key row hold hd floats from
+                    // their start (asserted).
+                    unsafe {
+                        let qv = _mm256_loadu_ps(q.add(c));
+                        acc[0] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(c)), acc[0]);
+                        acc[1] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1.add(c)), acc[1]);
+                        acc[2] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2.add(c)), acc[2]);
+                        acc[3] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3.add(c)), acc[3]);
+                    }
+                    c += 8;
+                }
+                let pairs = _mm256_hadd_ps(
+                    _mm256_hadd_ps(acc[0], acc[1]),
+                    _mm256_hadd_ps(acc[2], acc[3]),
+                );
+                let sums = _mm_add_ps(
+                    _mm256_castps256_ps128(pairs),
+                    _mm256_extractf128_ps::<1>(pairs),
+                );
+                let mut four = [0f32; 4];
+                // SAFETY: `four` holds 4 floats.
+                unsafe { _mm_storeu_ps(four.as_mut_ptr(), _mm_mul_ps(sums, scale)) };
+                for (j, &v) in four[..valid].iter().enumerate() {
+                    // SAFETY: h < count and t + j ∈ span (caller contract).
+                    unsafe { *scores.add(h * n + t + j) = v };
+                }
             }
-            c += 8;
+            t += 4;
         }
-        let pairs = _mm256_hadd_ps(
-            _mm256_hadd_ps(acc[0], acc[1]),
-            _mm256_hadd_ps(acc[2], acc[3]),
-        );
-        let sums = _mm_add_ps(
-            _mm256_castps256_ps128(pairs),
-            _mm256_extractf128_ps::<1>(pairs),
-        );
-        let mut four = [0f32; 4];
-        // SAFETY: `four` holds 4 floats.
-        unsafe { _mm_storeu_ps(four.as_mut_ptr(), _mm_mul_ps(sums, scale)) };
-        let valid = (n - t).min(4);
-        scores[t..t + valid].copy_from_slice(&four[..valid]);
-        t += 4;
     }
+
+    /// `out[h * hd + c] = Σ_t probs[h * n + t] · v[t][k_off + c]` for the `count` heads and the
+    /// columns `cols` (multiples of 8): each column's `fma` chain runs in position order; the
+    /// output columns live in registers across a block of positions (whose value rows stay in L1
+    /// for the next head) and go through `out` between blocks, which does not change a bit.
+    ///
+    /// # Safety
+    /// AVX2 and FMA available; `probs` holds `count * n` floats; `cols` is inside `0..hd` with
+    /// both ends multiples of 8; `out` is valid for writes at `h * hd + c` for `h < count`,
+    /// `c ∈ cols`, and no other thread touches those floats meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn group_values(
+        probs: &[f32],
+        count: usize,
+        v_cache: &[f32],
+        (kvd, k_off, hd): (usize, usize, usize),
+        n: usize,
+        cols: Range<usize>,
+        out: *mut f32,
+    ) {
+        assert!(
+            cols.start % 8 == 0
+                && cols.end % 8 == 0
+                && cols.end <= hd
+                && k_off + hd <= kvd
+                && probs.len() >= count * n
+                && v_cache.len() >= n * kvd
+        );
+        let mut c0 = cols.start;
+        while c0 < cols.end {
+            let width = match cols.end - c0 {
+                w if w >= 64 => 64,
+                w if w >= 32 => 32,
+                _ => 8,
+            };
+            let v0 = v_cache[k_off + c0..].as_ptr();
+            // SAFETY: columns c0..c0+width of every head are inside `out` (caller contract) and
+            // of every value row (asserted: c0 + width ≤ hd).
+            unsafe {
+                let o = out.add(c0);
+                match width {
+                    64 => value_columns::<8>(probs, count, n, v0, kvd, o, hd),
+                    32 => value_columns::<4>(probs, count, n, v0, kvd, o, hd),
+                    _ => value_columns::<1>(probs, count, n, v0, kvd, o, hd),
+                }
+            }
+            c0 += width;
+        }
+    }
+
+    /// [`group_values`] for `8 · VECS` columns starting at `v0` (value row 0) and `out` (head 0).
+    ///
+    /// # Safety
+    /// As [`group_values`]: `8 · VECS` floats readable at `v0 + t · kvd` for `t < n` and writable
+    /// at `out + h · hd` for `h < count`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn value_columns<const VECS: usize>(
+        probs: &[f32],
+        count: usize,
+        n: usize,
+        v0: *const f32,
+        kvd: usize,
+        out: *mut f32,
+        hd: usize,
+    ) {
+        let mut t0 = 0;
+        while t0 < n {
+            let t1 = (t0 + VALUE_BLOCK).min(n);
+            for h in 0..count {
+                // SAFETY: h < count (caller contract).
+                let o = unsafe { out.add(h * hd) };
+                let mut acc = [_mm256_setzero_ps(); VECS];
+                if t0 > 0 {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: 8 · VECS floats at `o` (caller contract).
+                        *a = unsafe { _mm256_loadu_ps(o.add(8 * j)) };
+                    }
+                }
+                for (t, &p) in (t0..t1).zip(&probs[h * n + t0..h * n + t1]) {
+                    let w = _mm256_set1_ps(p);
+                    // SAFETY: t < n: 8 · VECS floats of the value row (caller contract).
+                    let v = unsafe { v0.add(t * kvd) };
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: as above, j < VECS.
+                        *a = _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.add(8 * j)) }, *a);
+                    }
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    // SAFETY: as above.
+                    unsafe { _mm256_storeu_ps(o.add(8 * j), *a) };
+                }
+            }
+            t0 = t1;
+        }
+    }
+}
+
+/// The fast path's softmax of one head's scores, in place (max, `exp`, sum and scaling, in
+/// position order).
+fn softmax_in_place(scores: &mut [f32]) {
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
     let mut sum = 0f32;
     for s in scores.iter_mut() {
@@ -387,41 +712,6 @@ unsafe fn attend_head_avx2(
     let inv = 1.0 / sum;
     for s in scores.iter_mut() {
         *s *= inv;
-    }
-    let o = oh.as_mut_ptr();
-    let mut c0 = 0;
-    while c0 < hd {
-        let v0 = v_cache[k_off + c0..].as_ptr();
-        if hd - c0 >= 64 {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (t, &p) in scores.iter().enumerate() {
-                let w = _mm256_set1_ps(p);
-                // SAFETY: t < n and c0 + 64 ≤ hd: 64 floats of the value row (asserted above).
-                let v = unsafe { v0.add(t * kvd) };
-                for (j, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: as above, j < 8.
-                    *a = _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.add(8 * j)) }, *a);
-                }
-            }
-            for (j, a) in acc.iter().enumerate() {
-                // SAFETY: c0 + 64 ≤ hd ≤ oh.len().
-                unsafe { _mm256_storeu_ps(o.add(c0 + 8 * j), *a) };
-            }
-            c0 += 64;
-        } else {
-            let mut acc = _mm256_setzero_ps();
-            for (t, &p) in scores.iter().enumerate() {
-                // SAFETY: t < n and c0 + 8 ≤ hd (hd % 8 == 0).
-                acc = _mm256_fmadd_ps(
-                    _mm256_set1_ps(p),
-                    unsafe { _mm256_loadu_ps(v0.add(t * kvd)) },
-                    acc,
-                );
-            }
-            // SAFETY: c0 + 8 ≤ hd ≤ oh.len().
-            unsafe { _mm256_storeu_ps(o.add(c0), acc) };
-            c0 += 8;
-        }
     }
 }
 
@@ -477,6 +767,31 @@ mod tests {
         swiglu(&[0.0, 1.0, 5.0, 2.0], 2, &mut out);
         assert_eq!(out[0], 0.0);
         assert!((out[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn pooled_swiglu_of_a_batch_pairs_each_gate_with_its_own_up() {
+        // 7 rows × 1300 columns: over the pool threshold, and 1300 is not a multiple of the
+        // column block, so spans end mid-row and at row ends.
+        let (rows, inter) = (7, 1300);
+        let mut next = uniform_values(0x51_7cc1_b727_220a);
+        let gate_up: Vec<f32> = (0..rows * 2 * inter).map(|_| 8.0 * next()).collect();
+        let mut out = vec![f32::NAN; rows * inter];
+        swiglu(&gate_up, inter, &mut out);
+        for r in 0..rows {
+            for c in 0..inter {
+                let (g, u) = (
+                    gate_up[r * 2 * inter + c],
+                    gate_up[r * 2 * inter + inter + c],
+                );
+                let want = g as f64 / (1.0 + (-g as f64).exp()) * u as f64;
+                let got = out[r * inter + c];
+                assert!(
+                    (got as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "row {r} column {c}: {got} vs {want}"
+                );
+            }
+        }
     }
 
     /// Deterministic test values in [-0.5, 0.5) (xorshift64).
