@@ -166,3 +166,41 @@ fn run_exact_gives_the_reference_answer_on_a_near_tie() {
         "exact chat answer: {out:?}"
     );
 }
+
+/// `bench gemm --json` carries the fields docs/performance.md reads: both roofline probes, and per
+/// M the time, the traffic, the cost relative to M = 1 and the share of the int8 peak.
+#[test]
+fn bench_gemm_json_reports_both_rooflines_and_every_row() {
+    let (ok, out, err) = xdna(&[
+        "bench",
+        "gemm",
+        "--json",
+        "--m",
+        "1,16",
+        "--layers",
+        "1",
+        "--min-time",
+        "0",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["read_bandwidth_gbs"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["fraction_of_bandwidth_m1"].as_f64().unwrap() > 0.0, "{v}");
+    // The probe runs wherever the AVX2 kernels do, and is null elsewhere.
+    match v["avx2"].as_bool().unwrap() {
+        true => assert!(v["int8_mac_peak_gmacs"].as_f64().unwrap() > 0.0, "{v}"),
+        false => assert!(v["int8_mac_peak_gmacs"].is_null(), "{v}"),
+    }
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    assert_eq!(rows[0]["m"], 1);
+    assert_eq!(rows[0]["relative_to_m1"].as_f64().unwrap(), 1.0);
+    for r in rows {
+        for k in ["seconds", "gbs", "gops", "relative_to_m1"] {
+            assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
+        }
+        if v["avx2"] == true {
+            assert!(r["fraction_of_int8_peak"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+}

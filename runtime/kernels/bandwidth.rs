@@ -1,7 +1,8 @@
-//! Memory read-bandwidth probe: the roofline every GEMM sweep and decode speed is compared with.
+//! Roofline probes: the memory read bandwidth every GEMM sweep and decode speed is compared with,
+//! and the int8 multiply-add peak a compute-bound (M = 16) sweep is compared with.
 //!
-//! A streaming read of a large buffer through the same worker pool the kernels use (so the probe
-//! and the kernels see the same threads), repeated; the median and the best run are returned.
+//! Both run through the same worker pool the kernels use (so the probes and the kernels see the
+//! same threads), repeated; the median and the best run are returned.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -53,11 +54,75 @@ pub fn read_bandwidth(bytes: usize, runs: usize) -> Bandwidth {
     }
 }
 
+/// Int8 multiply-adds per second (10⁹), every pool thread issuing only the integer multiply the
+/// AVX2 GEMM kernels are built on (`vpmaddubsw`: 32 u8 × i8 products per instruction) on
+/// independent register chains: the ceiling no q4/q8 kernel on this ISA can pass. `None` without
+/// AVX2.
+pub fn int8_mac_peak(runs: usize) -> Option<Bandwidth> {
+    if !super::gemm::fast_available() {
+        return None;
+    }
+    // Per thread per run: 2²² iterations × 8 instructions ≈ 10 ms at ~3 instructions per ns.
+    const ITERATIONS: u64 = 1 << 22;
+    let pool = Pool::global();
+    let sink = AtomicU64::new(0);
+    let mut samples = Vec::with_capacity(runs.max(1));
+    for run in 0..=runs.max(1) {
+        let start = Instant::now();
+        pool.run(&|_, _| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 is available (`fast_available` above).
+            sink.fetch_xor(unsafe { maddubs_chains(ITERATIONS) }, Ordering::Relaxed);
+        });
+        let seconds = start.elapsed().as_secs_f64();
+        if run > 0 {
+            let macs = (pool.threads() as u64 * ITERATIONS * 8 * 32) as f64;
+            samples.push(macs / seconds / 1e9);
+        }
+    }
+    std::hint::black_box(sink.load(Ordering::Relaxed));
+    samples.sort_by(f64::total_cmp);
+    Some(Bandwidth {
+        median_gbs: samples[samples.len() / 2],
+        best_gbs: samples[samples.len() - 1],
+    })
+}
+
+/// `iterations` × 8 `vpmaddubsw` on 8 independent chains (enough to cover its latency on every
+/// AVX2 core), folded into one word so nothing is optimised away.
+///
+/// # Safety
+/// AVX2 available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn maddubs_chains(iterations: u64) -> u64 {
+    use std::arch::x86_64::*;
+    let seed = std::hint::black_box(0x0102_0304_0506_0708i64);
+    let x = _mm256_set1_epi64x(std::hint::black_box(0x0101_0101_0101_0101));
+    let mut acc: [__m256i; 8] = std::array::from_fn(|i| _mm256_set1_epi64x(seed + i as i64));
+    for _ in 0..iterations {
+        for a in acc.iter_mut() {
+            *a = _mm256_maddubs_epi16(*a, x);
+        }
+    }
+    let folded = acc
+        .iter()
+        .fold(_mm256_setzero_si256(), |f, &a| _mm256_xor_si256(f, a));
+    _mm256_extract_epi64::<0>(folded) as u64
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn bandwidth_is_positive_and_ordered() {
         let b = super::read_bandwidth(8 << 20, 3);
         assert!(b.median_gbs > 0.0 && b.best_gbs >= b.median_gbs, "{b:?}");
+    }
+
+    #[test]
+    fn int8_peak_is_positive_and_ordered_when_avx2_runs() {
+        if let Some(p) = super::int8_mac_peak(2) {
+            assert!(p.median_gbs > 0.0 && p.best_gbs >= p.median_gbs, "{p:?}");
+        }
     }
 }

@@ -149,6 +149,8 @@ struct Row {
     gbs: f64,
     gops: f64,
     relative: f64,
+    /// Multiply-adds per second over the probe's int8 multiply-add peak.
+    fraction_of_int8_peak: f64,
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
@@ -224,6 +226,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let threads = Pool::global().threads();
     let probe = xdna::kernels::bandwidth::read_bandwidth(256 << 20, 7);
     let (bandwidth, best_bandwidth) = (probe.median_gbs, probe.best_gbs);
+    let int8_peak = xdna::kernels::bandwidth::int8_mac_peak(7).map(|p| p.median_gbs);
 
     let mut sweep = |m: usize| -> xdna::Result<f64> {
         let start = Instant::now();
@@ -251,6 +254,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
             gbs: streamed as f64 / seconds / 1e9,
             gops: 2.0 * (m * macs_per_row) as f64 / seconds / 1e9,
             relative: 0.0,
+            fraction_of_int8_peak: int8_peak.map_or(f64::NAN, |peak| {
+                (m * macs_per_row) as f64 / seconds / 1e9 / peak
+            }),
         });
     }
     let m1 = rows.iter().find(|r| r.m == 1).map(|r| r.seconds);
@@ -281,6 +287,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "fraction_of_bandwidth_m1": fraction_m1,
             "best_read_bandwidth_gbs": best_bandwidth,
             "best_fraction_of_bandwidth_m1": best_fraction_m1,
+            "int8_mac_peak_gmacs": int8_peak,
             "rows": rows.iter().map(|r| serde_json::json!({
                 "m": r.m,
                 "seconds": r.seconds,
@@ -289,6 +296,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 "gbs": r.gbs,
                 "gops": r.gops,
                 "relative_to_m1": r.relative,
+                "fraction_of_int8_peak": r.fraction_of_int8_peak,
             })).collect::<Vec<_>>(),
         });
         println!("{json:#}");
@@ -309,21 +317,28 @@ pub fn run(args: Args) -> xdna::Result<()> {
     println!(
         "read bandwidth (256 MiB streaming read, pool): median {bandwidth:.2} GB/s, best {best_bandwidth:.2} GB/s"
     );
+    match int8_peak {
+        Some(peak) => println!(
+            "int8 multiply-add peak (vpmaddubsw on registers only, pool): median {peak:.1} GMAC/s"
+        ),
+        None => println!("int8 multiply-add peak: not measured (no AVX2)"),
+    }
     println!("times are medians over repeated sweeps (best = fastest sweep)");
     println!(
-        "{:>5} {:>11} {:>10} {:>12} {:>8} {:>9} {:>8}",
-        "M", "sweep ms", "best ms", "µs/call", "GB/s", "GOP/s", "× M=1"
+        "{:>5} {:>11} {:>10} {:>12} {:>8} {:>9} {:>8} {:>10}",
+        "M", "sweep ms", "best ms", "µs/call", "GB/s", "GOP/s", "× M=1", "int8 peak"
     );
     for r in &rows {
         println!(
-            "{:>5} {:>11.3} {:>10.3} {:>12.1} {:>8.2} {:>9.1} {:>8.2}",
+            "{:>5} {:>11.3} {:>10.3} {:>12.1} {:>8.2} {:>9.1} {:>8.2} {:>9.0}%",
             r.m,
             r.seconds * 1e3,
             r.best_seconds * 1e3,
             r.seconds * 1e6 / views.len() as f64,
             r.gbs,
             r.gops,
-            r.relative
+            r.relative,
+            r.fraction_of_int8_peak * 100.0
         );
     }
     println!(
