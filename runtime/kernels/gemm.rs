@@ -242,8 +242,10 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
 thread_local! {
     /// The calling thread's quantized activations (reused across calls: no steady-state allocation).
     static ACTIVATIONS: RefCell<QuantizedRows> = RefCell::new(QuantizedRows::default());
-    /// Each thread's block output / accumulator scratch, and the scalar path's decoded tile.
-    static BLOCK_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Each thread's block output / accumulator scratch, and the scalar path's tile scratch.
+    static BLOCK_SCRATCH: RefCell<(Vec<f32>, ScalarScratch)> = const {
+        RefCell::new((Vec::new(), ScalarScratch { decoded: Vec::new(), tile: Vec::new() }))
+    };
 }
 
 /// Raw output pointer shared by the workers; each writes a disjoint set of columns.
@@ -342,13 +344,12 @@ impl HostExecutor {
             pool.run(&|_, _| {
                 BLOCK_SCRATCH.with(|scratch| {
                     let mut scratch = scratch.borrow_mut();
-                    let (block_out, decoded) = &mut *scratch;
+                    let (block_out, scalar) = &mut *scratch;
                     block_out.resize(ROWS_PER_PASS * TILE_ROWS, 0.0);
                     while let Some(range) = counter.claim() {
                         for block in range {
                             run_block(
-                                w, kernel, fast, act, x, m, block, block_out, decoded, out,
-                                y_stride,
+                                w, kernel, fast, act, x, m, block, block_out, scalar, out, y_stride,
                             );
                         }
                     }
@@ -399,7 +400,7 @@ fn run_block(
     m: usize,
     block: usize,
     block_out: &mut [f32],
-    decoded: &mut Vec<f32>,
+    scalar: &mut ScalarScratch,
     y: OutPtr,
     y_stride: usize,
 ) {
@@ -418,7 +419,7 @@ fn run_block(
             row0..row0 + pass,
             block,
             out,
-            decoded,
+            scalar,
         );
         for (i, src) in out.chunks_exact(TILE_ROWS).enumerate() {
             // SAFETY: (row0+i) < m and n0 + rows_here ≤ N, so the range ends at or before
@@ -452,7 +453,7 @@ fn compute_block(
     rows: std::ops::Range<usize>,
     block: usize,
     out: &mut [f32],
-    decoded: &mut Vec<f32>,
+    scalar: &mut ScalarScratch,
 ) {
     let k = w.cols;
     if let Some(tile_bytes) = w.format.tile_bytes() {
@@ -479,7 +480,7 @@ fn compute_block(
             }
         }
         let _ = (kernel, fast, act);
-        scalar_tiled_block(w, data, tile_bytes, x, rows, out, decoded);
+        scalar_tiled_block(w, data, tile_bytes, x, rows, out, scalar);
         return;
     }
     // Plain formats: one weight row at a time, f32 dot products.
@@ -524,6 +525,13 @@ fn scalar_plain_dot(format: WeightFormat, wrow: &[u8], x: &[f32]) -> f32 {
     }
 }
 
+/// A thread's scratch for the portable path: one decoded tile, and one tile rebuilt from group
+/// records (kept across blocks, so the scalar path allocates nothing after warm-up).
+struct ScalarScratch {
+    decoded: Vec<f32>,
+    tile: Vec<u8>,
+}
+
 /// The portable path for tile formats: decode one tile at a time, f32 dots over real columns.
 fn scalar_tiled_block(
     w: &WeightMatrix,
@@ -532,22 +540,25 @@ fn scalar_tiled_block(
     x: &[f32],
     rows: std::ops::Range<usize>,
     out: &mut [f32],
-    decoded: &mut Vec<f32>,
+    scratch: &mut ScalarScratch,
 ) {
     let k = w.cols;
     let tile_cols = w.format.tile_cols();
+    let ScalarScratch {
+        decoded,
+        tile: rebuilt,
+    } = scratch;
     decoded.resize(TILE_ROWS * tile_cols, 0.0);
     out[..rows.len() * TILE_ROWS].fill(0.0);
     // Group records are turned back into tiles, so both packings sum in the same order.
-    let mut rebuilt = match w.packing {
-        Packing::Tiles => Vec::new(),
-        Packing::GroupRecords => vec![0u8; tile_bytes],
-    };
+    if w.packing == Packing::GroupRecords {
+        rebuilt.resize(tile_bytes, 0);
+    }
     for t in 0..w.format.padded_cols(k) / tile_cols {
         let tile = match w.packing {
             Packing::Tiles => &data[t * tile_bytes..(t + 1) * tile_bytes],
             Packing::GroupRecords => {
-                host_layout::tile_from_records(w.format, data, t, &mut rebuilt);
+                host_layout::tile_from_records(w.format, data, t, rebuilt);
                 &rebuilt[..]
             }
         };
