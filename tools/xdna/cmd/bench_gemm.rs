@@ -39,8 +39,23 @@ pub struct Args {
     layers: usize,
     /// Weight layout: `host` (what the host backend runs: q4_1/Q8 repacked into group records
     /// at load) or `tiles` (the package's tile grid, as a device receives it).
-    #[arg(long, default_value = "host")]
-    layout: String,
+    #[arg(long, value_enum, default_value_t = Layout::Host)]
+    layout: Layout,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Layout {
+    Host,
+    Tiles,
+}
+
+impl Layout {
+    fn name(self) -> &'static str {
+        match self {
+            Layout::Host => "host",
+            Layout::Tiles => "tiles",
+        }
+    }
 }
 
 /// SmolLM2-135M: hidden 576, FFN 1536, 9 heads × 64, 3 KV heads, vocab 49152.
@@ -76,7 +91,7 @@ fn synthetic(
     format: WeightFormat,
     rows: usize,
     cols: usize,
-    host_layout: bool,
+    layout: Layout,
     seed: &mut u64,
 ) -> xdna::Result<Matrix> {
     let bytes = format
@@ -113,7 +128,7 @@ fn synthetic(
             s.copy_from_slice(&small);
         }
     }
-    if host_layout {
+    if layout == Layout::Host {
         let records = WeightMatrix::new(format, rows, cols, &data)
             .and_then(|tiles| pack_group_records(&tiles))
             .map_err(|e| xdna::Error::Usage(format!("{name}: {e}")))?;
@@ -163,53 +178,28 @@ pub fn run(args: Args) -> xdna::Result<()> {
         .map_err(|e| xdna::Error::Usage(format!("--wfmt: {e}")))?;
     let head_wfmt = WeightFormat::from_name(&args.head_wfmt)
         .map_err(|e| xdna::Error::Usage(format!("--head-wfmt: {e}")))?;
-    let host_layout = match args.layout.as_str() {
-        "host" => true,
-        "tiles" => false,
-        other => {
-            return Err(xdna::Error::Usage(format!(
-                "--layout: {other:?} is neither `host` nor `tiles`"
-            )))
-        }
-    };
     if args.m.is_empty() || args.m.contains(&0) {
         return Err(xdna::Error::Usage("--m needs positive row counts".into()));
     }
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut matrices = Vec::new();
+    let layer = [
+        ("qkv", QKV, HIDDEN),
+        ("o", HIDDEN, HIDDEN),
+        ("gate+up", 2 * FFN, HIDDEN),
+        ("down", HIDDEN, FFN),
+    ];
     for _ in 0..args.layers {
-        matrices.push(synthetic("qkv", wfmt, QKV, HIDDEN, host_layout, &mut seed)?);
-        matrices.push(synthetic(
-            "o",
-            wfmt,
-            HIDDEN,
-            HIDDEN,
-            host_layout,
-            &mut seed,
-        )?);
-        matrices.push(synthetic(
-            "gate+up",
-            wfmt,
-            2 * FFN,
-            HIDDEN,
-            host_layout,
-            &mut seed,
-        )?);
-        matrices.push(synthetic(
-            "down",
-            wfmt,
-            HIDDEN,
-            FFN,
-            host_layout,
-            &mut seed,
-        )?);
+        for (name, rows, cols) in layer {
+            matrices.push(synthetic(name, wfmt, rows, cols, args.layout, &mut seed)?);
+        }
     }
     matrices.push(synthetic(
         "lm_head",
         head_wfmt,
         VOCAB,
         HIDDEN,
-        host_layout,
+        args.layout,
         &mut seed,
     )?);
     let views: Vec<WeightMatrix> = matrices.iter().map(Matrix::view).collect();
@@ -277,7 +267,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "shapes": "SmolLM2-135M: 30 x (qkv 960x576, o 576x576, gate+up 3072x576, down 576x1536) + lm_head 49152x576",
             "wfmt": wfmt.name(),
             "head_wfmt": head_wfmt.name(),
-            "layout": args.layout,
+            "layout": args.layout.name(),
             "threads": threads,
             "avx2": executor.uses_avx2(),
             "calls_per_sweep": views.len(),
@@ -307,7 +297,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         args.layers,
         wfmt.name(),
         head_wfmt.name(),
-        args.layout,
+        args.layout.name(),
         views.len(),
         streamed as f64 / 1e6,
         stored as f64 / 1e6,
