@@ -179,6 +179,8 @@ fn bench_gemm_json_reports_both_rooflines_and_every_row() {
         "1,16",
         "--layers",
         "1",
+        "--head-rows",
+        "1024",
         "--min-time",
         "0",
     ]);
@@ -186,21 +188,54 @@ fn bench_gemm_json_reports_both_rooflines_and_every_row() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert!(v["read_bandwidth_gbs"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["fraction_of_bandwidth_m1"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(
+        v["shapes"].as_str().unwrap().contains("1 x (")
+            && v["shapes"].as_str().unwrap().contains("lm_head 1024x576"),
+        "{v}"
+    );
     // The probe runs wherever the AVX2 kernels do, and is null elsewhere.
     match v["avx2"].as_bool().unwrap() {
         true => assert!(v["int8_mac_peak_gmacs"].as_f64().unwrap() > 0.0, "{v}"),
         false => assert!(v["int8_mac_peak_gmacs"].is_null(), "{v}"),
     }
+    // 32 × 32 weight blocks per activation row, by hand: one layer (qkv 960×576, o 576×576,
+    // gate+up 3072×576, down 576×1536) and 1024 lm_head rows of 576.
+    let blocks_per_row =
+        (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536 + 1024 * 576) as f64 / 1024.0;
+    assert_eq!(blocks_per_row, 4032.0);
+    let threads = v["threads"].as_f64().unwrap();
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{v}");
     assert_eq!(rows[0]["m"], 1);
     assert_eq!(rows[0]["relative_to_m1"].as_f64().unwrap(), 1.0);
     for r in rows {
-        for k in ["seconds", "gbs", "gops", "relative_to_m1"] {
+        for k in [
+            "seconds",
+            "gbs",
+            "gops",
+            "relative_to_m1",
+            "ns_per_block_group",
+        ] {
             assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
         }
         if v["avx2"] == true {
             assert!(r["fraction_of_int8_peak"].as_f64().unwrap() > 0.0, "{r}");
         }
+        let m = r["m"].as_f64().unwrap();
+        let expected = r["seconds"].as_f64().unwrap() * 1e9 * threads / (m * blocks_per_row);
+        let got = r["ns_per_block_group"].as_f64().unwrap();
+        assert!(
+            (got - expected).abs() <= 1e-9 * expected,
+            "{got} vs {expected}: {r}"
+        );
+    }
+}
+
+#[test]
+fn bench_gemm_rejects_a_head_slice_that_is_not_whole_row_blocks() {
+    for bad in ["0", "100", "49184"] {
+        let (ok, _, err) = xdna(&["bench", "gemm", "--head-rows", bad, "--min-time", "0"]);
+        assert!(!ok, "--head-rows {bad} was accepted");
+        assert!(err.contains("--head-rows") && err.contains(bad), "{err}");
     }
 }

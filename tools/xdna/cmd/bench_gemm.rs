@@ -37,6 +37,10 @@ pub struct Args {
     /// Layers to sweep (SmolLM2-135M has 30).
     #[arg(long, default_value_t = 30)]
     layers: usize,
+    /// Rows of the lm_head to sweep (SmolLM2-135M has 49152). With `--layers 1 --head-rows 1024`
+    /// the whole sweep (≈ 2.8 MB) stays in the last-level cache: the kernels' compute rate alone.
+    #[arg(long, default_value_t = VOCAB)]
+    head_rows: usize,
     /// Weight layout: `host` (what the host backend runs: q4_1/Q8 repacked into group records
     /// at load) or `tiles` (the package's tile grid, as a device receives it).
     #[arg(long, value_enum, default_value_t = Layout::Host)]
@@ -166,6 +170,8 @@ struct Row {
     relative: f64,
     /// Multiply-adds per second over the probe's int8 multiply-add peak.
     fraction_of_int8_peak: f64,
+    /// Thread-time per 32 × 32 weight block and activation row (1024 multiply-adds).
+    ns_per_block_group: f64,
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
@@ -180,6 +186,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
         .map_err(|e| xdna::Error::Usage(format!("--head-wfmt: {e}")))?;
     if args.m.is_empty() || args.m.contains(&0) {
         return Err(xdna::Error::Usage("--m needs positive row counts".into()));
+    }
+    if args.head_rows == 0 || args.head_rows % 32 != 0 || args.head_rows > VOCAB {
+        return Err(xdna::Error::Usage(format!(
+            "--head-rows {} must be a positive multiple of 32, at most {VOCAB}",
+            args.head_rows
+        )));
     }
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut matrices = Vec::new();
@@ -197,7 +209,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     matrices.push(synthetic(
         "lm_head",
         head_wfmt,
-        VOCAB,
+        args.head_rows,
         HIDDEN,
         args.layout,
         &mut seed,
@@ -207,7 +219,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let stored: usize = views.iter().map(|w| w.data.len()).sum();
     let macs_per_row: usize = views.iter().map(|w| w.rows * w.cols).sum();
     let max_m = args.m.iter().copied().max().unwrap_or(1);
-    let mut y = vec![0f32; max_m * VOCAB];
+    let mut y = vec![0f32; max_m * args.head_rows.max(2 * FFN)];
     let x: Vec<f32> = (0..max_m * FFN)
         .map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0)
         .collect();
@@ -241,6 +253,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
             m,
             seconds,
             best_seconds,
+            // One 32-row × 32-column block of weights times one activation row, per thread.
+            ns_per_block_group: seconds * 1e9 * threads as f64 / (m * macs_per_row / 1024) as f64,
             gbs: streamed as f64 / seconds / 1e9,
             gops: 2.0 * (m * macs_per_row) as f64 / seconds / 1e9,
             relative: 0.0,
@@ -264,7 +278,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
 
     if args.json {
         let json = serde_json::json!({
-            "shapes": "SmolLM2-135M: 30 x (qkv 960x576, o 576x576, gate+up 3072x576, down 576x1536) + lm_head 49152x576",
+            "shapes": format!(
+                "SmolLM2-135M: {} x (qkv 960x576, o 576x576, gate+up 3072x576, down 576x1536) + lm_head {}x576",
+                args.layers, args.head_rows
+            ),
             "wfmt": wfmt.name(),
             "head_wfmt": head_wfmt.name(),
             "layout": args.layout.name(),
@@ -287,16 +304,18 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 "gops": r.gops,
                 "relative_to_m1": r.relative,
                 "fraction_of_int8_peak": r.fraction_of_int8_peak,
+                "ns_per_block_group": r.ns_per_block_group,
             })).collect::<Vec<_>>(),
         });
         println!("{json:#}");
         return Ok(());
     }
     println!(
-        "host GEMM sweep: {} layers x (qkv, o, gate+up, down) {} + lm_head {}, {} layout; {} calls, {:.1} MB streamed ({:.1} MB stored); {} thread(s), {}",
+        "host GEMM sweep: {} layers x (qkv, o, gate+up, down) {} + lm_head {} ({} rows), {} layout; {} calls, {:.1} MB streamed ({:.1} MB stored); {} thread(s), {}",
         args.layers,
         wfmt.name(),
         head_wfmt.name(),
+        args.head_rows,
         args.layout.name(),
         views.len(),
         streamed as f64 / 1e6,
@@ -315,12 +334,20 @@ pub fn run(args: Args) -> xdna::Result<()> {
     }
     println!("times are medians over repeated sweeps (best = fastest sweep)");
     println!(
-        "{:>5} {:>11} {:>10} {:>12} {:>8} {:>9} {:>8} {:>10}",
-        "M", "sweep ms", "best ms", "µs/call", "GB/s", "GOP/s", "× M=1", "int8 peak"
+        "{:>5} {:>11} {:>10} {:>12} {:>8} {:>9} {:>8} {:>10} {:>13}",
+        "M",
+        "sweep ms",
+        "best ms",
+        "µs/call",
+        "GB/s",
+        "GOP/s",
+        "× M=1",
+        "int8 peak",
+        "ns/32x32·row"
     );
     for r in &rows {
         println!(
-            "{:>5} {:>11.3} {:>10.3} {:>12.1} {:>8.2} {:>9.1} {:>8.2} {:>9.0}%",
+            "{:>5} {:>11.3} {:>10.3} {:>12.1} {:>8.2} {:>9.1} {:>8.2} {:>9.0}% {:>13.2}",
             r.m,
             r.seconds * 1e3,
             r.best_seconds * 1e3,
@@ -328,7 +355,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
             r.gbs,
             r.gops,
             r.relative,
-            r.fraction_of_int8_peak * 100.0
+            r.fraction_of_int8_peak * 100.0,
+            r.ns_per_block_group
         );
     }
     println!(
