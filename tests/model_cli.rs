@@ -138,6 +138,12 @@ fn perplexity_json_and_bench_json() {
     ] {
         assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
     }
+    // One paired fraction per run (each run measured against its own bandwidth probe).
+    for k in ["decode_tok_s_runs", "fraction_of_limit_runs"] {
+        let runs = v[k].as_array().unwrap();
+        assert_eq!(runs.len(), 1, "{k}: {v}");
+        assert!(runs[0].as_f64().unwrap() > 0.0, "{k}: {v}");
+    }
 }
 
 /// `--exact` runs the projections at reference precision: on this chat prompt the fast q8 path
