@@ -477,6 +477,43 @@ fn single_row_results_equal_the_same_row_of_a_batch() {
     }
 }
 
+/// A single-row GEMM's threads claim several row blocks at a time (`SINGLE_ROW_MIN_CHUNK`); the
+/// claim size must change neither which blocks are computed nor any bit of the result.
+#[test]
+fn single_row_results_do_not_depend_on_the_claim_size() {
+    // 37 row blocks: not a multiple of any claim size below, so every schedule has a short tail.
+    let (n, k) = (37 * TILE_ROWS, 576);
+    let format = WeightFormat::Q41 {
+        scale: ScaleType::F16,
+        order: TileOrder::ColumnMajor,
+    };
+    let mut rng = Rng(7);
+    let (data, packed) = encoded_and_packed(format, n, k, &mut rng);
+    let x = rng.vec(k, 2.0);
+    let tiles = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
+    let mut reference = vec![0f32; n];
+    gemm_reference(&tiles, &x, 1, &mut reference).expect("reference");
+    let magnitude = magnitudes(&tiles, &x, 1);
+    for w in [
+        tiles,
+        WeightMatrix::group_records(format, n, k, &packed).expect("valid records"),
+    ] {
+        let mut first: Option<Vec<f32>> = None;
+        for claim in [1, 3, xdna::kernels::gemm::SINGLE_ROW_MIN_CHUNK, 64] {
+            let mut y = vec![f32::NAN; n];
+            HostExecutor::new()
+                .with_single_row_min_chunk(claim)
+                .gemm(&w, &x, 1, &mut y)
+                .expect("gemm");
+            check_close(&format!("claim {claim}"), &y, &reference, &magnitude, 0.008);
+            match &first {
+                None => first = Some(y),
+                Some(f) => assert_eq!(&y, f, "claim {claim} vs 1"),
+            }
+        }
+    }
+}
+
 /// q4_1 and Q8 formats: the ones the host executor repacks into group records.
 fn record_formats() -> impl Iterator<Item = WeightFormat> {
     WeightFormat::ALL

@@ -189,6 +189,8 @@ fn bench_gemm_json_reports_both_rooflines_and_every_row() {
         "1024",
         "--min-time",
         "0",
+        "--compare-chunks",
+        "1,8",
     ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
@@ -235,13 +237,33 @@ fn bench_gemm_json_reports_both_rooflines_and_every_row() {
             "{got} vs {expected}: {r}"
         );
     }
+    let chunks = v["chunk_comparison"].as_array().unwrap();
+    assert_eq!(chunks.len(), 2, "{v}");
+    for (c, want) in chunks.iter().zip([1, 8]) {
+        assert_eq!(c["min_chunk"], want, "{c}");
+        assert!(c["seconds"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(
+            c["best_seconds"].as_f64().unwrap() <= c["seconds"].as_f64().unwrap(),
+            "{c}"
+        );
+    }
+    assert_eq!(chunks[0]["relative_to_first"].as_f64().unwrap(), 1.0);
 }
 
 #[test]
-fn bench_gemm_rejects_a_head_slice_that_is_not_whole_row_blocks() {
+fn bench_gemm_rejects_bad_head_slices_and_claim_sizes() {
     for bad in ["0", "100", "49184"] {
         let (ok, _, err) = xdna(&["bench", "gemm", "--head-rows", bad, "--min-time", "0"]);
         assert!(!ok, "--head-rows {bad} was accepted");
         assert!(err.contains("--head-rows") && err.contains(bad), "{err}");
     }
+    let (ok, _, err) = xdna(&[
+        "bench",
+        "gemm",
+        "--compare-chunks",
+        "1,0",
+        "--min-time",
+        "0",
+    ]);
+    assert!(!ok && err.contains("--compare-chunks"), "{err}");
 }

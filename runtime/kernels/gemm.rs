@@ -256,11 +256,27 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
+/// Fewest row blocks one thread claims at a time in a single-row (decode) GEMM. One row is
+/// memory-bound, and every claim starts a new stream whose first lines arrive cold; claims of at
+/// least 8 blocks (≈ 92 KB of q4_1 at K = 576) make a whole M = 1 sweep of SmolLM2 4-6 % faster
+/// than single-block claims, 16 makes it slower again (`xdna bench gemm --m 1 --compare-chunks
+/// 1,8,16`), and the tail imbalance 8 allows is a few µs. Multi-row calls are compute-bound and
+/// keep single-block claims, for balance.
+pub const SINGLE_ROW_MIN_CHUNK: usize = 8;
+
 /// Runs GEMMs on the host CPU (the "host executor" of a kernel descriptor).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct HostExecutor {
     /// Use the portable scalar path even when AVX2 is available (tests, comparisons).
     force_scalar: bool,
+    /// Fewest row blocks per claim in a single-row GEMM ([`SINGLE_ROW_MIN_CHUNK`] unless tuned).
+    single_row_min_chunk: usize,
+}
+
+impl Default for HostExecutor {
+    fn default() -> Self {
+        HostExecutor::new()
+    }
 }
 
 impl HostExecutor {
@@ -268,18 +284,30 @@ impl HostExecutor {
     pub fn new() -> Self {
         HostExecutor {
             force_scalar: false,
+            single_row_min_chunk: SINGLE_ROW_MIN_CHUNK,
         }
     }
 
     /// An executor that always uses the portable scalar path.
     pub fn scalar() -> Self {
-        HostExecutor { force_scalar: true }
+        HostExecutor {
+            force_scalar: true,
+            single_row_min_chunk: SINGLE_ROW_MIN_CHUNK,
+        }
+    }
+
+    /// This executor with single-row GEMMs claiming at least `blocks` row blocks at a time (at
+    /// least 1): the knob `xdna bench gemm --compare-chunks` turns. Results do not depend on it.
+    pub fn with_single_row_min_chunk(mut self, blocks: usize) -> Self {
+        self.single_row_min_chunk = blocks.max(1);
+        self
     }
 
     /// A shared executor (it holds no state; any instance uses the global pool).
     pub fn global() -> &'static HostExecutor {
         static GLOBAL: HostExecutor = HostExecutor {
             force_scalar: false,
+            single_row_min_chunk: SINGLE_ROW_MIN_CHUNK,
         };
         &GLOBAL
     }
@@ -340,7 +368,8 @@ impl HostExecutor {
         let blocks = w.rows.div_ceil(TILE_ROWS);
         let run = |act: Option<&QuantizedRows>| {
             let pool = Pool::global();
-            let counter = ChunkCounter::guided(blocks, pool.threads(), 1);
+            let min_chunk = if m == 1 { self.single_row_min_chunk } else { 1 };
+            let counter = ChunkCounter::guided(blocks, pool.threads(), min_chunk);
             pool.run(&|_, _| {
                 BLOCK_SCRATCH.with(|scratch| {
                     let mut scratch = scratch.borrow_mut();

@@ -45,6 +45,11 @@ pub struct Args {
     /// at load) or `tiles` (the package's tile grid, as a device receives it).
     #[arg(long, value_enum, default_value_t = Layout::Host)]
     layout: Layout,
+    /// Also compare M = 1 sweeps whose threads claim at least this many row blocks at a time
+    /// (comma-separated, e.g. `1,4`), alternating the settings sweep by sweep so that all of
+    /// them see the same machine.
+    #[arg(long, value_delimiter = ',')]
+    compare_chunks: Vec<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -187,6 +192,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
     if args.m.is_empty() || args.m.contains(&0) {
         return Err(xdna::Error::Usage("--m needs positive row counts".into()));
     }
+    if args.compare_chunks.contains(&0) {
+        return Err(xdna::Error::Usage(
+            "--compare-chunks needs positive block counts".into(),
+        ));
+    }
     if args.head_rows == 0 || args.head_rows % 32 != 0 || args.head_rows > VOCAB {
         return Err(xdna::Error::Usage(format!(
             "--head-rows {} must be a positive multiple of 32, at most {VOCAB}",
@@ -267,6 +277,37 @@ pub fn run(args: Args) -> xdna::Result<()> {
     for r in &mut rows {
         r.relative = m1.map_or(f64::NAN, |s| r.seconds / s);
     }
+    // Interleaved M = 1 sweeps, one claim-size setting after another, round after round.
+    let mut chunk_samples = vec![Vec::new(); args.compare_chunks.len()];
+    if !args.compare_chunks.is_empty() {
+        let tuned: Vec<HostExecutor> = args
+            .compare_chunks
+            .iter()
+            .map(|&c| HostExecutor::new().with_single_row_min_chunk(c))
+            .collect();
+        let begin = Instant::now();
+        while chunk_samples[0].len() < 5
+            || (begin.elapsed().as_secs_f64() < args.min_time * tuned.len() as f64
+                && chunk_samples[0].len() < 200)
+        {
+            for (exec, samples) in tuned.iter().zip(&mut chunk_samples) {
+                let start = Instant::now();
+                for w in &views {
+                    exec.gemm(w, &x[..w.cols], 1, &mut y[..w.rows])?;
+                }
+                samples.push(start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let chunk_rows: Vec<(usize, f64, f64)> = args
+        .compare_chunks
+        .iter()
+        .zip(chunk_samples)
+        .map(|(&c, samples)| {
+            let best = samples.iter().copied().fold(f64::INFINITY, f64::min);
+            (c, median(samples), best)
+        })
+        .collect();
     let fraction_m1 = rows
         .iter()
         .find(|r| r.m == 1)
@@ -305,6 +346,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 "relative_to_m1": r.relative,
                 "fraction_of_int8_peak": r.fraction_of_int8_peak,
                 "ns_per_block_group": r.ns_per_block_group,
+            })).collect::<Vec<_>>(),
+            "chunk_comparison": chunk_rows.iter().map(|&(c, seconds, best)| serde_json::json!({
+                "min_chunk": c,
+                "seconds": seconds,
+                "best_seconds": best,
+                "relative_to_first": seconds / chunk_rows[0].1,
             })).collect::<Vec<_>>(),
         });
         println!("{json:#}");
@@ -364,5 +411,23 @@ pub fn run(args: Args) -> xdna::Result<()> {
         fraction_m1 * 100.0,
         best_fraction_m1 * 100.0
     );
+    if let Some(&(_, first, _)) = chunk_rows.first() {
+        println!(
+            "M=1 sweeps by the fewest row blocks a thread claims at once (interleaved, medians):"
+        );
+        println!(
+            "{:>10} {:>11} {:>10} {:>9}",
+            "min chunk", "sweep ms", "best ms", "× first"
+        );
+        for &(c, seconds, best) in &chunk_rows {
+            println!(
+                "{:>10} {:>11.3} {:>10.3} {:>9.3}",
+                c,
+                seconds * 1e3,
+                best * 1e3,
+                seconds / first
+            );
+        }
+    }
     Ok(())
 }
