@@ -633,7 +633,7 @@ mod imp {
     }
 
     /// [`q4_add_min_term`] for several activation rows. Each group's mins are converted once per
-    /// 16 rows into a stack buffer of f32 vectors (up to 64 groups at a time), and every row then
+    /// 16 rows into a stack buffer of f32 vectors (up to 24 groups at a time), and every row then
     /// runs its FMAs over that buffer with its accumulators in registers. Per row the FMAs run in
     /// the same order from zero and the total is added to `out` last, so the bits equal the
     /// single-row kernel's.
@@ -649,7 +649,9 @@ mod imp {
         out: &mut [f32],
     ) {
         const ROW_CHUNK: usize = 16;
-        const GROUP_CHUNK: usize = 64;
+        // 24 groups of converted mins (3 KiB) cover K = 576 in one chunk; the buffer is zeroed on
+        // every call, so a larger one costs a memset per block for nothing.
+        const GROUP_CHUNK: usize = 24;
         let groups_total = act.groups();
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
         debug_assert!(

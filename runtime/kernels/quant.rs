@@ -4,8 +4,15 @@
 //! (so |q| ≤ 127, which keeps the q4 `maddubs` sums inside i16), and `s = d · Σq` — the term that
 //! multiplies a q4_1 group's min, exactly as ggml's q8_1 block carries it. Columns past the logical K
 //! (up to the quantized width) are zero.
+//!
+//! Rows are independent, so a batch of several rows is quantized over the worker pool (a 16-row
+//! pass quantizes on every core instead of leaving the others waiting at the GEMM's start).
 
+use super::pool::{ChunkCounter, Pool};
 use crate::tiles::GROUP;
+
+/// Quantize over the pool from this many rows on (one decode row is too little to share).
+const POOLED_MIN_ROWS: usize = 4;
 
 /// Quantized activations: `rows × cols` i8 codes (cols a multiple of 32), one scale and one
 /// `d·Σq` per group.
@@ -40,18 +47,68 @@ impl QuantizedRows {
         self.codes.resize(rows * cols, 0);
         self.scales.resize(rows * groups, 0.0);
         self.sums.resize(rows * groups, 0.0);
-        for row in 0..rows {
-            let src = &x[row * k..(row + 1) * k];
-            for g in 0..groups {
-                let start = g * GROUP;
-                let end = (start + GROUP).min(k);
-                let chunk = &src[start..end];
-                let out = &mut self.codes[row * cols + start..row * cols + start + GROUP];
-                let (d, sum) = quantize_group_fast(chunk, out);
-                self.scales[row * groups + g] = d;
-                self.sums[row * groups + g] = d * sum as f32;
+        let pool = Pool::global();
+        if rows < POOLED_MIN_ROWS || pool.threads() < 2 {
+            for row in 0..rows {
+                quantize_row(
+                    &x[row * k..(row + 1) * k],
+                    &mut self.codes[row * cols..(row + 1) * cols],
+                    &mut self.scales[row * groups..(row + 1) * groups],
+                    &mut self.sums[row * groups..(row + 1) * groups],
+                );
             }
+            return;
         }
+        let out = RowsOut {
+            codes: self.codes.as_mut_ptr(),
+            scales: self.scales.as_mut_ptr(),
+            sums: self.sums.as_mut_ptr(),
+        };
+        let counter = ChunkCounter::new(rows, pool.threads(), 2);
+        pool.run(&|_, _| {
+            let out = &out;
+            while let Some(range) = counter.claim() {
+                for row in range {
+                    // SAFETY: row < rows, and the three buffers hold rows × cols codes and
+                    // rows × groups scales and sums (resized above, not touched again until
+                    // the pool job returns); every row is claimed by exactly one thread, so the
+                    // row's slices are disjoint from every other thread's.
+                    let (codes, scales, sums) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(out.codes.add(row * cols), cols),
+                            std::slice::from_raw_parts_mut(out.scales.add(row * groups), groups),
+                            std::slice::from_raw_parts_mut(out.sums.add(row * groups), groups),
+                        )
+                    };
+                    quantize_row(&x[row * k..(row + 1) * k], codes, scales, sums);
+                }
+            }
+        });
+    }
+}
+
+/// The output buffers of [`QuantizedRows::quantize`], shared with the pool threads, which write
+/// disjoint rows.
+struct RowsOut {
+    codes: *mut i8,
+    scales: *mut f32,
+    sums: *mut f32,
+}
+
+// SAFETY: the pointers are only dereferenced for rows a thread has claimed exactly once (see the
+// pool job in `quantize`), while the buffers they point into outlive the job.
+unsafe impl Sync for RowsOut {}
+
+/// One activation row of `k` values into `codes` (the quantized width) and a scale and `d·Σq` per
+/// group.
+fn quantize_row(src: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    let k = src.len();
+    for (g, (scale, sum_out)) in scales.iter_mut().zip(sums.iter_mut()).enumerate() {
+        let start = g * GROUP;
+        let end = (start + GROUP).min(k);
+        let (d, sum) = quantize_group_fast(&src[start..end], &mut codes[start..start + GROUP]);
+        *scale = d;
+        *sum_out = d * sum as f32;
     }
 }
 
