@@ -258,7 +258,7 @@ unsafe impl Sync for OutPtr {}
 
 /// Fewest row blocks one thread claims at a time in a single-row (decode) GEMM. One row is
 /// memory-bound, and every claim starts a new stream whose first lines arrive cold; claims of at
-/// least 8 blocks (≈ 92 KB of q4_1 at K = 576) make a whole M = 1 sweep of SmolLM2 4-6 % faster
+/// least 8 blocks (≈ 92 KB of q4_1 at K = 576) make a whole M = 1 sweep of SmolLM2 2-6 % faster
 /// than single-block claims, 16 makes it slower again (`xdna bench gemm --m 1 --compare-chunks
 /// 1,8,16`), and the tail imbalance 8 allows is a few µs. Multi-row calls are compute-bound and
 /// keep single-block claims, for balance.
