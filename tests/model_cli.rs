@@ -251,7 +251,7 @@ fn bench_gemm_json_reports_both_rooflines_and_every_row() {
 }
 
 #[test]
-fn bench_gemm_rejects_bad_head_slices_and_claim_sizes() {
+fn benches_reject_bad_sizes_by_name() {
     for bad in ["0", "100", "49184"] {
         let (ok, _, err) = xdna(&["bench", "gemm", "--head-rows", bad, "--min-time", "0"]);
         assert!(!ok, "--head-rows {bad} was accepted");
@@ -266,4 +266,11 @@ fn bench_gemm_rejects_bad_head_slices_and_claim_sizes() {
         "0",
     ]);
     assert!(!ok && err.contains("--compare-chunks"), "{err}");
+    // Sizes that would only end in a failed allocation are refused by name.
+    for (flag, bad) in [("--m", "1,1000000000"), ("--layers", "100000000")] {
+        let (ok, _, err) = xdna(&["bench", "gemm", flag, bad, "--min-time", "0"]);
+        assert!(!ok && err.contains(flag), "{flag} {bad}: {err}");
+    }
+    let (ok, _, err) = xdna(&["bench", "decode", "--probe-mib", "1000000000000"]);
+    assert!(!ok && err.contains("--probe-mib"), "{err}");
 }

@@ -53,7 +53,18 @@ pub fn run(args: Args) -> xdna::Result<()> {
         kernels: args.kernels.clone(),
         exact: false,
     };
-    let ctx = args.prompt_tokens + args.decode_tokens + 1;
+    // The probe allocates what it streams: keep it to sizes a machine can hold.
+    const MAX_PROBE_MIB: usize = 16 << 10;
+    if args.probe_mib == 0 || args.probe_mib > MAX_PROBE_MIB {
+        return Err(xdna::Error::Usage(format!(
+            "--probe-mib {} must be between 1 and {MAX_PROBE_MIB}",
+            args.probe_mib
+        )));
+    }
+    let ctx = args
+        .prompt_tokens
+        .saturating_add(args.decode_tokens)
+        .saturating_add(1);
     let (pkg, mut model) = open_model(args.model.as_deref(), ctx, &opts)?;
     if model.context() < ctx {
         return Err(xdna::Error::Usage(format!(

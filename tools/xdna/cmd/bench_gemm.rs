@@ -189,8 +189,20 @@ pub fn run(args: Args) -> xdna::Result<()> {
         .map_err(|e| xdna::Error::Usage(format!("--wfmt: {e}")))?;
     let head_wfmt = WeightFormat::from_name(&args.head_wfmt)
         .map_err(|e| xdna::Error::Usage(format!("--head-wfmt: {e}")))?;
-    if args.m.is_empty() || args.m.contains(&0) {
-        return Err(xdna::Error::Usage("--m needs positive row counts".into()));
+    // Every buffer below is sized by these: refuse sizes no machine holds instead of aborting
+    // on a failed allocation.
+    const MAX_M: usize = 4096;
+    const MAX_LAYERS: usize = 1024;
+    if args.m.is_empty() || args.m.iter().any(|&m| m == 0 || m > MAX_M) {
+        return Err(xdna::Error::Usage(format!(
+            "--m needs row counts between 1 and {MAX_M}"
+        )));
+    }
+    if args.layers > MAX_LAYERS {
+        return Err(xdna::Error::Usage(format!(
+            "--layers {} exceeds {MAX_LAYERS}",
+            args.layers
+        )));
     }
     if args.compare_chunks.contains(&0) {
         return Err(xdna::Error::Usage(
