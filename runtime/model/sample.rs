@@ -52,11 +52,32 @@ pub struct SamplerConfig {
     pub top_p: f32,
 }
 
+/// Buckets of the nucleus cut: a weight's f32 bit pattern (weights are in `(0, 1]`, so the sign
+/// bit is clear) shifted right by this: exponent and 4 mantissa bits, monotone in the weight.
+const BUCKET_SHIFT: u32 = 19;
+const BUCKETS: usize = 1 << (31 - BUCKET_SHIFT);
+
+fn bucket_of(weight: f32) -> usize {
+    (weight.to_bits() >> BUCKET_SHIFT) as usize
+}
+
 /// A sampler with reusable buffers (no allocation per token after the first).
+///
+/// Without a top-k cut the whole vocabulary is a candidate, and sorting it (49 k entries for
+/// SmolLM2) cost more than the decode step's attention: the nucleus is found by bucketing the
+/// weights instead, and only the bucket where the cumulative mass crosses `top_p` is sorted. The
+/// draw then walks the kept tokens in id order, which gives each the same probability as the
+/// sorted walk would.
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: Rng,
+    /// Top-k path: (scaled logit, id) of the k best, sorted.
     cand: Vec<(f32, u32)>,
+    /// No-top-k path: unnormalized weight of every token (0 = cut or never possible).
+    weights: Vec<f32>,
+    /// No-top-k path: ids in the bucket where the nucleus mass crosses `top_p`.
+    crossing: Vec<u32>,
+    bucket_mass: Vec<f64>,
 }
 
 /// Index of the largest logit (lowest index on ties; NaN never wins, except a NaN at index 0,
@@ -108,6 +129,9 @@ impl Sampler {
             cfg,
             rng: Rng::new(seed),
             cand: Vec::new(),
+            weights: Vec::new(),
+            crossing: Vec::new(),
+            bucket_mass: Vec::new(),
         }
     }
 
@@ -116,6 +140,31 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.cfg.temperature;
+        if self.cfg.top_k != 0 && self.cfg.top_k < logits.len() {
+            return self.sample_top_k(logits, inv_t, self.cfg.top_k);
+        }
+        let Some(total) = self.nucleus_weights(logits, inv_t) else {
+            // Nothing finite to weigh (every logit -∞ or NaN, or a +∞ one): the argmax decides.
+            return argmax(logits);
+        };
+        let u = self.rng.uniform() * total;
+        let mut acc = 0f64;
+        let mut last_kept = None;
+        for (id, &w) in self.weights.iter().enumerate() {
+            if w > 0.0 {
+                acc += f64::from(w);
+                last_kept = Some(id as u32);
+                if u < acc {
+                    return id as u32;
+                }
+            }
+        }
+        // Rounding left `u` at or past the walked sum: the last kept token.
+        last_kept.unwrap_or_else(|| argmax(logits))
+    }
+
+    /// Top-k: select the k best, sort them, cut the nucleus among them, and walk them in order.
+    fn sample_top_k(&mut self, logits: &[f32], inv_t: f32, k: usize) -> u32 {
         self.cand.clear();
         self.cand.extend(
             logits
@@ -125,15 +174,8 @@ impl Sampler {
         );
         // Descending by logit, ties by id: deterministic.
         let by = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        let k = if self.cfg.top_k == 0 {
-            self.cand.len()
-        } else {
-            self.cfg.top_k.min(self.cand.len())
-        };
-        if k < self.cand.len() {
-            self.cand.select_nth_unstable_by(k - 1, by);
-            self.cand.truncate(k);
-        }
+        self.cand.select_nth_unstable_by(k - 1, by);
+        self.cand.truncate(k);
         self.cand.sort_unstable_by(by);
         let max = self.cand[0].0;
         let mut sum = 0f64;
@@ -163,6 +205,84 @@ impl Sampler {
             }
         }
         self.cand[keep - 1].1
+    }
+
+    /// Fills `self.weights` with `exp(l/T - max)` for every token, then zeroes the tokens outside
+    /// the nucleus: the shortest prefix, in (logit desc, id asc) order, whose mass reaches
+    /// `top_p` of the total. Returns the kept mass, or `None` when no token has a finite weight.
+    /// NaN and -∞ logits get weight 0.
+    fn nucleus_weights(&mut self, logits: &[f32], inv_t: f32) -> Option<f64> {
+        let max = logits
+            .iter()
+            .map(|&l| l * inv_t)
+            .filter(|s| !s.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return None;
+        }
+        self.weights.clear();
+        self.weights.extend(logits.iter().map(|&l| {
+            let s = l * inv_t;
+            if s.is_nan() {
+                0.0
+            } else {
+                (s - max).exp()
+            }
+        }));
+        let total: f64 = self.weights.iter().map(|&w| f64::from(w)).sum();
+        if self.cfg.top_p >= 1.0 {
+            return Some(total);
+        }
+        let threshold = f64::from(self.cfg.top_p) * total;
+        self.bucket_mass.clear();
+        self.bucket_mass.resize(BUCKETS, 0.0);
+        for &w in self.weights.iter().filter(|&&w| w > 0.0) {
+            self.bucket_mass[bucket_of(w)] += f64::from(w);
+        }
+        // Buckets from the heaviest weights down: the first where the running mass reaches the
+        // threshold holds the cut; every bucket above it is kept whole, every one below is cut.
+        let mut mass_above = 0f64;
+        let mut crossing_bucket = None;
+        for bucket in (0..BUCKETS).rev() {
+            let mass = self.bucket_mass[bucket];
+            if mass > 0.0 && mass_above + mass >= threshold {
+                crossing_bucket = Some(bucket);
+                break;
+            }
+            mass_above += mass;
+        }
+        let Some(crossing_bucket) = crossing_bucket else {
+            // Rounding kept the running mass below the threshold: everything stays.
+            return Some(total);
+        };
+        self.crossing.clear();
+        for (id, w) in self.weights.iter_mut().enumerate() {
+            if *w > 0.0 {
+                match bucket_of(*w).cmp(&crossing_bucket) {
+                    std::cmp::Ordering::Less => *w = 0.0,
+                    std::cmp::Ordering::Equal => self.crossing.push(id as u32),
+                    std::cmp::Ordering::Greater => {}
+                }
+            }
+        }
+        // A larger scaled logit never has a smaller weight, so within the bucket the global order
+        // is (scaled logit desc, id asc), as the sorted walk of the top-k path uses.
+        let scaled = |id: u32| logits[id as usize] * inv_t;
+        self.crossing
+            .sort_unstable_by(|&a, &b| scaled(b).total_cmp(&scaled(a)).then(a.cmp(&b)));
+        let mut kept = mass_above;
+        let mut cut = self.crossing.len();
+        for (index, &id) in self.crossing.iter().enumerate() {
+            kept += f64::from(self.weights[id as usize]);
+            if kept >= threshold {
+                cut = index + 1;
+                break;
+            }
+        }
+        for &id in &self.crossing[cut..] {
+            self.weights[id as usize] = 0.0;
+        }
+        Some(kept)
     }
 }
 
@@ -262,5 +382,137 @@ mod tests {
         );
         let again: Vec<u32> = (0..200).map(|_| s2.sample(&logits)).collect();
         assert_eq!(got, again);
+    }
+
+    /// The slow, obviously-correct distribution: sort every token by (scaled logit desc, id asc),
+    /// weigh it `exp(s - max)`, keep the shortest sorted prefix whose mass reaches `top_p`.
+    fn sorted_reference(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f32> {
+        let inv_t = 1.0 / temperature;
+        let mut order: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_nan())
+            .map(|(i, &l)| (l * inv_t, i as u32))
+            .collect();
+        order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let max = order[0].0;
+        let mut weights = vec![0f32; logits.len()];
+        for &(s, id) in &order {
+            weights[id as usize] = (s - max).exp();
+        }
+        let total: f64 = order
+            .iter()
+            .map(|&(_, id)| f64::from(weights[id as usize]))
+            .sum();
+        let mut acc = 0f64;
+        let mut cut = order.len();
+        for (index, &(_, id)) in order.iter().enumerate() {
+            acc += f64::from(weights[id as usize]);
+            if top_p < 1.0 && acc >= f64::from(top_p) * total {
+                cut = index + 1;
+                break;
+            }
+        }
+        for &(_, id) in &order[cut..] {
+            weights[id as usize] = 0.0;
+        }
+        weights
+    }
+
+    #[test]
+    fn nucleus_weights_equal_the_sorted_reference() {
+        let mut r = Rng::new(11);
+        for case in 0..300 {
+            let n = 1 + (r.next_u64() % 3000) as usize;
+            // Case by case: wide spread, few distinct values (ties), peaked, and -inf / NaN mixed in.
+            let mut logits: Vec<f32> = (0..n)
+                .map(|_| match case % 3 {
+                    0 => (r.uniform() * 40.0 - 20.0) as f32,
+                    1 => (r.next_u64() % 5) as f32,
+                    _ => (r.uniform() * 4.0) as f32,
+                })
+                .collect();
+            if case % 4 == 3 && n > 2 {
+                logits[(r.next_u64() as usize) % n] = f32::NEG_INFINITY;
+                logits[(r.next_u64() as usize) % n] = f32::NAN;
+            }
+            if logits.iter().all(|l| !l.is_finite()) {
+                continue;
+            }
+            let temperature = [0.3f32, 0.8, 1.0, 1.7][case % 4];
+            let top_p = [1.0f32, 0.95, 0.5, 0.1, 0.999][case % 5];
+            let mut sampler = Sampler::new(
+                SamplerConfig {
+                    temperature,
+                    top_k: 0,
+                    top_p,
+                },
+                0,
+            );
+            let kept = sampler.nucleus_weights(&logits, 1.0 / temperature);
+            let expected = sorted_reference(&logits, temperature, top_p);
+            assert_eq!(
+                sampler.weights, expected,
+                "case {case}: n {n}, top_p {top_p}"
+            );
+            let expected_mass: f64 = expected.iter().map(|&w| f64::from(w)).sum();
+            let kept = kept.expect("finite logits have mass");
+            assert!(
+                (kept - expected_mass).abs() <= 1e-9 * expected_mass,
+                "case {case}"
+            );
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_kept_distribution() {
+        // Weights 1, 2, 4, 8 (logits ln w at T = 1): top_p 0.7 keeps ids 3 and 2 (8 + 4 ≥ 0.7 · 15),
+        // whose probabilities are 2/3 and 1/3. Ids 0 and 1, and the NaN and -inf ones, never appear.
+        let logits = [
+            0.0f32,
+            2f32.ln(),
+            4f32.ln(),
+            8f32.ln(),
+            f32::NAN,
+            f32::NEG_INFINITY,
+        ];
+        for (top_p, expected) in [
+            (1.0f32, [1.0 / 15.0, 2.0 / 15.0, 4.0 / 15.0, 8.0 / 15.0]),
+            (0.7, [0.0, 0.0, 1.0 / 3.0, 2.0 / 3.0]),
+        ] {
+            let mut sampler = Sampler::new(
+                SamplerConfig {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p,
+                },
+                5,
+            );
+            let draws = 40_000;
+            let mut counts = [0usize; 6];
+            for _ in 0..draws {
+                counts[sampler.sample(&logits) as usize] += 1;
+            }
+            assert_eq!(&counts[4..], &[0, 0], "top_p {top_p}: NaN / -inf drawn");
+            for (id, &p) in expected.iter().enumerate() {
+                let frequency = counts[id] as f64 / draws as f64;
+                // Five standard deviations of a binomial frequency.
+                let sigma = (p * (1.0 - p) / draws as f64).sqrt();
+                assert!(
+                    (frequency - p).abs() <= 5.0 * sigma + 1e-12,
+                    "top_p {top_p}: id {id} drawn {frequency}, expected {p}"
+                );
+            }
+        }
+        // Nothing finite: the argmax decides (index 0 here, as `argmax` keeps the first).
+        let mut sampler = Sampler::new(
+            SamplerConfig {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.9,
+            },
+            5,
+        );
+        assert_eq!(sampler.sample(&[f32::NEG_INFINITY; 3]), 0);
     }
 }
