@@ -181,3 +181,66 @@ async fn real_model_serves_then_sigterm_exits_0() {
     let st = wait_exit(&mut p, Duration::from_secs(15));
     assert_eq!(st.code(), Some(0), "{st:?}");
 }
+
+/// `--bench --json` on the real model: the fields a reader compares, consistent with each other,
+/// for sampled streams; a bad `--bench-temperature` is refused by name.
+#[test]
+fn bench_reports_sampled_streams_against_one() {
+    let bad = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
+        .args(["--bench", "--bench-temperature=-0.5"])
+        .output()
+        .expect("run forward-serve");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--bench-temperature"), "{err}");
+    let Some(gguf) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
+        .arg("--model")
+        .arg(&gguf)
+        .args([
+            "--backend",
+            "host",
+            "--ctx",
+            "64",
+            "--max-batch",
+            "3",
+            "--bench",
+        ])
+        .args([
+            "--bench-tokens",
+            "5",
+            "--bench-rounds",
+            "2",
+            "--bench-temperature",
+            "0.8",
+        ])
+        .arg("--json")
+        .output()
+        .expect("run forward-serve");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    assert_eq!(v["temperature"].as_f64(), Some(0.8), "{v}");
+    assert_eq!(v["streams"], 3, "{v}");
+    assert_eq!(v["tokens_per_stream"], 5, "{v}");
+    assert_eq!(
+        v["single_runs_tok_s"].as_array().map(Vec::len),
+        Some(2),
+        "{v}"
+    );
+    let (single, concurrent) = (
+        v["single_tok_s"].as_f64().unwrap_or(0.0),
+        v["concurrent_tok_s"].as_f64().unwrap_or(0.0),
+    );
+    assert!(single > 0.0 && concurrent > 0.0, "{v}");
+    let speedup = v["speedup"].as_f64().unwrap_or(0.0);
+    assert!(
+        (speedup - concurrent / single).abs() < 1e-9 * speedup,
+        "{v}"
+    );
+}

@@ -1,5 +1,6 @@
-//! `forward-serve --bench`: aggregate decode throughput of N concurrent greedy streams vs one
-//! stream, through the real engine thread and scheduler (the server's request path minus HTTP).
+//! `forward-serve --bench`: aggregate decode throughput of N concurrent streams vs one stream,
+//! through the real engine thread and scheduler (the server's request path minus HTTP). Streams are
+//! greedy, or sampled at `--bench-temperature` (stream i seeded with i) as most API clients ask.
 //!
 //! Every stream asks for the same number of tokens with EOS ignored, so the two phases generate
 //! exactly the tokens they claim. Tokens/s are completion tokens over wall time from submission to
@@ -41,6 +42,8 @@ pub struct BenchSpec {
     /// Rounds of (one single stream, then all streams at once), alternated so that a change in
     /// machine load hits both phases alike; medians are reported.
     pub rounds: usize,
+    /// Sampling temperature of every stream (0 = greedy).
+    pub temperature: f32,
 }
 
 /// Bench result (also the `--json` shape).
@@ -50,6 +53,8 @@ pub struct BenchResult {
     pub streams: usize,
     pub tokens_per_stream: usize,
     pub rounds: usize,
+    /// Sampling temperature of every stream (0 = greedy; no top-k / top-p cut).
+    pub temperature: f32,
     /// Medians over the rounds: completion tokens / wall seconds, prefill included.
     pub single_tok_s: f64,
     pub concurrent_tok_s: f64,
@@ -79,6 +84,8 @@ fn submit(
     metrics: &Metrics,
     prompt: &str,
     tokens: usize,
+    temperature: f32,
+    seed: u64,
 ) -> Result<mpsc::UnboundedReceiver<Event>, BenchError> {
     let ids = codec
         .prompt_tokens(prompt, false)
@@ -88,11 +95,11 @@ fn submit(
         prompt: ids,
         max_tokens: tokens,
         sampling: SamplerConfig {
-            temperature: 0.0,
+            temperature,
             top_k: 0,
             top_p: 1.0,
         },
-        seed: 0,
+        seed,
         stop: Vec::new(),
         deadline: Instant::now() + Duration::from_secs(3600),
         cancel: Arc::new(AtomicBool::new(false)),
@@ -129,11 +136,13 @@ fn phase(
     metrics: &Metrics,
     prompts: &[&str],
     tokens: usize,
+    temperature: f32,
 ) -> Result<(usize, f64), BenchError> {
     let t0 = Instant::now();
     let rxs = prompts
         .iter()
-        .map(|p| submit(tx, codec, metrics, p, tokens))
+        .enumerate()
+        .map(|(i, p)| submit(tx, codec, metrics, p, tokens, temperature, i as u64))
         .collect::<Result<Vec<_>, _>>()?;
     let mut total = 0;
     for rx in rxs {
@@ -183,7 +192,7 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
     // One phase: (tok/s wall, decode tok/s, rows per pass).
     let measure = |ps: &[&str]| -> Result<(f64, f64, f64), BenchError> {
         let (r0, n0, p0) = decode_counters(&metrics);
-        let (n, secs) = phase(&tx, &*codec, &metrics, ps, spec.tokens)?;
+        let (n, secs) = phase(&tx, &*codec, &metrics, ps, spec.tokens, spec.temperature)?;
         if n != ps.len() * spec.tokens {
             return Err(BenchError::Failed(format!(
                 "{n} tokens generated, {} expected",
@@ -197,7 +206,7 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
     };
     let result = (|| {
         // Warm-up: fault the weights in and size every buffer.
-        phase(&tx, &*codec, &metrics, &prompts[..1], 4)?;
+        phase(&tx, &*codec, &metrics, &prompts[..1], 4, spec.temperature)?;
         let (mut single, mut single_dec) = (Vec::new(), Vec::new());
         let (mut conc, mut conc_dec, mut per_pass) = (Vec::new(), Vec::new(), Vec::new());
         for r in 0..rounds {
@@ -215,6 +224,7 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
             streams,
             tokens_per_stream: spec.tokens,
             rounds,
+            temperature: spec.temperature,
             single_tok_s: s,
             concurrent_tok_s: c,
             speedup: c / s,
@@ -239,13 +249,18 @@ pub fn table(r: &BenchResult) -> String {
             .join(", ")
     };
     format!(
-        "forward-serve bench: {} — greedy streams of {} tokens (EOS ignored), {} rounds, medians\n\
+        "forward-serve bench: {} — {} streams of {} tokens (EOS ignored), {} rounds, medians\n\
          | mode       | streams | tok/s (prefill incl.) | decode-only tok/s | per round            |\n\
          |------------|---------|----------------------|-------------------|----------------------|\n\
          | single     | 1       | {:>20.1} | {:>17.1} | {} |\n\
          | concurrent | {:<7} | {:>20.1} | {:>17.1} | {} |\n\
          speedup: {:.2}×   (concurrent rows per decode pass: {:.1})\n",
         r.model,
+        if r.temperature > 0.0 {
+            format!("sampled (temperature {})", r.temperature)
+        } else {
+            "greedy".to_string()
+        },
         r.tokens_per_stream,
         r.rounds,
         r.single_tok_s,

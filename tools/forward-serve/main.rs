@@ -41,8 +41,8 @@ struct Args {
     /// Drafts per speculative round at most (1..=15).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=15))]
     draft_max: u64,
-    /// Measure instead of serving: aggregate tok/s of `--max-batch` concurrent greedy streams vs
-    /// one stream (table, or JSON with `--json`), then exit.
+    /// Measure instead of serving: aggregate tok/s of `--max-batch` concurrent streams (greedy, or
+    /// sampled at `--bench-temperature`) vs one stream (table, or JSON with `--json`), then exit.
     #[arg(long)]
     bench: bool,
     /// Bench: tokens per stream.
@@ -51,6 +51,9 @@ struct Args {
     /// Bench: rounds of (one stream, then all at once); medians are reported.
     #[arg(long, default_value_t = 3)]
     bench_rounds: usize,
+    /// Bench: sampling temperature of every stream (0 = greedy; stream i is seeded with i).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_temperature)]
+    bench_temperature: f32,
     /// Bench: print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -78,6 +81,13 @@ struct Args {
     /// Fake engine: delay per decode pass, e.g. 20ms.
     #[arg(long, hide = true, default_value = "0ms", value_parser = parse_duration)]
     fake_step_delay: Duration,
+}
+
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("`{s}` is not a temperature: a finite number ≥ 0")),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -161,6 +171,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 streams: args.max_batch,
                 tokens: args.bench_tokens.max(1),
                 rounds: args.bench_rounds,
+                temperature: args.bench_temperature,
             },
         )?;
         if args.json {
