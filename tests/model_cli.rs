@@ -274,3 +274,97 @@ fn benches_reject_bad_sizes_by_name() {
     let (ok, _, err) = xdna(&["bench", "decode", "--probe-mib", "1000000000000"]);
     assert!(!ok && err.contains("--probe-mib"), "{err}");
 }
+
+/// `xdna perplexity --reference [--reference-q8 LIST]`: the slow reference forward through the CLI,
+/// equal to the library's reference with the same rounding, and its usage errors by name.
+#[test]
+fn perplexity_of_the_reference_with_rounding_by_projection() {
+    use xdna::model::perplexity::perplexity;
+    use xdna::model::reference::Reference;
+    let (ok, _, err) = xdna(&["perplexity", "--file", "x.txt", "--reference-q8", "qkv"]);
+    assert!(!ok && err.contains("--reference"), "{err}");
+    let (ok, _, err) = xdna(&["perplexity", "--file", "x.txt", "--reference", "--exact"]);
+    assert!(!ok && err.contains("--exact"), "{err}");
+    let (ok, _, err) = xdna(&[
+        "perplexity",
+        "--file",
+        "x.txt",
+        "--reference",
+        "--reference-q8",
+        "qkv,bogus",
+    ]);
+    assert!(!ok && err.contains("`bogus`"), "{err}");
+    let Some(g) = common::smollm2_gguf() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("xdna-ref-ppl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("text.txt");
+    // About a hundred tokens: three chunks of 32 keep the slow reference to seconds.
+    let text: String = include_str!("data/licenses.txt")
+        .chars()
+        .take(520)
+        .collect();
+    std::fs::write(&file, &text).expect("write text");
+    let file = file.to_string_lossy().into_owned();
+    let gs = g.to_string_lossy().into_owned();
+    let (ok, _, err) = xdna(&[
+        "perplexity",
+        "--file",
+        &file,
+        "--reference",
+        "--model",
+        &dir.to_string_lossy(),
+    ]);
+    assert!(!ok && err.contains(&*dir.to_string_lossy()), "{err}");
+    let run = |q8: &str| {
+        let (ok, out, err) = xdna(&[
+            "perplexity",
+            "--model",
+            &gs,
+            "--file",
+            &file,
+            "--ctx",
+            "32",
+            "--json",
+            "--reference",
+            "--reference-q8",
+            q8,
+        ]);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(out.trim()).expect("JSON")
+    };
+    let (all, none) = (run("all"), run("none"));
+    assert_eq!(all["backend"], "reference");
+    assert_eq!(all["reference_q8"], "all");
+    assert_eq!(none["reference_q8"], "none");
+    assert_eq!(all["chunks"], 3, "{all}");
+    // The library's reference with every input rounded: the same numbers.
+    let pkg = xdna::weights::Package::open(&g).expect("package");
+    let reference = Reference::open(&g)
+        .expect("reference")
+        .with_activation_q8(true);
+    let tokens = pkg.tokenizer().encode(&text, false);
+    let bos = if pkg.add_bos() {
+        pkg.bos_token_id()
+    } else {
+        None
+    };
+    let expected = perplexity(
+        &tokens,
+        32,
+        bos,
+        &mut |chunk, first, f| {
+            for (i, logits) in reference.forward(chunk, first)?.iter().enumerate() {
+                f(first + i, logits);
+            }
+            Ok(())
+        },
+        &mut |_, _| {},
+    )
+    .expect("library perplexity");
+    assert_eq!(all["ppl"].as_f64(), Some(expected.ppl), "{all}");
+    // Rounding changes the logits, so the two estimates differ.
+    assert_ne!(all["ppl"], none["ppl"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

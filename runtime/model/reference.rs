@@ -40,7 +40,85 @@ pub struct Reference {
     output: Option<Vec<f32>>,
     embed: Vec<f32>,
     interleaved_rope: bool,
-    act_q8: bool,
+    act_q8: ActivationRounding,
+}
+
+/// Which projections' input activations [`Reference`] rounds to q8 (all false = exact f32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ActivationRounding {
+    /// The fused Q, K, V projections (input: the attention RMSNorm's output).
+    pub qkv: bool,
+    /// The attention output projection.
+    pub o: bool,
+    /// The gate and up projections (input: the FFN RMSNorm's output).
+    pub gate_up: bool,
+    /// The down projection (input: the SwiGLU product).
+    pub down: bool,
+    /// The output head (input: the final RMSNorm's output).
+    pub lm_head: bool,
+}
+
+impl ActivationRounding {
+    /// No rounding: the exact reference.
+    pub const NONE: Self = ActivationRounding {
+        qkv: false,
+        o: false,
+        gate_up: false,
+        down: false,
+        lm_head: false,
+    };
+    /// Every projection, as the fast kernels do.
+    pub const ALL: Self = ActivationRounding {
+        qkv: true,
+        o: true,
+        gate_up: true,
+        down: true,
+        lm_head: true,
+    };
+    /// The names [`ActivationRounding::parse`] accepts, besides `all` and `none`.
+    pub const NAMES: [&'static str; 5] = ["qkv", "o", "gate_up", "down", "lm_head"];
+
+    /// A comma-separated list of [`Self::NAMES`], or `all`, or `none`.
+    pub fn parse(list: &str) -> Result<Self, String> {
+        let mut r = Self::NONE;
+        for name in list.split(',').map(str::trim) {
+            match name {
+                "all" => r = Self::ALL,
+                "none" => {}
+                "qkv" => r.qkv = true,
+                "o" => r.o = true,
+                "gate_up" => r.gate_up = true,
+                "down" => r.down = true,
+                "lm_head" => r.lm_head = true,
+                other => {
+                    return Err(format!(
+                        "unknown projection `{other}` (expected all, none or a comma list of {})",
+                        Self::NAMES.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    /// The rounded projections, comma-separated (`all` / `none` when every one / none is).
+    pub fn names(&self) -> String {
+        if *self == Self::ALL {
+            return "all".into();
+        }
+        let on = [self.qkv, self.o, self.gate_up, self.down, self.lm_head];
+        let names: Vec<&str> = Self::NAMES
+            .iter()
+            .zip(on)
+            .filter(|(_, on)| *on)
+            .map(|(name, _)| *name)
+            .collect();
+        if names.is_empty() {
+            "none".into()
+        } else {
+            names.join(",")
+        }
+    }
 }
 
 /// ggml `q8_1`-style activation rounding of one row, written independently of the kernels layer:
@@ -133,7 +211,7 @@ impl Reference {
             output: opt("output.weight".into())?,
             embed: g.decode_f32("token_embd.weight")?,
             interleaved_rope: arch == "llama",
-            act_q8: false,
+            act_q8: ActivationRounding::NONE,
             layers,
             config,
             gguf: g,
@@ -142,8 +220,18 @@ impl Reference {
 
     /// Round every projection's input activations to q8 per 32 values (as ggml's q8_1 and the
     /// kernels layer's quantized paths do), isolating the fast path's remaining differences.
-    pub fn with_activation_q8(mut self, on: bool) -> Self {
-        self.act_q8 = on;
+    pub fn with_activation_q8(self, on: bool) -> Self {
+        self.with_activation_q8_at(if on {
+            ActivationRounding::ALL
+        } else {
+            ActivationRounding::NONE
+        })
+    }
+
+    /// Round the input activations of the chosen projections only: how much of the fast path's
+    /// distance from this reference each projection's q8 rounding accounts for.
+    pub fn with_activation_q8_at(mut self, rounding: ActivationRounding) -> Self {
+        self.act_q8 = rounding;
         self
     }
 
@@ -192,9 +280,9 @@ impl Reference {
         let group = c.heads / c.kv_heads;
         for l in &self.layers {
             let xn: Vec<Vec<f32>> = x.iter().map(|r| rmsnorm(r, &l.attn_norm, eps)).collect();
-            let mut q = matmul(&xn, &l.wq, c.q_dim(), self.act_q8);
-            let mut k = matmul(&xn, &l.wk, c.kv_dim(), self.act_q8);
-            let mut v = matmul(&xn, &l.wv, c.kv_dim(), self.act_q8);
+            let mut q = matmul(&xn, &l.wq, c.q_dim(), self.act_q8.qkv);
+            let mut k = matmul(&xn, &l.wk, c.kv_dim(), self.act_q8.qkv);
+            let mut v = matmul(&xn, &l.wv, c.kv_dim(), self.act_q8.qkv);
             for (p, ((qr, kr), vr)) in q.iter_mut().zip(k.iter_mut()).zip(v.iter_mut()).enumerate()
             {
                 for (row, b) in [(&mut *qr, &l.bq), (&mut *kr, &l.bk), (&mut *vr, &l.bv)] {
@@ -233,15 +321,15 @@ impl Reference {
                     }
                 }
             }
-            let o = matmul(&att, &l.wo, h, self.act_q8);
+            let o = matmul(&att, &l.wo, h, self.act_q8.o);
             for (xr, or) in x.iter_mut().zip(&o) {
                 for (a, &b) in xr.iter_mut().zip(or) {
                     *a += b;
                 }
             }
             let xn: Vec<Vec<f32>> = x.iter().map(|r| rmsnorm(r, &l.ffn_norm, eps)).collect();
-            let gate = matmul(&xn, &l.w_gate, c.intermediate, self.act_q8);
-            let up = matmul(&xn, &l.w_up, c.intermediate, self.act_q8);
+            let gate = matmul(&xn, &l.w_gate, c.intermediate, self.act_q8.gate_up);
+            let up = matmul(&xn, &l.w_up, c.intermediate, self.act_q8.gate_up);
             let act: Vec<Vec<f32>> = gate
                 .iter()
                 .zip(&up)
@@ -255,7 +343,7 @@ impl Reference {
                         .collect()
                 })
                 .collect();
-            let d = matmul(&act, &l.w_down, h, self.act_q8);
+            let d = matmul(&act, &l.w_down, h, self.act_q8.down);
             for (xr, dr) in x.iter_mut().zip(&d) {
                 for (a, &b) in xr.iter_mut().zip(dr) {
                     *a += b;
@@ -267,7 +355,7 @@ impl Reference {
             .map(|r| rmsnorm(r, &self.final_norm, eps))
             .collect();
         let head = self.output.as_deref().unwrap_or(&self.embed);
-        Ok(matmul(&xn, head, c.vocab, self.act_q8))
+        Ok(matmul(&xn, head, c.vocab, self.act_q8.lm_head))
     }
 }
 
@@ -683,5 +771,61 @@ impl HybridReference {
             })
             .collect();
         Ok((logits, finals))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ActivationRounding;
+
+    #[test]
+    fn activation_rounding_lists_parse_by_name() {
+        let r = ActivationRounding::parse("qkv, gate_up").expect("valid list");
+        assert_eq!(
+            r,
+            ActivationRounding {
+                qkv: true,
+                gate_up: true,
+                ..ActivationRounding::NONE
+            }
+        );
+        assert_eq!(r.names(), "qkv,gate_up");
+        for (name, one) in ActivationRounding::NAMES.iter().zip([
+            ActivationRounding {
+                qkv: true,
+                ..ActivationRounding::NONE
+            },
+            ActivationRounding {
+                o: true,
+                ..ActivationRounding::NONE
+            },
+            ActivationRounding {
+                gate_up: true,
+                ..ActivationRounding::NONE
+            },
+            ActivationRounding {
+                down: true,
+                ..ActivationRounding::NONE
+            },
+            ActivationRounding {
+                lm_head: true,
+                ..ActivationRounding::NONE
+            },
+        ]) {
+            assert_eq!(ActivationRounding::parse(name), Ok(one), "{name}");
+            assert_eq!(one.names(), *name);
+        }
+        assert_eq!(
+            ActivationRounding::parse("all"),
+            Ok(ActivationRounding::ALL)
+        );
+        assert_eq!(
+            ActivationRounding::parse("none"),
+            Ok(ActivationRounding::NONE)
+        );
+        assert_eq!(ActivationRounding::NONE.names(), "none");
+        assert_eq!(ActivationRounding::ALL.names(), "all");
+        let err = ActivationRounding::parse("qkv,ffn").expect_err("unknown name");
+        assert!(err.contains("`ffn`") && err.contains("lm_head"), "{err}");
     }
 }
