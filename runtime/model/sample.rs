@@ -52,13 +52,31 @@ pub struct SamplerConfig {
     pub top_p: f32,
 }
 
-/// Buckets of the nucleus cut: a weight's f32 bit pattern (weights are in `(0, 1]`, so the sign
-/// bit is clear) shifted right by this: exponent and 4 mantissa bits, monotone in the weight.
-const BUCKET_SHIFT: u32 = 19;
-const BUCKETS: usize = 1 << (31 - BUCKET_SHIFT);
+/// Buckets of a nucleus (top-p) cut: a non-negative weight's f32 bit pattern (sign bit clear)
+/// shifted right by this: exponent and 4 mantissa bits, monotone in the weight. Shared with the
+/// speculative layer's `LogitProcessor`.
+pub(crate) const BUCKET_SHIFT: u32 = 19;
+/// Number of buckets of a nucleus cut.
+pub(crate) const BUCKETS: usize = 1 << (31 - BUCKET_SHIFT);
 
-fn bucket_of(weight: f32) -> usize {
+/// The bucket of a non-negative weight.
+pub(crate) fn bucket_of(weight: f32) -> usize {
     (weight.to_bits() >> BUCKET_SHIFT) as usize
+}
+
+/// Over per-bucket masses, from the heaviest bucket down: the first bucket where the running mass
+/// reaches `threshold` (it holds the cut: every bucket above it is kept whole, every one below is
+/// cut), with the mass of the buckets above it. `None` when rounding keeps the total below the
+/// threshold.
+pub(crate) fn crossing_bucket(bucket_mass: &[f64], threshold: f64) -> Option<(usize, f64)> {
+    let mut mass_above = 0f64;
+    for (bucket, &mass) in bucket_mass.iter().enumerate().rev() {
+        if mass > 0.0 && mass_above + mass >= threshold {
+            return Some((bucket, mass_above));
+        }
+        mass_above += mass;
+    }
+    None
 }
 
 /// A sampler with reusable buffers (no allocation per token after the first).
@@ -239,26 +257,14 @@ impl Sampler {
         for &w in self.weights.iter().filter(|&&w| w > 0.0) {
             self.bucket_mass[bucket_of(w)] += f64::from(w);
         }
-        // Buckets from the heaviest weights down: the first where the running mass reaches the
-        // threshold holds the cut; every bucket above it is kept whole, every one below is cut.
-        let mut mass_above = 0f64;
-        let mut crossing_bucket = None;
-        for bucket in (0..BUCKETS).rev() {
-            let mass = self.bucket_mass[bucket];
-            if mass > 0.0 && mass_above + mass >= threshold {
-                crossing_bucket = Some(bucket);
-                break;
-            }
-            mass_above += mass;
-        }
-        let Some(crossing_bucket) = crossing_bucket else {
+        let Some((crossing, mass_above)) = crossing_bucket(&self.bucket_mass, threshold) else {
             // Rounding kept the running mass below the threshold: everything stays.
             return Some(total);
         };
         self.crossing.clear();
         for (id, w) in self.weights.iter_mut().enumerate() {
             if *w > 0.0 {
-                match bucket_of(*w).cmp(&crossing_bucket) {
+                match bucket_of(*w).cmp(&crossing) {
                     std::cmp::Ordering::Less => *w = 0.0,
                     std::cmp::Ordering::Equal => self.crossing.push(id as u32),
                     std::cmp::Ordering::Greater => {}

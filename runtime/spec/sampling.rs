@@ -5,6 +5,7 @@
 use std::cmp::Ordering;
 
 use super::SpecError;
+use crate::model::sample::{crossing_bucket, BUCKETS};
 
 /// Sampling parameters. `temperature == 0` means greedy (argmax, ties to the lowest id).
 #[derive(Clone, Debug, PartialEq)]
@@ -117,13 +118,9 @@ pub struct LogitProcessor {
     bucket_mass: Vec<f64>,
 }
 
-/// Buckets of the top-p cut: the sign-less f32 bit pattern of a weight, shifted right by
-/// [`BUCKET_SHIFT`] (exponent and 4 mantissa bits, monotone in the weight).
-const BUCKET_SHIFT: u32 = 19;
-const BUCKETS: usize = 1 << (31 - BUCKET_SHIFT);
-
+/// The top-p cut's bucket of a weight (`model::sample`'s monotone f32-bit buckets).
 fn bucket_of(weight: f64) -> usize {
-    ((weight as f32).to_bits() >> BUCKET_SHIFT) as usize
+    crate::model::sample::bucket_of(weight as f32)
 }
 
 impl LogitProcessor {
@@ -198,23 +195,12 @@ impl LogitProcessor {
                     self.bucket_mass[bucket_of(weight)] += weight;
                 }
             }
-            let mut mass_above = 0.0;
-            let mut crossing = None;
-            for bucket in (0..BUCKETS).rev() {
-                let mass = self.bucket_mass[bucket];
-                if mass > 0.0 && mass_above + mass >= threshold {
-                    crossing = Some(bucket);
-                    break;
-                }
-                mass_above += mass;
-            }
-            let boundary = match crossing {
-                Some(bucket) => bucket,
+            let (boundary, mass_above) = match crossing_bucket(&self.bucket_mass, threshold) {
+                Some(found) => found,
                 None => {
                     // Rounding kept the sum below the threshold: keep everything.
                     let lowest = self.bucket_mass.iter().position(|&m| m > 0.0).unwrap_or(0);
-                    mass_above = self.bucket_mass[lowest + 1..].iter().sum();
-                    lowest
+                    (lowest, self.bucket_mass[lowest + 1..].iter().sum())
                 }
             };
             self.candidates.clear();
