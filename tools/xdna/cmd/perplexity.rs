@@ -118,11 +118,13 @@ fn reference_perplexity(
 ) -> xdna::Result<(PerplexityResult, usize, String)> {
     let gguf = match &args.model {
         Some(path) if path.is_file() => path.clone(),
-        Some(path) => return Err(xdna::Error::Usage(format!(
+        Some(path) => {
+            return Err(xdna::Error::Usage(format!(
             "--reference reads a GGUF file and {} is not one (the reference forward has its own \
                  GGUF reader; pass the model's .gguf)",
             path.display()
-        ))),
+        )))
+        }
         None => xdna::weights::default_model::default_gguf()?,
     };
     let pkg = xdna::weights::Package::open(&gguf)?;
