@@ -294,6 +294,25 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
         "qkv,bogus",
     ]);
     assert!(!ok && err.contains("`bogus`"), "{err}");
+    let (ok, _, err) = xdna(&[
+        "perplexity",
+        "--file",
+        "x.txt",
+        "--reference",
+        "--reference-refine",
+        "4",
+    ]);
+    assert!(!ok && err.contains("--reference-q8"), "{err}");
+    let (ok, _, err) = xdna(&[
+        "perplexity",
+        "--file",
+        "x.txt",
+        "--reference",
+        "--reference-q8",
+        "all",
+        "--reference-refine=-1",
+    ]);
+    assert!(!ok && err.contains("not a ratio"), "{err}");
     let Some(g) = common::smollm2_gguf() else {
         return;
     };
@@ -317,8 +336,8 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
         &dir.to_string_lossy(),
     ]);
     assert!(!ok && err.contains(&*dir.to_string_lossy()), "{err}");
-    let run = |q8: &str| {
-        let (ok, out, err) = xdna(&[
+    let run = |q8: &[&str]| {
+        let mut args = vec![
             "perplexity",
             "--model",
             &gs,
@@ -329,15 +348,24 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
             "--json",
             "--reference",
             "--reference-q8",
-            q8,
-        ]);
+        ];
+        args.extend_from_slice(q8);
+        let (ok, out, err) = xdna(&args);
         assert!(ok, "{err}");
         serde_json::from_str::<serde_json::Value>(out.trim()).expect("JSON")
     };
-    let (all, none) = (run("all"), run("none"));
+    let (all, none) = (run(&["all"]), run(&["none"]));
     assert_eq!(all["backend"], "reference");
     assert_eq!(all["reference_q8"], "all");
+    assert_eq!(all["reference_refine"], serde_json::Value::Null);
     assert_eq!(none["reference_q8"], "none");
+    // A ratio no group exceeds refines nothing: the same numbers as plain rounding.
+    let never = run(&["all", "--reference-refine", "1000"]);
+    assert_eq!(never["reference_refine"], 1000.0);
+    assert_eq!(never["ppl"], all["ppl"]);
+    // Real activations have groups beyond 2 × RMS (outliers of 5–20 × RMS): refined, they differ.
+    let refined = run(&["all", "--reference-refine", "2"]);
+    assert_ne!(refined["ppl"], all["ppl"]);
     assert_eq!(all["chunks"], 3, "{all}");
     // The library's reference with every input rounded: the same numbers.
     let pkg = xdna::weights::Package::open(&g).expect("package");

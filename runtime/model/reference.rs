@@ -41,6 +41,8 @@ pub struct Reference {
     embed: Vec<f32>,
     interleaved_rope: bool,
     act_q8: ActivationRounding,
+    /// With q8 rounding: refine groups whose max exceeds this many times the row's RMS.
+    act_refine: Option<f32>,
 }
 
 /// Which projections' input activations [`Reference`] rounds to q8 (all false = exact f32).
@@ -124,15 +126,36 @@ impl ActivationRounding {
 /// ggml `q8_1`-style activation rounding of one row, written independently of the kernels layer:
 /// per 32 values `d = max|x| / 127`, `x̂ = d · round_half_even(x / d)`.
 pub fn quantize_q8_row(x: &[f32]) -> Vec<f32> {
+    quantize_q8_row_refined(x, None)
+}
+
+/// One group's q8 rounding: `d = max|g| / 127`, `d · round_half_even(g / d)`.
+fn q8_group(g: &[f32]) -> Vec<f32> {
+    let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    g.iter()
+        .map(|&v| (v * inv).round_ties_even().clamp(-127.0, 127.0) * d)
+        .collect()
+}
+
+/// [`quantize_q8_row`], and with `Some(ratio)` every group whose max |x| exceeds `ratio` × the
+/// row's RMS gets a second q8 pass over its residual: `x̂ = x̂₁ + q8(x − x̂₁)` (a group crushed by
+/// one outlier keeps its small values).
+pub fn quantize_q8_row_refined(x: &[f32], outlier_ratio: Option<f32>) -> Vec<f32> {
+    let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len().max(1) as f64)
+        .sqrt() as f32;
     let mut out = Vec::with_capacity(x.len());
     for g in x.chunks(32) {
+        let first = q8_group(g);
         let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        out.extend(
-            g.iter()
-                .map(|&v| (v * inv).round_ties_even().clamp(-127.0, 127.0) * d),
-        );
+        match outlier_ratio {
+            Some(ratio) if amax > ratio * rms => {
+                let residual: Vec<f32> = g.iter().zip(&first).map(|(&v, &q)| v - q).collect();
+                out.extend(first.iter().zip(q8_group(&residual)).map(|(&a, b)| a + b));
+            }
+            _ => out.extend(first),
+        }
     }
     out
 }
@@ -142,11 +165,14 @@ fn dot64(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// `y[t][r] = Σ_k x̂[t][k] w[r][k]` with f64 accumulation; `x̂ = x`, or q8-rounded when `q8`.
-fn matmul(x: &[Vec<f32>], w: &[f32], rows: usize, q8: bool) -> Vec<Vec<f32>> {
+fn matmul(x: &[Vec<f32>], w: &[f32], rows: usize, q8: bool, refine: Option<f32>) -> Vec<Vec<f32>> {
     let k = x.first().map_or(0, |v| v.len());
     let xq: Vec<Vec<f32>>;
     let x = if q8 {
-        xq = x.iter().map(|r| quantize_q8_row(r)).collect();
+        xq = x
+            .iter()
+            .map(|r| quantize_q8_row_refined(r, refine))
+            .collect();
         &xq
     } else {
         x
@@ -212,6 +238,7 @@ impl Reference {
             embed: g.decode_f32("token_embd.weight")?,
             interleaved_rope: arch == "llama",
             act_q8: ActivationRounding::NONE,
+            act_refine: None,
             layers,
             config,
             gguf: g,
@@ -232,6 +259,14 @@ impl Reference {
     /// distance from this reference each projection's q8 rounding accounts for.
     pub fn with_activation_q8_at(mut self, rounding: ActivationRounding) -> Self {
         self.act_q8 = rounding;
+        self
+    }
+
+    /// Where activations are rounded, give every 32-value group whose max |x| exceeds `ratio` ×
+    /// the row's RMS a second q8 pass over its residual ([`quantize_q8_row_refined`]): what a
+    /// kernel refining only the outlier groups would reach.
+    pub fn with_outlier_refinement(mut self, ratio: Option<f32>) -> Self {
+        self.act_refine = ratio;
         self
     }
 
@@ -280,9 +315,9 @@ impl Reference {
         let group = c.heads / c.kv_heads;
         for l in &self.layers {
             let xn: Vec<Vec<f32>> = x.iter().map(|r| rmsnorm(r, &l.attn_norm, eps)).collect();
-            let mut q = matmul(&xn, &l.wq, c.q_dim(), self.act_q8.qkv);
-            let mut k = matmul(&xn, &l.wk, c.kv_dim(), self.act_q8.qkv);
-            let mut v = matmul(&xn, &l.wv, c.kv_dim(), self.act_q8.qkv);
+            let mut q = matmul(&xn, &l.wq, c.q_dim(), self.act_q8.qkv, self.act_refine);
+            let mut k = matmul(&xn, &l.wk, c.kv_dim(), self.act_q8.qkv, self.act_refine);
+            let mut v = matmul(&xn, &l.wv, c.kv_dim(), self.act_q8.qkv, self.act_refine);
             for (p, ((qr, kr), vr)) in q.iter_mut().zip(k.iter_mut()).zip(v.iter_mut()).enumerate()
             {
                 for (row, b) in [(&mut *qr, &l.bq), (&mut *kr, &l.bk), (&mut *vr, &l.bv)] {
@@ -321,15 +356,27 @@ impl Reference {
                     }
                 }
             }
-            let o = matmul(&att, &l.wo, h, self.act_q8.o);
+            let o = matmul(&att, &l.wo, h, self.act_q8.o, self.act_refine);
             for (xr, or) in x.iter_mut().zip(&o) {
                 for (a, &b) in xr.iter_mut().zip(or) {
                     *a += b;
                 }
             }
             let xn: Vec<Vec<f32>> = x.iter().map(|r| rmsnorm(r, &l.ffn_norm, eps)).collect();
-            let gate = matmul(&xn, &l.w_gate, c.intermediate, self.act_q8.gate_up);
-            let up = matmul(&xn, &l.w_up, c.intermediate, self.act_q8.gate_up);
+            let gate = matmul(
+                &xn,
+                &l.w_gate,
+                c.intermediate,
+                self.act_q8.gate_up,
+                self.act_refine,
+            );
+            let up = matmul(
+                &xn,
+                &l.w_up,
+                c.intermediate,
+                self.act_q8.gate_up,
+                self.act_refine,
+            );
             let act: Vec<Vec<f32>> = gate
                 .iter()
                 .zip(&up)
@@ -343,7 +390,7 @@ impl Reference {
                         .collect()
                 })
                 .collect();
-            let d = matmul(&act, &l.w_down, h, self.act_q8.down);
+            let d = matmul(&act, &l.w_down, h, self.act_q8.down, self.act_refine);
             for (xr, dr) in x.iter_mut().zip(&d) {
                 for (a, &b) in xr.iter_mut().zip(dr) {
                     *a += b;
@@ -355,7 +402,13 @@ impl Reference {
             .map(|r| rmsnorm(r, &self.final_norm, eps))
             .collect();
         let head = self.output.as_deref().unwrap_or(&self.embed);
-        Ok(matmul(&xn, head, c.vocab, self.act_q8.lm_head))
+        Ok(matmul(
+            &xn,
+            head,
+            c.vocab,
+            self.act_q8.lm_head,
+            self.act_refine,
+        ))
     }
 }
 
@@ -776,7 +829,31 @@ impl HybridReference {
 
 #[cfg(test)]
 mod tests {
-    use super::ActivationRounding;
+    use super::{quantize_q8_row, quantize_q8_row_refined, ActivationRounding};
+
+    #[test]
+    fn outlier_groups_keep_their_small_values_when_refined() {
+        // Group 0: one outlier of 127 and 0.3s; group 1: values up to 1 (no outlier).
+        let mut x = vec![0.3f32; 64];
+        x[0] = 127.0;
+        for (i, v) in x[32..].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) / 16.0;
+        }
+        let plain = quantize_q8_row(&x);
+        // d = 1: 0.3 rounds to 0 beside the outlier.
+        assert_eq!(plain[0], 127.0);
+        assert_eq!(plain[1], 0.0);
+        // rms = sqrt((127² + 31 · 0.09 + Σ_{i<32} ((i − 16)/16)²) / 64) ≈ 15.9, so 127 > 4 · rms:
+        // the residual 0.3 gets its own d = 0.3/127 and comes back exactly (127 · 0.3/127).
+        let refined = quantize_q8_row_refined(&x, Some(4.0));
+        assert_eq!(refined[0], 127.0);
+        assert!((refined[1] - 0.3).abs() < 1e-6, "{}", refined[1]);
+        // Group 1's max (1) is under 4 · rms: left as the plain rounding.
+        assert_eq!(refined[32..], plain[32..]);
+        // Without a ratio, or with one no group exceeds, nothing changes.
+        assert_eq!(quantize_q8_row_refined(&x, None), plain);
+        assert_eq!(quantize_q8_row_refined(&x, Some(100.0)), plain);
+    }
 
     #[test]
     fn activation_rounding_lists_parse_by_name() {

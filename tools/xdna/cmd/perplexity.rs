@@ -36,6 +36,17 @@ pub struct Args {
     /// fast kernels do (all | none | a comma list of qkv, o, gate_up, down, lm_head).
     #[arg(long, requires = "reference", value_parser = ActivationRounding::parse)]
     reference_q8: Option<ActivationRounding>,
+    /// With --reference-q8: give each 32-value group whose max |x| exceeds RATIO × its row's RMS a
+    /// second q8 pass over its residual (what refining only the outlier groups would reach).
+    #[arg(long, requires = "reference_q8", value_parser = parse_ratio)]
+    reference_refine: Option<f32>,
+}
+
+fn parse_ratio(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(r) if r.is_finite() && r >= 0.0 => Ok(r),
+        _ => Err(format!("`{s}` is not a ratio: a finite number ≥ 0")),
+    }
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
@@ -85,12 +96,19 @@ pub fn run(args: Args) -> xdna::Result<()> {
         });
         if args.reference {
             v["reference_q8"] = args.reference_q8.unwrap_or_default().names().into();
+            v["reference_refine"] = args.reference_refine.into();
         }
         println!("{v}");
     } else {
         eprintln!();
         let how = match args.reference_q8 {
-            Some(q8) if args.reference => format!(", q8 activations at {}", q8.names()),
+            Some(q8) if args.reference => match args.reference_refine {
+                Some(ratio) => format!(
+                    ", q8 activations at {} (groups over {ratio} × RMS refined)",
+                    q8.names()
+                ),
+                None => format!(", q8 activations at {}", q8.names()),
+            },
             _ => String::new(),
         };
         println!(
@@ -128,8 +146,9 @@ fn reference_perplexity(
         None => xdna::weights::default_model::default_gguf()?,
     };
     let pkg = xdna::weights::Package::open(&gguf)?;
-    let reference =
-        Reference::open(&gguf)?.with_activation_q8_at(args.reference_q8.unwrap_or_default());
+    let reference = Reference::open(&gguf)?
+        .with_activation_q8_at(args.reference_q8.unwrap_or_default())
+        .with_outlier_refinement(args.reference_refine);
     let tokens = pkg.tokenizer().encode(text, false);
     let r = perplexity(
         &tokens,
