@@ -281,38 +281,29 @@ fn benches_reject_bad_sizes_by_name() {
 fn perplexity_of_the_reference_with_rounding_by_projection() {
     use xdna::model::perplexity::perplexity;
     use xdna::model::reference::Reference;
-    let (ok, _, err) = xdna(&["perplexity", "--file", "x.txt", "--reference-q8", "qkv"]);
-    assert!(!ok && err.contains("--reference"), "{err}");
-    let (ok, _, err) = xdna(&["perplexity", "--file", "x.txt", "--reference", "--exact"]);
-    assert!(!ok && err.contains("--exact"), "{err}");
-    let (ok, _, err) = xdna(&[
-        "perplexity",
-        "--file",
-        "x.txt",
-        "--reference",
-        "--reference-q8",
-        "qkv,bogus",
-    ]);
-    assert!(!ok && err.contains("`bogus`"), "{err}");
-    let (ok, _, err) = xdna(&[
-        "perplexity",
-        "--file",
-        "x.txt",
-        "--reference",
-        "--reference-refine",
-        "4",
-    ]);
-    assert!(!ok && err.contains("--reference-q8"), "{err}");
-    let (ok, _, err) = xdna(&[
-        "perplexity",
-        "--file",
-        "x.txt",
-        "--reference",
-        "--reference-q8",
-        "all",
-        "--reference-refine=-1",
-    ]);
-    assert!(!ok && err.contains("not a ratio"), "{err}");
+    for (extra, needle) in [
+        (&["--reference-q8", "qkv"][..], "--reference"),
+        (&["--reference", "--exact"], "--exact"),
+        (&["--reference", "--reference-q8", "qkv,bogus"], "`bogus`"),
+        (
+            &["--reference", "--reference-refine", "4"],
+            "--reference-q8",
+        ),
+        (
+            &[
+                "--reference",
+                "--reference-q8",
+                "all",
+                "--reference-refine=-1",
+            ],
+            "not a ratio",
+        ),
+    ] {
+        let mut args = vec!["perplexity", "--file", "x.txt"];
+        args.extend_from_slice(extra);
+        let (ok, _, err) = xdna(&args);
+        assert!(!ok && err.contains(needle), "{extra:?}: {err}");
+    }
     let Some(g) = common::smollm2_gguf() else {
         return;
     };
