@@ -55,7 +55,7 @@ pub struct SamplerConfig {
 /// Buckets of a nucleus (top-p) cut: a non-negative weight's f32 bit pattern (sign bit clear)
 /// shifted right by this: exponent and 4 mantissa bits, monotone in the weight. Shared with the
 /// speculative layer's `LogitProcessor`.
-pub(crate) const BUCKET_SHIFT: u32 = 19;
+const BUCKET_SHIFT: u32 = 19;
 /// Number of buckets of a nucleus cut.
 pub(crate) const BUCKETS: usize = 1 << (31 - BUCKET_SHIFT);
 
