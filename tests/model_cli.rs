@@ -17,6 +17,32 @@ fn xdna(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// Bad sampling settings are refused by name before any model is loaded.
+#[test]
+fn run_refuses_bad_sampling_settings_by_name() {
+    for (flag, value, field) in [
+        ("--temperature", "-0.5", "temperature"),
+        ("--temperature", "NaN", "temperature"),
+        ("--top-p", "0", "top_p"),
+        ("--top-p", "1.5", "top_p"),
+    ] {
+        let arg = format!("{flag}={value}");
+        let (ok, _, err) = xdna(&[
+            "run",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "x",
+            &arg,
+        ]);
+        assert!(!ok && err.contains(field), "{arg}: {err}");
+        assert!(
+            !err.contains("/nonexistent"),
+            "{arg}: checked after loading: {err}"
+        );
+    }
+}
+
 #[test]
 fn run_errors_streaming_stop_and_seed() {
     let Some(g) = common::smollm2_gguf() else {

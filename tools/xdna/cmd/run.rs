@@ -124,6 +124,14 @@ pub fn prompt_tokens(pkg: &Package, prompt: &str, chat: bool) -> Result<Vec<u32>
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
+    // Refuse bad sampling settings before loading anything (a negative or NaN temperature would
+    // otherwise quietly mean greedy, and a top-p outside (0, 1] a silent no-op or cut-to-one).
+    SamplingConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+    }
+    .validate()?;
     let backend: Backend = args.backend.parse()?;
     let opts = LoadOptions {
         backend,
