@@ -89,6 +89,7 @@ mod imp {
     use crate::kernels::quant::QuantizedRows;
     use crate::tiles::{GROUP, TILE_ROWS};
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
     use std::sync::OnceLock;
 
     /// Does this CPU have AVX2, FMA and F16C? Detected once.
@@ -272,6 +273,60 @@ mod imp {
             _mm256_and_si256(_mm256_srli_epi16::<4>(s0), low),
             _mm256_and_si256(s1, low),
             _mm256_and_si256(_mm256_srli_epi16::<4>(s1), low),
+        ]
+    }
+
+    /// The 32 columns of group `g` of a 4-bit tile as eight [`q4_unpack_quad`]s, built as a value
+    /// (no zeroed scratch).
+    ///
+    /// # Safety
+    /// AVX2 available; columns `32·g .. 32·g + 32` lie inside the tile's code area.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_unpack_group(codes: *const u8, column_major: bool, g: usize) -> [[__m256i; 4]; 8] {
+        let c = g * GROUP;
+        // SAFETY: every quad's columns are inside the group (caller contract).
+        unsafe {
+            [
+                q4_unpack_quad(codes, column_major, c),
+                q4_unpack_quad(codes, column_major, c + 4),
+                q4_unpack_quad(codes, column_major, c + 8),
+                q4_unpack_quad(codes, column_major, c + 12),
+                q4_unpack_quad(codes, column_major, c + 16),
+                q4_unpack_quad(codes, column_major, c + 20),
+                q4_unpack_quad(codes, column_major, c + 24),
+                q4_unpack_quad(codes, column_major, c + 28),
+            ]
+        }
+    }
+
+    /// Group `g` of an 8-bit tile as eight quads of `[codes, |codes|]` (the sign trick's two
+    /// operands), built as a value.
+    ///
+    /// # Safety
+    /// AVX2 available; columns `32·g .. 32·g + 32` lie inside the tile's code area.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_unpack_group(
+        codes: *const u8,
+        layout: Q8Layout,
+        g: usize,
+    ) -> [[[__m256i; 4]; 2]; 8] {
+        let c = g * GROUP;
+        let quad = |at: usize| {
+            // SAFETY: the quad's columns are inside the group (caller contract).
+            let w = unsafe { q8_unpack_quad(codes, layout, at) };
+            [w, w.map(|v| _mm256_sign_epi8(v, v))]
+        };
+        [
+            quad(c),
+            quad(c + 4),
+            quad(c + 8),
+            quad(c + 12),
+            quad(c + 16),
+            quad(c + 20),
+            quad(c + 24),
+            quad(c + 28),
         ]
     }
 
@@ -649,20 +704,24 @@ mod imp {
         out: &mut [f32],
     ) {
         const ROW_CHUNK: usize = 16;
-        // 24 groups of converted mins (3 KiB) cover K = 576 in one chunk; the buffer is zeroed on
-        // every call, so a larger one costs a memset per block for nothing.
+        // 24 groups of converted mins (3 KiB) cover K = 576 in one chunk.
         const GROUP_CHUNK: usize = 24;
         let groups_total = act.groups();
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
         debug_assert!(
             block.len() >= groups_total.div_ceil(layout.groups_per_tile) * layout.tile_bytes
         );
+        if groups_total == 0 {
+            return; // K = 0: no min term.
+        }
         let first = rows.start;
-        let mut mins = [[_mm256_setzero_ps(); 4]; GROUP_CHUNK];
+        // Scratch left uninitialized: every entry is written before it is read, and zeroing 5 KiB
+        // per block call was a measurable memset in 16-row decode passes.
+        let mut mins = [MaybeUninit::<[__m256; 4]>::uninit(); GROUP_CHUNK];
         let mut row_start = rows.start;
         while row_start < rows.end {
             let row_chunk = row_start..(row_start + ROW_CHUNK).min(rows.end);
-            let mut mins_acc = [[_mm256_setzero_ps(); 4]; ROW_CHUNK];
+            let mut mins_acc = [MaybeUninit::<[__m256; 4]>::uninit(); ROW_CHUNK];
             let mut g0 = 0;
             while g0 < groups_total {
                 let g1 = (g0 + GROUP_CHUNK).min(groups_total);
@@ -673,14 +732,25 @@ mod imp {
                             .as_ptr()
                             .add(gg / layout.groups_per_tile * layout.tile_bytes)
                     };
-                    *slot = unsafe { q4_group_scales(layout, tile, gg % layout.groups_per_tile) }.1;
+                    slot.write(
+                        unsafe { q4_group_scales(layout, tile, gg % layout.groups_per_tile) }.1,
+                    );
                 }
+                // SAFETY: entries 0..g1 - g0 were written just above; MaybeUninit<T> has T's layout.
+                let mins: &[[__m256; 4]] = unsafe {
+                    &*(&mins[..g1 - g0] as *const [MaybeUninit<[__m256; 4]>] as *const _)
+                };
                 // Two rows at a time: eight independent FMA chains hide the FMA latency.
                 let rows_here = row_chunk.len();
                 for pair in (0..rows_here).step_by(2) {
                     let second = (pair + 1).min(rows_here - 1);
                     let (row_a, row_b) = (row_chunk.start + pair, row_chunk.start + second);
-                    let (mut acc_a, mut acc_b) = (mins_acc[pair], mins_acc[second]);
+                    let (mut acc_a, mut acc_b) = if g0 == 0 {
+                        ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4])
+                    } else {
+                        // SAFETY: the pass over the first group chunk wrote both rows' entries.
+                        unsafe { (mins_acc[pair].assume_init(), mins_acc[second].assume_init()) }
+                    };
                     let sums_a = &act.sums[row_a * groups_total + g0..row_a * groups_total + g1];
                     let sums_b = &act.sums[row_b * groups_total + g0..row_b * groups_total + g1];
                     for ((m, &sum_a), &sum_b) in mins.iter().zip(sums_a).zip(sums_b) {
@@ -691,12 +761,14 @@ mod imp {
                         }
                     }
                     // With an odd row count the last "pair" is one row computed twice.
-                    mins_acc[pair] = acc_a;
-                    mins_acc[second] = acc_b;
+                    mins_acc[pair].write(acc_a);
+                    mins_acc[second].write(acc_b);
                 }
                 g0 = g1;
             }
             for (acc, row) in mins_acc.iter().zip(row_chunk.clone()) {
+                // SAFETY: groups_total > 0, so the first group chunk wrote every row's entry.
+                let acc = unsafe { acc.assume_init_ref() };
                 for (i, m) in acc.iter().enumerate() {
                     // SAFETY: row - first < rows.len(): 32 floats of `out` belong to it; 8 are
                     // read and written at 8·i for i < 4.
@@ -747,7 +819,6 @@ mod imp {
             // K = 0: nothing overwrites the accumulators below.
             out[..m * TILE_ROWS].fill(0.0);
         }
-        let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / layout.groups_per_tile, gg % layout.groups_per_tile);
             prefetch_group(
@@ -773,10 +844,8 @@ mod imp {
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
             let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
-            for (quad, slot) in unpacked.iter_mut().enumerate() {
-                // SAFETY: column g·32 + 4·quad + 3 < 256.
-                *slot = unsafe { q4_unpack_quad(codes, layout.column_major, g * 32 + quad * 4) };
-            }
+            // SAFETY: columns g·32 .. g·32 + 32 lie inside the tile.
+            let unpacked = unsafe { q4_unpack_group(codes, layout.column_major, g) };
             // SAFETY: rows ⊂ 0..act.rows and gg < groups (caller contract); `out` holds m × 32
             // floats.
             unsafe {
@@ -895,8 +964,6 @@ mod imp {
             // K = 0: nothing overwrites the accumulators below.
             out[..m * TILE_ROWS].fill(0.0);
         }
-        // Per quad: the codes (for the sign) and their magnitudes (the unsigned maddubs operand).
-        let mut unpacked = [[[_mm256_setzero_si256(); 4]; 2]; 8];
         for gg in 0..groups_total {
             let (t, g) = (gg / groups_per_tile, gg % groups_per_tile);
             prefetch_group(
@@ -930,11 +997,9 @@ mod imp {
                 }
                 continue;
             }
-            for (quad, slot) in unpacked.iter_mut().enumerate() {
-                // SAFETY: column g·32 + 4·quad + 3 < tile_cols.
-                let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
-                *slot = [w, w.map(|v| _mm256_sign_epi8(v, v))];
-            }
+            // Per quad: the codes (for the sign) and their magnitudes (the unsigned maddubs operand).
+            // SAFETY: columns g·32 .. g·32 + 32 < tile_cols.
+            let unpacked = unsafe { q8_unpack_group(codes, layout, g) };
             // SAFETY: as for the 4-bit kernel.
             unsafe {
                 if gg == 0 {
