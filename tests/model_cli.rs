@@ -310,6 +310,10 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
     for (extra, needle) in [
         (&["--reference-q8", "qkv"][..], "--reference"),
         (&["--reference", "--exact"], "--exact"),
+        (
+            &["--reference", "--compare-reference"],
+            "--compare-reference",
+        ),
         (&["--reference", "--reference-q8", "qkv,bogus"], "`bogus`"),
         (
             &["--reference", "--reference-refine", "4"],
@@ -353,6 +357,17 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
         &dir.to_string_lossy(),
     ]);
     assert!(!ok && err.contains(&*dir.to_string_lossy()), "{err}");
+    // The comparison checks the model before its fast run (an empty directory would otherwise fail
+    // there, with a different error).
+    let (ok, _, err) = xdna(&[
+        "perplexity",
+        "--file",
+        &file,
+        "--compare-reference",
+        "--model",
+        &dir.to_string_lossy(),
+    ]);
+    assert!(!ok && err.contains("reads a GGUF file"), "{err}");
     let run = |q8: &[&str]| {
         let mut args = vec![
             "perplexity",
@@ -411,5 +426,29 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
     assert_eq!(all["ppl"].as_f64(), Some(expected.ppl), "{all}");
     // Rounding changes the logits, so the two estimates differ.
     assert_ne!(all["ppl"], none["ppl"]);
+    // The fast path compared with the exact reference over the same tokens: the reference's
+    // estimate is exactly `--reference`'s, and the gap is the two estimates' ratio.
+    let (ok, out, err) = xdna(&[
+        "perplexity",
+        "--model",
+        &gs,
+        "--file",
+        &file,
+        "--ctx",
+        "32",
+        "--json",
+        "--compare-reference",
+    ]);
+    assert!(ok, "{err}");
+    let cmp: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    assert_eq!(cmp["reference_ppl"], none["ppl"], "{cmp}");
+    let (fast, reference) = (cmp["ppl"].as_f64().unwrap(), none["ppl"].as_f64().unwrap());
+    let gap = cmp["gap"].as_f64().unwrap();
+    assert!((gap - (fast / reference - 1.0)).abs() < 1e-12, "{cmp}");
+    // q8 activations move every token a little (≈ 0.1 nats here), so both spreads are positive.
+    let per_token = cmp["mean_abs_token_nll"].as_f64().unwrap();
+    assert!(per_token > 0.0 && per_token < 0.5, "{cmp}");
+    assert!(cmp["gap_uncertainty"].as_f64().unwrap() > 0.0, "{cmp}");
+    assert!(cmp["ppl_uncertainty"].as_f64().unwrap() > 0.0, "{cmp}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -18,6 +18,67 @@ pub struct PerplexityResult {
     pub token_nll: Vec<f64>,
 }
 
+impl PerplexityResult {
+    /// llama-perplexity's `+/-`: `ppl · sqrt(var(nll) / (n − 1))`, the standard error of the mean
+    /// NLL carried through `exp` (`var` the population variance of the scored tokens' NLL). `None`
+    /// with fewer than two scored tokens or no spread.
+    pub fn uncertainty(&self) -> Option<f64> {
+        let (mean, var) = mean_and_variance(&self.token_nll)?;
+        let n = self.token_nll.len() as f64;
+        (var > 0.0).then(|| mean.exp() * (var / (n - 1.0)).sqrt())
+    }
+}
+
+/// Two runs of the same text compared token by token (`model` against `reference`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PerplexityComparison {
+    /// `ppl_model / ppl_reference − 1`: the relative perplexity gap.
+    pub gap: f64,
+    /// The gap's standard error from the per-token differences (`sqrt(var(Δnll) / (n − 1))`,
+    /// relative): the same tokens scored twice, so much tighter than either run's own `+/-`. A gap
+    /// within about two of these is what re-drawing the rounding of one run can move it by.
+    pub gap_uncertainty: f64,
+    /// Mean |Δnll| per scored token, in nats.
+    pub mean_abs_token_nll: f64,
+}
+
+/// Compare two runs over the same tokens. Errors if they scored different token counts.
+pub fn compare(
+    model: &PerplexityResult,
+    reference: &PerplexityResult,
+) -> Result<PerplexityComparison, ModelError> {
+    if model.token_nll.len() != reference.token_nll.len() || model.token_nll.len() < 2 {
+        return Err(ModelError::Other(format!(
+            "perplexity comparison needs the same ≥ 2 scored tokens in both runs ({} vs {})",
+            model.token_nll.len(),
+            reference.token_nll.len()
+        )));
+    }
+    let d: Vec<f64> = model
+        .token_nll
+        .iter()
+        .zip(&reference.token_nll)
+        .map(|(a, b)| a - b)
+        .collect();
+    let (mean, var) = mean_and_variance(&d).unwrap_or((0.0, 0.0));
+    let n = d.len() as f64;
+    Ok(PerplexityComparison {
+        gap: mean.exp() - 1.0,
+        gap_uncertainty: mean.exp() * (var.max(0.0) / (n - 1.0)).sqrt(),
+        mean_abs_token_nll: d.iter().map(|x| x.abs()).sum::<f64>() / n,
+    })
+}
+
+/// Mean and population variance, or `None` for fewer than two values.
+fn mean_and_variance(v: &[f64]) -> Option<(f64, f64)> {
+    if v.len() < 2 {
+        return None;
+    }
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    Some((mean, v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n))
+}
+
 /// `-log softmax(logits)[target]`, in f64.
 pub fn nll(logits: &[f32], target: u32) -> f64 {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -135,6 +196,42 @@ mod tests {
         assert!(r.token_nll.iter().all(|v| (v - 10f64.ln()).abs() < 1e-9));
         assert_eq!(seen, vec![(9, 4), (9, 4)]);
         assert!(perplexity(&toks[..15], 8, None, &mut |_, _, _| Ok(()), &mut |_, _| {}).is_err());
+    }
+
+    fn result(token_nll: Vec<f64>) -> PerplexityResult {
+        let mean = token_nll.iter().sum::<f64>() / token_nll.len() as f64;
+        PerplexityResult {
+            ppl: mean.exp(),
+            tokens: token_nll.len(),
+            chunks: 1,
+            per_chunk: vec![mean.exp()],
+            token_nll,
+        }
+    }
+
+    #[test]
+    fn uncertainty_is_llama_perplexitys_by_hand() {
+        // NLL 1, 2, 3: mean 2, population variance 2/3, so e² · sqrt((2/3) / 2) = e² / √3.
+        let r = result(vec![1.0, 2.0, 3.0]);
+        let expected = 2f64.exp() / 3f64.sqrt();
+        assert!((r.uncertainty().unwrap() - expected).abs() < 1e-12);
+        assert_eq!(result(vec![1.5, 1.5]).uncertainty(), None);
+        assert_eq!(result(vec![1.5]).uncertainty(), None);
+    }
+
+    #[test]
+    fn comparison_of_two_runs_by_hand() {
+        // Δnll = 0.1, −0.1, 0.3: mean 0.1, population variance 0.08/3, |Δ| mean 0.5/3.
+        let a = result(vec![1.1, 0.9, 2.3]);
+        let b = result(vec![1.0, 1.0, 2.0]);
+        let c = compare(&a, &b).unwrap();
+        assert!((c.gap - (0.1f64.exp() - 1.0)).abs() < 1e-12, "{c:?}");
+        let se = 0.1f64.exp() * (0.08f64 / 3.0 / 2.0).sqrt();
+        assert!((c.gap_uncertainty - se).abs() < 1e-12, "{c:?}");
+        assert!((c.mean_abs_token_nll - 0.5 / 3.0).abs() < 1e-12, "{c:?}");
+        // The gap agrees with the two perplexities' ratio.
+        assert!((c.gap - (a.ppl / b.ppl - 1.0)).abs() < 1e-12);
+        assert!(compare(&a, &result(vec![1.0, 1.0])).is_err());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 use xdna::model::load::{open_model, Backend, LoadOptions};
-use xdna::model::perplexity::{perplexity, PerplexityResult};
+use xdna::model::perplexity::{compare, perplexity, PerplexityComparison, PerplexityResult};
 use xdna::model::reference::{ActivationRounding, Reference};
 
 #[derive(clap::Args)]
@@ -32,6 +32,10 @@ pub struct Args {
     /// sums; a GGUF model only): the yardstick the fast path is compared with.
     #[arg(long)]
     reference: bool,
+    /// Also run the slow reference forward over the same tokens and print the relative perplexity
+    /// gap with its standard error from the per-token differences (a GGUF model only).
+    #[arg(long, conflicts_with = "reference")]
+    compare_reference: bool,
     /// With --reference: round these projections' input activations to q8 per 32 values, as the
     /// fast kernels do (all | none | a comma list of qkv, o, gate_up, down, lm_head).
     #[arg(long, requires = "reference", value_parser = ActivationRounding::parse)]
@@ -57,6 +61,13 @@ pub fn run(args: Args) -> xdna::Result<()> {
         if !json {
             eprint!("[{}]{:.4},", c + 1, p);
         }
+    };
+    let mut comparison: Option<(f64, PerplexityComparison)> = None;
+    // Opened first, so a model the reference cannot read fails before the fast run, not after.
+    let compare_with = if args.compare_reference {
+        Some(open_reference(&args)?.0)
+    } else {
+        None
     };
     let (r, text_tokens, forward) = if args.reference {
         reference_perplexity(&args, &text, &mut progress)?
@@ -85,15 +96,30 @@ pub fn run(args: Args) -> xdna::Result<()> {
             },
             &mut progress,
         )?;
+        if let Some(reference) = &compare_with {
+            if !json {
+                eprintln!();
+                eprint!("reference: ");
+            }
+            let bos = bos_of(&pkg);
+            let r_ref = reference_over(reference, &tokens, args.ctx, bos, &mut progress)?;
+            comparison = Some((r_ref.ppl, compare(&r, &r_ref)?));
+        }
         (r, tokens.len(), model.weights().backend.to_string())
     };
     let secs = t0.elapsed().as_secs_f64();
     if json {
         let mut v = serde_json::json!({
-            "ppl": r.ppl, "tokens": r.tokens, "chunks": r.chunks, "ctx": args.ctx,
-            "text_tokens": text_tokens, "per_chunk": r.per_chunk, "seconds": secs,
-            "backend": forward,
+            "ppl": r.ppl, "ppl_uncertainty": r.uncertainty(), "tokens": r.tokens,
+            "chunks": r.chunks, "ctx": args.ctx, "text_tokens": text_tokens,
+            "per_chunk": r.per_chunk, "seconds": secs, "backend": forward,
         });
+        if let Some((reference_ppl, c)) = comparison {
+            v["reference_ppl"] = reference_ppl.into();
+            v["gap"] = c.gap.into();
+            v["gap_uncertainty"] = c.gap_uncertainty.into();
+            v["mean_abs_token_nll"] = c.mean_abs_token_nll.into();
+        }
         if args.reference {
             v["reference_q8"] = args.reference_q8.unwrap_or_default().names().into();
             v["reference_refine"] = args.reference_refine.into();
@@ -111,10 +137,22 @@ pub fn run(args: Args) -> xdna::Result<()> {
             },
             _ => String::new(),
         };
+        let plus_minus = r
+            .uncertainty()
+            .map_or(String::new(), |u| format!(" ± {u:.4}"));
         println!(
-            "perplexity {:.4} over {} scored tokens ({} chunks of {}, {} text tokens, {}{how}, {:.1} s)",
+            "perplexity {:.4}{plus_minus} over {} scored tokens ({} chunks of {}, {} text tokens, {}{how}, {:.1} s)",
             r.ppl, r.tokens, r.chunks, args.ctx, text_tokens, forward, secs
         );
+        if let Some((reference_ppl, c)) = comparison {
+            println!(
+                "reference {reference_ppl:.4}: gap {:+.3} % ± {:.3} % (standard error of the paired \
+                 per-token differences), mean |Δnll| {:.4} nats per token",
+                100.0 * c.gap,
+                100.0 * c.gap_uncertainty,
+                c.mean_abs_token_nll
+            );
+        }
     }
     Ok(())
 }
@@ -134,12 +172,21 @@ fn reference_perplexity(
     text: &str,
     progress: &mut dyn FnMut(usize, f64),
 ) -> xdna::Result<(PerplexityResult, usize, String)> {
+    let (reference, pkg) = open_reference(args)?;
+    let tokens = pkg.tokenizer().encode(text, false);
+    let r = reference_over(&reference, &tokens, args.ctx, bos_of(&pkg), progress)?;
+    Ok((r, tokens.len(), "reference".into()))
+}
+
+/// The reference forward (with `--reference-q8` / `--reference-refine` applied) and the GGUF's
+/// package, for its tokenizer.
+fn open_reference(args: &Args) -> xdna::Result<(Reference, xdna::weights::Package)> {
     let gguf = match &args.model {
         Some(path) if path.is_file() => path.clone(),
         Some(path) => {
             return Err(xdna::Error::Usage(format!(
-            "--reference reads a GGUF file and {} is not one (the reference forward has its own \
-                 GGUF reader; pass the model's .gguf)",
+            "the reference forward (--reference, --compare-reference) reads a GGUF file and {} \
+                 is not one (it has its own GGUF reader; pass the model's .gguf)",
             path.display()
         )))
         }
@@ -149,11 +196,21 @@ fn reference_perplexity(
     let reference = Reference::open(&gguf)?
         .with_activation_q8_at(args.reference_q8.unwrap_or_default())
         .with_outlier_refinement(args.reference_refine);
-    let tokens = pkg.tokenizer().encode(text, false);
-    let r = perplexity(
-        &tokens,
-        args.ctx,
-        bos_of(&pkg),
+    Ok((reference, pkg))
+}
+
+/// The llama-perplexity method over `tokens` through the reference forward.
+fn reference_over(
+    reference: &Reference,
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    progress: &mut dyn FnMut(usize, f64),
+) -> xdna::Result<PerplexityResult> {
+    Ok(perplexity(
+        tokens,
+        ctx,
+        bos,
         &mut |chunk, first, f| {
             for (i, logits) in reference.forward(chunk, first)?.iter().enumerate() {
                 f(first + i, logits);
@@ -161,6 +218,5 @@ fn reference_perplexity(
             Ok(())
         },
         progress,
-    )?;
-    Ok((r, tokens.len(), "reference".into()))
+    )?)
 }
