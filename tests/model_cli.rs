@@ -368,7 +368,7 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
         &dir.to_string_lossy(),
     ]);
     assert!(!ok && err.contains("reads a GGUF file"), "{err}");
-    let run = |q8: &[&str]| {
+    let perplexity_json = |extra: &[&str]| {
         let mut args = vec![
             "perplexity",
             "--model",
@@ -378,14 +378,13 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
             "--ctx",
             "32",
             "--json",
-            "--reference",
-            "--reference-q8",
         ];
-        args.extend_from_slice(q8);
+        args.extend_from_slice(extra);
         let (ok, out, err) = xdna(&args);
         assert!(ok, "{err}");
         serde_json::from_str::<serde_json::Value>(out.trim()).expect("JSON")
     };
+    let run = |q8: &[&str]| perplexity_json(&[&["--reference", "--reference-q8"][..], q8].concat());
     let (all, none) = (run(&["all"]), run(&["none"]));
     assert_eq!(all["backend"], "reference");
     assert_eq!(all["reference_q8"], "all");
@@ -428,19 +427,7 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
     assert_ne!(all["ppl"], none["ppl"]);
     // The fast path compared with the exact reference over the same tokens: the reference's
     // estimate is exactly `--reference`'s, and the gap is the two estimates' ratio.
-    let (ok, out, err) = xdna(&[
-        "perplexity",
-        "--model",
-        &gs,
-        "--file",
-        &file,
-        "--ctx",
-        "32",
-        "--json",
-        "--compare-reference",
-    ]);
-    assert!(ok, "{err}");
-    let cmp: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    let cmp = perplexity_json(&["--compare-reference"]);
     assert_eq!(cmp["reference_ppl"], none["ppl"], "{cmp}");
     let (fast, reference) = (cmp["ppl"].as_f64().unwrap(), none["ppl"].as_f64().unwrap());
     let gap = cmp["gap"].as_f64().unwrap();
