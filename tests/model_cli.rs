@@ -404,11 +404,7 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
         .expect("reference")
         .with_activation_q8(true);
     let tokens = pkg.tokenizer().encode(&text, false);
-    let bos = if pkg.add_bos() {
-        pkg.bos_token_id()
-    } else {
-        None
-    };
+    let bos = pkg.leading_bos();
     let expected = perplexity(
         &tokens,
         32,

@@ -32,11 +32,7 @@ fn model_and_reference(exact: bool) -> Option<(f64, f64, f64)> {
     let chunks = tokens.len() / 128;
     assert!(chunks >= 7, "{} tokens", tokens.len());
     let tokens = &tokens[..chunks * 128];
-    let bos = if pkg.add_bos() {
-        pkg.bos_token_id()
-    } else {
-        None
-    };
+    let bos = pkg.leading_bos();
     let fast = perplexity(
         tokens,
         128,

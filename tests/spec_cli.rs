@@ -300,11 +300,7 @@ fn spec_acceptance_local_and_endpoint_agree() {
     let pkg = xdna::model::load::open_package(Path::new(&g)).expect("package");
     let mut expected = xdna::spec::SpecStats::default();
     for (prompt, reply) in ["The capital of France is", CODE].iter().zip(&replies) {
-        let mut ids = Vec::new();
-        if pkg.add_bos() {
-            ids.extend(pkg.bos_token_id());
-        }
-        ids.extend(pkg.tokenizer().encode(prompt, false));
+        let ids = pkg.encode_prompt(prompt, false);
         let continuation = pkg.tokenizer().encode(reply, false);
         let mut drafter = xdna::spec::NgramDrafter::new(xdna::spec::NgramConfig {
             min_n: 2,

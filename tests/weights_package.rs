@@ -383,5 +383,20 @@ fn flm_style_package_loads_unfused() {
         pkg.tokenizer().encode("hehe<|im_end|>", true),
         vec![256, 256, 257]
     );
+    // No BOS in the metadata: prompts are the text's tokens alone.
+    assert_eq!(pkg.leading_bos(), None);
+    assert_eq!(pkg.encode_prompt("hehe", false), vec![256, 256]);
+    // With `add_bos_token` and a BOS token (257 here): one BOS first, and none added to special
+    // text that already starts with it (a rendered chat template that writes its own).
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token": "<|im_end|>", "bos_token": "<|im_end|>", "add_bos_token": true}"#,
+    )
+    .unwrap();
+    let pkg = Package::open(dir.join("model.q4nx")).unwrap();
+    assert_eq!(pkg.leading_bos(), Some(257));
+    assert_eq!(pkg.encode_prompt("hehe", false), vec![257, 256, 256]);
+    assert_eq!(pkg.encode_prompt("<|im_end|>he", true), vec![257, 256]);
+    assert_eq!(pkg.encode_prompt("he<|im_end|>", true), vec![257, 256, 257]);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -369,6 +369,25 @@ impl Package {
     pub fn add_bos(&self) -> bool {
         self.add_bos
     }
+    /// The token to put before a prompt: the BOS id when the metadata asks for one and names it.
+    pub fn leading_bos(&self) -> Option<u32> {
+        self.bos.filter(|_| self.add_bos)
+    }
+    /// A prompt's token ids: [`Package::leading_bos`], left out when `special` text (a rendered
+    /// chat template) already starts with the BOS token's text, then `text` encoded (`special`:
+    /// special-token text is parsed as those tokens).
+    pub fn encode_prompt(&self, text: &str, special: bool) -> Vec<u32> {
+        let tok = self.tokenizer();
+        let mut ids = Vec::new();
+        if let Some(b) = self.leading_bos() {
+            let bos_text = tok.token_str(b).unwrap_or("\u{0}");
+            if !(special && text.starts_with(bos_text)) {
+                ids.push(b);
+            }
+        }
+        ids.extend(tok.encode(text, special));
+        ids
+    }
     pub fn has_tensor(&self, name: &str) -> bool {
         self.weights.contains(name)
     }

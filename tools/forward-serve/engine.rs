@@ -180,18 +180,7 @@ impl TextCodec for PackageCodec {
         Ok(self.pkg.tokenizer().encode(text, special))
     }
     fn prompt_tokens(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError> {
-        let tok = self.pkg.tokenizer();
-        let mut ids = Vec::new();
-        if self.pkg.add_bos() {
-            if let Some(b) = self.pkg.bos_token_id() {
-                let bos_text = tok.token_str(b).unwrap_or("\u{0}");
-                if !(special && text.starts_with(bos_text)) {
-                    ids.push(b);
-                }
-            }
-        }
-        ids.extend(tok.encode(text, special));
-        Ok(ids)
+        Ok(self.pkg.encode_prompt(text, special))
     }
     fn token_bytes(&self, id: u32) -> Vec<u8> {
         self.pkg.tokenizer().token_bytes(id).to_vec()

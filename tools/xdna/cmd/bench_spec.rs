@@ -122,11 +122,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     }
     let mut results = Vec::new();
     for &(name, text) in PROMPTS {
-        let mut ids = Vec::new();
-        if pkg.add_bos() {
-            ids.extend(pkg.bos_token_id());
-        }
-        ids.extend(pkg.tokenizer().encode(text, false));
+        let ids = pkg.encode_prompt(text, false);
         if ids.is_empty() || ids.len() > longest_prompt {
             return Err(xdna::Error::Usage(format!(
                 "built-in prompt {name} has {} tokens (1..={longest_prompt} expected)",

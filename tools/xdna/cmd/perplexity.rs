@@ -89,7 +89,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         let r = perplexity(
             &tokens,
             args.ctx,
-            bos_of(&pkg),
+            pkg.leading_bos(),
             &mut |chunk, first, f| {
                 model.reset();
                 model.prefill_with(chunk, first, f)
@@ -101,7 +101,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 eprintln!();
                 eprint!("reference: ");
             }
-            let bos = bos_of(&pkg);
+            let bos = pkg.leading_bos();
             let r_ref = reference_over(reference, &tokens, args.ctx, bos, &mut progress)?;
             comparison = Some((r_ref.ppl, compare(&r, &r_ref)?));
         }
@@ -157,14 +157,6 @@ pub fn run(args: Args) -> xdna::Result<()> {
     Ok(())
 }
 
-fn bos_of(pkg: &xdna::weights::Package) -> Option<u32> {
-    if pkg.add_bos() {
-        pkg.bos_token_id()
-    } else {
-        None
-    }
-}
-
 /// `--reference`: the slow reference forward over a GGUF file (the default model's when none is
 /// given); (result, text tokens, the forward's name).
 fn reference_perplexity(
@@ -174,7 +166,7 @@ fn reference_perplexity(
 ) -> xdna::Result<(PerplexityResult, usize, String)> {
     let (reference, pkg) = open_reference(args)?;
     let tokens = pkg.tokenizer().encode(text, false);
-    let r = reference_over(&reference, &tokens, args.ctx, bos_of(&pkg), progress)?;
+    let r = reference_over(&reference, &tokens, args.ctx, pkg.leading_bos(), progress)?;
     Ok((r, tokens.len(), "reference".into()))
 }
 

@@ -111,16 +111,7 @@ pub fn prompt_tokens(pkg: &Package, prompt: &str, chat: bool) -> Result<Vec<u32>
     } else {
         (prompt.to_string(), false)
     };
-    let mut ids = Vec::new();
-    if pkg.add_bos() {
-        if let Some(b) = pkg.bos_token_id() {
-            if !(chat && text.starts_with(pkg.tokenizer().token_str(b).unwrap_or("\u{0}"))) {
-                ids.push(b);
-            }
-        }
-    }
-    ids.extend(pkg.tokenizer().encode(&text, special));
-    Ok(ids)
+    Ok(pkg.encode_prompt(&text, special))
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {

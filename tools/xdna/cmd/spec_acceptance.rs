@@ -122,12 +122,7 @@ pub fn parse_prompts(path: &Path, content: &str) -> xdna::Result<Vec<PromptEntry
 }
 
 fn prompt_ids(pkg: &Package, text: &str) -> Vec<u32> {
-    let mut ids = Vec::new();
-    if pkg.add_bos() {
-        ids.extend(pkg.bos_token_id());
-    }
-    ids.extend(pkg.tokenizer().encode(text, false));
-    ids
+    pkg.encode_prompt(text, false)
 }
 
 /// The target's greedy continuation, computed locally: EOS included when reached.
