@@ -409,12 +409,7 @@ fn perplexity_of_the_reference_with_rounding_by_projection() {
         &tokens,
         32,
         bos,
-        &mut |chunk, first, f| {
-            for (i, logits) in reference.forward(chunk, first)?.iter().enumerate() {
-                f(first + i, logits);
-            }
-            Ok(())
-        },
+        &mut |chunk, first, f| reference.score_chunk(chunk, first, f),
         &mut |_, _| {},
     )
     .expect("library perplexity");

@@ -52,12 +52,7 @@ fn model_and_reference(exact: bool) -> Option<(f64, f64, f64)> {
             tokens,
             128,
             bos,
-            &mut |chunk, first, f| {
-                for (i, l) in r.forward(chunk, first)?.iter().enumerate() {
-                    f(first + i, l);
-                }
-                Ok(())
-            },
+            &mut |chunk, first, f| r.score_chunk(chunk, first, f),
             &mut |_, _| {},
         )
         .unwrap();

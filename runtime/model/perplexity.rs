@@ -32,6 +32,8 @@ impl PerplexityResult {
 /// Two runs of the same text compared token by token (`model` against `reference`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PerplexityComparison {
+    /// The reference run's perplexity.
+    pub reference_ppl: f64,
     /// `ppl_model / ppl_reference − 1`: the relative perplexity gap.
     pub gap: f64,
     /// The gap's standard error from the per-token differences (`sqrt(var(Δnll) / (n − 1))`,
@@ -63,6 +65,7 @@ pub fn compare(
     let (mean, var) = mean_and_variance(&d).unwrap_or((0.0, 0.0));
     let n = d.len() as f64;
     Ok(PerplexityComparison {
+        reference_ppl: reference.ppl,
         gap: mean.exp() - 1.0,
         gap_uncertainty: mean.exp() * (var.max(0.0) / (n - 1.0)).sqrt(),
         mean_abs_token_nll: d.iter().map(|x| x.abs()).sum::<f64>() / n,
@@ -229,6 +232,7 @@ mod tests {
         let se = 0.1f64.exp() * (0.08f64 / 3.0 / 2.0).sqrt();
         assert!((c.gap_uncertainty - se).abs() < 1e-12, "{c:?}");
         assert!((c.mean_abs_token_nll - 0.5 / 3.0).abs() < 1e-12, "{c:?}");
+        assert_eq!(c.reference_ppl, b.ppl);
         // The gap agrees with the two perplexities' ratio.
         assert!((c.gap - (a.ppl / b.ppl - 1.0)).abs() < 1e-12);
         assert!(compare(&a, &result(vec![1.0, 1.0])).is_err());

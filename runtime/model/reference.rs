@@ -129,10 +129,14 @@ pub fn quantize_q8_row(x: &[f32]) -> Vec<f32> {
     quantize_q8_row_refined(x, None)
 }
 
+/// max |g|.
+fn abs_max(g: &[f32]) -> f32 {
+    g.iter().fold(0f32, |m, v| m.max(v.abs()))
+}
+
 /// One group's q8 rounding: `d = max|g| / 127`, `d · round_half_even(g / d)`.
 fn q8_group(g: &[f32]) -> Vec<f32> {
-    let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
+    let d = abs_max(g) / 127.0;
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     g.iter()
         .map(|&v| (v * inv).round_ties_even().clamp(-127.0, 127.0) * d)
@@ -143,14 +147,17 @@ fn q8_group(g: &[f32]) -> Vec<f32> {
 /// row's RMS gets a second q8 pass over its residual: `x̂ = x̂₁ + q8(x − x̂₁)` (a group crushed by
 /// one outlier keeps its small values).
 pub fn quantize_q8_row_refined(x: &[f32], outlier_ratio: Option<f32>) -> Vec<f32> {
-    let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len().max(1) as f64)
-        .sqrt() as f32;
+    // Groups whose max exceeds this get the second pass (none without a ratio).
+    let outlier_above = outlier_ratio.map(|ratio| {
+        let mean_square =
+            x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len().max(1) as f64;
+        ratio * mean_square.sqrt() as f32
+    });
     let mut out = Vec::with_capacity(x.len());
     for g in x.chunks(32) {
         let first = q8_group(g);
-        let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-        match outlier_ratio {
-            Some(ratio) if amax > ratio * rms => {
+        match outlier_above {
+            Some(limit) if abs_max(g) > limit => {
                 let residual: Vec<f32> = g.iter().zip(&first).map(|(&v, &q)| v - q).collect();
                 out.extend(first.iter().zip(q8_group(&residual)).map(|(&a, b)| a + b));
             }
@@ -293,6 +300,20 @@ impl Reference {
                 head[i1] = (x1 * co + x0 * s) as f32;
             }
         }
+    }
+
+    /// [`Reference::forward`] as the perplexity method's chunk evaluation: `f(row, logits)` for
+    /// every row `≥ first`.
+    pub fn score_chunk(
+        &self,
+        tokens: &[u32],
+        first: usize,
+        f: &mut super::perplexity::LogitSink<'_>,
+    ) -> Result<(), ModelError> {
+        for (i, logits) in self.forward(tokens, first)?.iter().enumerate() {
+            f(first + i, logits);
+        }
+        Ok(())
     }
 
     /// Logits of every position `≥ first` of `tokens` (row i predicts token i + 1).

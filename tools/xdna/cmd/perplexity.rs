@@ -62,10 +62,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
             eprint!("[{}]{:.4},", c + 1, p);
         }
     };
-    let mut comparison: Option<(f64, PerplexityComparison)> = None;
+    let mut comparison: Option<PerplexityComparison> = None;
     // Opened first, so a model the reference cannot read fails before the fast run, not after.
     let compare_with = if args.compare_reference {
-        Some(open_reference(&args)?.0)
+        Some(open_reference(&reference_gguf(&args)?, &args)?)
     } else {
         None
     };
@@ -101,9 +101,14 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 eprintln!();
                 eprint!("reference: ");
             }
-            let bos = pkg.leading_bos();
-            let r_ref = reference_over(reference, &tokens, args.ctx, bos, &mut progress)?;
-            comparison = Some((r_ref.ppl, compare(&r, &r_ref)?));
+            let r_ref = perplexity(
+                &tokens,
+                args.ctx,
+                pkg.leading_bos(),
+                &mut |chunk, first, f| reference.score_chunk(chunk, first, f),
+                &mut progress,
+            )?;
+            comparison = Some(compare(&r, &r_ref)?);
         }
         (r, tokens.len(), model.weights().backend.to_string())
     };
@@ -114,8 +119,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "chunks": r.chunks, "ctx": args.ctx, "text_tokens": text_tokens,
             "per_chunk": r.per_chunk, "seconds": secs, "backend": forward,
         });
-        if let Some((reference_ppl, c)) = comparison {
-            v["reference_ppl"] = reference_ppl.into();
+        if let Some(c) = comparison {
+            v["reference_ppl"] = c.reference_ppl.into();
             v["gap"] = c.gap.into();
             v["gap_uncertainty"] = c.gap_uncertainty.into();
             v["mean_abs_token_nll"] = c.mean_abs_token_nll.into();
@@ -144,10 +149,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "perplexity {:.4}{plus_minus} over {} scored tokens ({} chunks of {}, {} text tokens, {}{how}, {:.1} s)",
             r.ppl, r.tokens, r.chunks, args.ctx, text_tokens, forward, secs
         );
-        if let Some((reference_ppl, c)) = comparison {
+        if let Some(c) = comparison {
             println!(
-                "reference {reference_ppl:.4}: gap {:+.3} % ± {:.3} % (standard error of the paired \
-                 per-token differences), mean |Δnll| {:.4} nats per token",
+                "reference {:.4}: gap {:+.3} % ± {:.3} % (standard error of the paired per-token \
+                 differences), mean |Δnll| {:.4} nats per token",
+                c.reference_ppl,
                 100.0 * c.gap,
                 100.0 * c.gap_uncertainty,
                 c.mean_abs_token_nll
@@ -164,51 +170,36 @@ fn reference_perplexity(
     text: &str,
     progress: &mut dyn FnMut(usize, f64),
 ) -> xdna::Result<(PerplexityResult, usize, String)> {
-    let (reference, pkg) = open_reference(args)?;
+    let gguf = reference_gguf(args)?;
+    let reference = open_reference(&gguf, args)?;
+    let pkg = xdna::weights::Package::open(&gguf)?;
     let tokens = pkg.tokenizer().encode(text, false);
-    let r = reference_over(&reference, &tokens, args.ctx, pkg.leading_bos(), progress)?;
+    let r = perplexity(
+        &tokens,
+        args.ctx,
+        pkg.leading_bos(),
+        &mut |chunk, first, f| reference.score_chunk(chunk, first, f),
+        progress,
+    )?;
     Ok((r, tokens.len(), "reference".into()))
 }
 
-/// The reference forward (with `--reference-q8` / `--reference-refine` applied) and the GGUF's
-/// package, for its tokenizer.
-fn open_reference(args: &Args) -> xdna::Result<(Reference, xdna::weights::Package)> {
-    let gguf = match &args.model {
-        Some(path) if path.is_file() => path.clone(),
-        Some(path) => {
-            return Err(xdna::Error::Usage(format!(
-            "the reference forward (--reference, --compare-reference) reads a GGUF file and {} \
-                 is not one (it has its own GGUF reader; pass the model's .gguf)",
+/// The GGUF file the reference forward reads: `--model` if it is a file, else the default model's.
+fn reference_gguf(args: &Args) -> xdna::Result<PathBuf> {
+    match &args.model {
+        Some(path) if path.is_file() => Ok(path.clone()),
+        Some(path) => Err(xdna::Error::Usage(format!(
+            "the reference forward (--reference, --compare-reference) reads a GGUF file and {} is \
+             not one (it has its own GGUF reader; pass the model's .gguf)",
             path.display()
-        )))
-        }
-        None => xdna::weights::default_model::default_gguf()?,
-    };
-    let pkg = xdna::weights::Package::open(&gguf)?;
-    let reference = Reference::open(&gguf)?
-        .with_activation_q8_at(args.reference_q8.unwrap_or_default())
-        .with_outlier_refinement(args.reference_refine);
-    Ok((reference, pkg))
+        ))),
+        None => Ok(xdna::weights::default_model::default_gguf()?),
+    }
 }
 
-/// The llama-perplexity method over `tokens` through the reference forward.
-fn reference_over(
-    reference: &Reference,
-    tokens: &[u32],
-    ctx: usize,
-    bos: Option<u32>,
-    progress: &mut dyn FnMut(usize, f64),
-) -> xdna::Result<PerplexityResult> {
-    Ok(perplexity(
-        tokens,
-        ctx,
-        bos,
-        &mut |chunk, first, f| {
-            for (i, logits) in reference.forward(chunk, first)?.iter().enumerate() {
-                f(first + i, logits);
-            }
-            Ok(())
-        },
-        progress,
-    )?)
+/// The reference forward, with `--reference-q8` / `--reference-refine` applied.
+fn open_reference(gguf: &std::path::Path, args: &Args) -> xdna::Result<Reference> {
+    Ok(Reference::open(gguf)?
+        .with_activation_q8_at(args.reference_q8.unwrap_or_default())
+        .with_outlier_refinement(args.reference_refine))
 }
