@@ -23,7 +23,7 @@ use crate::kernels::{
     WeightPath,
 };
 use crate::tiles::{self, WeightFormat};
-use crate::weights::Package;
+use crate::weights::{MatrixView, Package};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -289,12 +289,43 @@ pub(super) fn projection(
 
 /// Token embeddings decoded row by row from the package's matrix (no allocation per lookup for
 /// q8 / q4_1 tiles and plain formats).
+///
+/// The table is read through the package's file mapping and never held: each lookup releases the
+/// pages it mapped. A page fault maps the kernel's whole fault-around window (64 KiB), so without
+/// the release a few dozen distinct tokens would leave megabytes of the table resident, a second
+/// copy of a tied lm_head already held as records or device buffers.
 pub struct PackageEmbedding {
-    pub(super) _pkg: Arc<Package>,
-    pub(super) data: &'static [u8],
-    pub(super) format: WeightFormat,
-    pub(super) rows: usize,
-    pub(super) cols: usize,
+    _pkg: Arc<Package>,
+    /// The package's whole file mapping: releases are clipped to it.
+    file: &'static [u8],
+    data: &'static [u8],
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+}
+
+impl PackageEmbedding {
+    /// The embedding matrix `view` of `pkg` (a slice of its mapping).
+    pub(super) fn new(pkg: &Arc<Package>, view: MatrixView<'_>) -> PackageEmbedding {
+        PackageEmbedding {
+            _pkg: pkg.clone(),
+            file: mapped(pkg, pkg.weights().mapped_file()),
+            data: mapped(pkg, view.data),
+            format: view.format,
+            rows: view.rows,
+            cols: view.cols,
+        }
+    }
+
+    /// The bytes holding `row`: its row block of tiles, or the plain row.
+    fn row_bytes(&self, row: usize) -> &'static [u8] {
+        let (blocks, block) = match self.format.tile_bytes() {
+            Some(_) => (self.rows / tiles::TILE_ROWS, row / tiles::TILE_ROWS),
+            None => (self.rows, row),
+        };
+        let per = self.data.len() / blocks.max(1);
+        &self.data[(block * per).min(self.data.len())..((block + 1) * per).min(self.data.len())]
+    }
 }
 
 impl Embedding for PackageEmbedding {
@@ -306,7 +337,26 @@ impl Embedding for PackageEmbedding {
                 vocab: self.rows,
             });
         }
-        decode_row_noalloc(self.format, self.data, self.rows, self.cols, r, out)
+        let decoded = decode_row_noalloc(self.format, self.data, self.rows, self.cols, r, out);
+        release_fault_around(self.file, self.row_bytes(r));
+        decoded
+    }
+}
+
+/// Bytes the kernel maps around one fault on a file mapping (`fault_around_bytes`, 64 KiB unless
+/// an administrator changed it in debugfs; a larger setting only leaves more pages resident).
+const FAULT_AROUND_BYTES: usize = 64 << 10;
+
+/// Release the pages that reading `span` may have mapped: the aligned fault-around windows that
+/// cover it, clipped to `file` (the package's whole mapping, so no other memory is touched).
+fn release_fault_around(file: &[u8], span: &[u8]) {
+    let base = file.as_ptr() as usize;
+    let lo = (span.as_ptr() as usize) / FAULT_AROUND_BYTES * FAULT_AROUND_BYTES;
+    let hi =
+        (span.as_ptr() as usize + span.len()).div_ceil(FAULT_AROUND_BYTES) * FAULT_AROUND_BYTES;
+    let (start, end) = (lo.max(base) - base, hi.min(base + file.len()) - base);
+    if end > start {
+        release_mapped_pages(&file[start..end]);
     }
 }
 
@@ -721,14 +771,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
         }));
     }
     let emb_name = pkg.embedding_name();
-    let ev = pkg.matrix(emb_name, c.vocab, c.hidden)?;
-    let embed = PackageEmbedding {
-        _pkg: pkg.clone(),
-        data: mapped(pkg, ev.data),
-        format: ev.format,
-        rows: c.vocab,
-        cols: c.hidden,
-    };
+    let embed = PackageEmbedding::new(pkg, pkg.matrix(emb_name, c.vocab, c.hidden)?);
     let lm_head = projection(
         opts,
         &exec,

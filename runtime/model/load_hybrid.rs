@@ -20,7 +20,7 @@
 use super::config::{LayerKind, ModelConfig};
 use super::forward::{Family, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
 use super::gdn::GdnWeights;
-use super::load::{kernel_dir, mapped, projection, LoadOptions, PackageEmbedding};
+use super::load::{kernel_dir, projection, LoadOptions, PackageEmbedding};
 use super::ModelError;
 use crate::kernels::{Executor, KernelKey, KernelNeed, KernelSet};
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
@@ -168,14 +168,7 @@ pub fn load(
             }
         }
     }
-    let ev = pkg.matrix(pkg.embedding_name(), c.vocab, h)?;
-    let embed = PackageEmbedding {
-        _pkg: pkg.clone(),
-        data: mapped(pkg, ev.data),
-        format: ev.format,
-        rows: c.vocab,
-        cols: h,
-    };
+    let embed = PackageEmbedding::new(pkg, pkg.matrix(pkg.embedding_name(), c.vocab, h)?);
     let lm_head = projection(opts, exec, pkg, &[pkg.lm_head_name()], &[c.vocab], h)?;
     if let Some(dir) = kernel_dir(pkg, opts) {
         let set = KernelSet::load(&dir)?;

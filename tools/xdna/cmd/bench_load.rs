@@ -42,6 +42,16 @@ fn status_bytes(field: &str) -> xdna::Result<u64> {
         .ok_or_else(|| xdna::Error::Usage(format!("{path}: no {field} line in kB")))
 }
 
+/// The kinds of resident pages (anonymous, mapped files, shmem and dma-buf), so a high mark in a
+/// failing run says where the memory went.
+fn rss_split() -> xdna::Result<serde_json::Value> {
+    Ok(serde_json::json!({
+        "anon": status_bytes("RssAnon")?,
+        "file": status_bytes("RssFile")?,
+        "shmem": status_bytes("RssShmem")?,
+    }))
+}
+
 pub fn run(args: Args) -> xdna::Result<()> {
     let opts = LoadOptions {
         backend: args.backend.parse::<Backend>()?,
@@ -52,6 +62,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let ctx = args.prompt_tokens + args.decode_tokens + 1;
     let (pkg, mut model) = open_model(args.model.as_deref(), ctx, &opts)?;
     let peak_load = status_bytes("VmHWM")?;
+    let split_load = rss_split()?;
     let weight_bytes: u64 = pkg
         .weights()
         .entries()
@@ -67,6 +78,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     }
     let peak_run = status_bytes("VmHWM")?;
     let rss_end = status_bytes("VmRSS")?;
+    let split_end = rss_split()?;
     let ratio = peak_run as f64 / weight_bytes.max(1) as f64;
     let backend = model.weights().backend.clone();
     if args.json {
@@ -78,6 +90,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 "rss_end_bytes": rss_end, "peak_rss_over_weights": ratio,
                 "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
                 "backend": backend, "last_token": next,
+                "rss_split_load": split_load, "rss_split_end": split_end,
             })
         );
     } else {
