@@ -170,6 +170,22 @@ fn perplexity_json_and_bench_json() {
         assert_eq!(runs.len(), 1, "{k}: {v}");
         assert!(runs[0].as_f64().unwrap() > 0.0, "{k}: {v}");
     }
+    // The split of a decode token: projections and attention both take time, and the three
+    // parts add up to no more than the measured time per token (which also holds the argmax).
+    let part = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
+    let (projection, attention, other) = (
+        part("projection_ms_per_token"),
+        part("attention_ms_per_token"),
+        part("other_ms_per_token"),
+    );
+    assert!(projection > 0.0 && attention > 0.0 && other >= 0.0, "{v}");
+    let per_token_ms = 1e3 / part("decode_tok_s");
+    assert!(
+        projection + attention + other <= per_token_ms * 1.0001,
+        "{projection} + {attention} + {other} ms > {per_token_ms} ms per token: {v}"
+    );
+    let f = part("projection_fraction_of_bandwidth");
+    assert!(f > 0.0 && f >= part("fraction_of_limit"), "{v}");
 }
 
 /// `--exact` runs the projections at reference precision: on this chat prompt the fast q8 path

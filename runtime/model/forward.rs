@@ -5,6 +5,7 @@
 //! construction, so a token costs no allocation.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
 use super::gdn::{self, GdnScratch, GdnState, GdnWeights};
@@ -309,13 +310,34 @@ enum Pending {
     Failed,
 }
 
-/// Counters for stats lines.
+/// Counters for stats lines, and where the passes' wall time went (for `xdna bench decode`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PassStats {
     pub m16_passes: u64,
     pub m128_passes: u64,
     pub m16_rows: u64,
     pub m128_rows: u64,
+    /// Wall time of the passes (embedding lookup to logits).
+    pub pass_time: Duration,
+    /// Of which in the projections (the kernel set's GEMMs, activation quantization included).
+    pub projection_time: Duration,
+    /// Of which in attention over the KV cache.
+    pub attention_time: Duration,
+}
+
+/// `p.gemm(…)`, adding its wall time to `spent`.
+fn timed_gemm(
+    p: &dyn Projection,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    family: Family,
+    spent: &mut Duration,
+) -> Result<(), ModelError> {
+    let start = Instant::now();
+    let result = p.gemm(x, m, y, family);
+    *spent += start.elapsed();
+    result
 }
 
 /// How `commit_verify_rows` treats recurrent layers (see `docs/model.md`).
@@ -1193,6 +1215,23 @@ impl Model {
         taps: bool,
         record: bool,
     ) -> Result<(), ModelError> {
+        let start = Instant::now();
+        let result =
+            self.forward_rows_untimed(segments, family, first_logit_row, sink, taps, record);
+        self.stats.pass_time += start.elapsed();
+        result
+    }
+
+    /// [`Self::forward_rows`] without the pass timer.
+    fn forward_rows_untimed(
+        &mut self,
+        segments: &mut [Segment<'_, '_>],
+        family: Family,
+        first_logit_row: usize,
+        sink: &mut Sink<'_>,
+        taps: bool,
+        record: bool,
+    ) -> Result<(), ModelError> {
         let c = &self.w.config;
         let (hd, rd, hidden) = (c.head_dim, c.rotary_dim, c.hidden);
         let half = rd / 2;
@@ -1247,8 +1286,14 @@ impl Model {
             );
             match layer {
                 Layer::Attention(lw) => {
-                    lw.qkv
-                        .gemm(&s.xn[..m * hidden], m, &mut s.qkv[..m * qkvn], family)?;
+                    timed_gemm(
+                        &*lw.qkv,
+                        &s.xn[..m * hidden],
+                        m,
+                        &mut s.qkv[..m * qkvn],
+                        family,
+                        &mut self.stats.projection_time,
+                    )?;
                     for i in 0..m {
                         let row = &mut s.qkv[i * qkvn..(i + 1) * qkvn];
                         if let Some(b) = &lw.qkv_bias {
@@ -1307,6 +1352,7 @@ impl Model {
                                 last: row_position[i],
                             }
                         };
+                        let start = Instant::now();
                         ops::attend_rows(
                             ops::AttentionShape {
                                 heads: c.heads,
@@ -1318,13 +1364,21 @@ impl Model {
                             &mut s.scores,
                             &mut s.attn[..m * qd],
                         );
+                        self.stats.attention_time += start.elapsed();
                     }
                     if gated {
                         for (a, &g) in s.attn[..m * qd].iter_mut().zip(&s.gate[..m * qd]) {
                             *a *= 1.0 / (1.0 + (-g).exp());
                         }
                     }
-                    lw.o.gemm(&s.attn[..m * qd], m, &mut s.o[..m * hidden], family)?;
+                    timed_gemm(
+                        &*lw.o,
+                        &s.attn[..m * qd],
+                        m,
+                        &mut s.o[..m * hidden],
+                        family,
+                        &mut self.stats.projection_time,
+                    )?;
                     add_rows(
                         &mut s.x[..m * hidden],
                         &s.o[..m * hidden],
@@ -1337,10 +1391,22 @@ impl Model {
                     let (cd, vd, hv) = (d.conv_dim(), d.value_dim(), d.value_heads);
                     let (pn, ban) = (cd + vd, 2 * hv);
                     let g = &lw.gdn;
-                    g.in_qkvz
-                        .gemm(&s.xn[..m * hidden], m, &mut s.gdn_proj[..m * pn], family)?;
-                    g.in_ba
-                        .gemm(&s.xn[..m * hidden], m, &mut s.gdn_ba[..m * ban], family)?;
+                    timed_gemm(
+                        &*g.in_qkvz,
+                        &s.xn[..m * hidden],
+                        m,
+                        &mut s.gdn_proj[..m * pn],
+                        family,
+                        &mut self.stats.projection_time,
+                    )?;
+                    timed_gemm(
+                        &*g.in_ba,
+                        &s.xn[..m * hidden],
+                        m,
+                        &mut s.gdn_ba[..m * ban],
+                        family,
+                        &mut self.stats.projection_time,
+                    )?;
                     let Some(scratch) = s.gdn.as_mut() else {
                         return Err(ModelError::State {
                             what: "GDN layer without GDN scratch".into(),
@@ -1374,21 +1440,36 @@ impl Model {
                             Some((&proj[cd..], &mut s.gdn_y[i * vd..(i + 1) * vd])),
                         );
                     }
-                    g.out
-                        .gemm(&s.gdn_y[..m * vd], m, &mut s.o[..m * hidden], family)?;
+                    timed_gemm(
+                        &*g.out,
+                        &s.gdn_y[..m * vd],
+                        m,
+                        &mut s.o[..m * hidden],
+                        family,
+                        &mut self.stats.projection_time,
+                    )?;
                     add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
                 }
             }
             let (ffn_norm, gate_up, down) = layer.ffn();
             ops::rmsnorm(&s.x[..m * hidden], ffn_norm, eps, &mut s.xn[..m * hidden]);
-            gate_up.gemm(
+            timed_gemm(
+                gate_up,
                 &s.xn[..m * hidden],
                 m,
                 &mut s.gate_up[..m * 2 * inter],
                 family,
+                &mut self.stats.projection_time,
             )?;
             ops::swiglu(&s.gate_up[..m * 2 * inter], inter, &mut s.act[..m * inter]);
-            down.gemm(&s.act[..m * inter], m, &mut s.o[..m * hidden], family)?;
+            timed_gemm(
+                down,
+                &s.act[..m * inter],
+                m,
+                &mut s.o[..m * hidden],
+                family,
+                &mut self.stats.projection_time,
+            )?;
             add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
             if taps {
                 for (t, _) in self.out.taps.iter().enumerate().filter(|(_, &tl)| tl == l) {
@@ -1415,11 +1496,13 @@ impl Model {
                     );
                 }
                 let n = g1 - g0;
-                self.w.lm_head.gemm(
+                timed_gemm(
+                    &*self.w.lm_head,
                     &s.head_in[..n * hidden],
                     n,
                     &mut self.out.logits[..n * vocab],
                     Family::for_rows(n),
+                    &mut self.stats.projection_time,
                 )?;
                 for j in 0..n {
                     f(g0 + j, &self.out.logits[j * vocab..(j + 1) * vocab]);
@@ -1440,11 +1523,13 @@ impl Model {
                 &mut s.head_in[..n * hidden],
             );
             let fam = Family::for_rows(n);
-            self.w.lm_head.gemm(
+            timed_gemm(
+                &*self.w.lm_head,
                 &s.head_in[..n * hidden],
                 n,
                 &mut self.out.logits[..n * vocab],
                 fam,
+                &mut self.stats.projection_time,
             )?;
             if let Sink::Callback { base, f } = sink {
                 for i in 0..n {

@@ -77,6 +77,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
     prompt.resize(args.prompt_tokens.max(1), 0);
     let bytes = model.weights().bytes_per_token() as f64;
     let (mut pre, mut dec, mut bws, mut fracs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Per decode token: projections, attention and the rest of the pass (ms), and the
+    // projections' weight streaming as a fraction of the probe.
+    let (mut projection, mut attention, mut other) = (Vec::new(), Vec::new(), Vec::new());
+    let mut projection_fracs = Vec::new();
     for _ in 0..args.runs.max(1) {
         // The same pool the kernels run on; the best pass is the attainable roofline.
         let bw = xdna::kernels::bandwidth::read_bandwidth(args.probe_mib << 20, 3).best_gbs * 1e9;
@@ -84,16 +88,35 @@ pub fn run(args: Args) -> xdna::Result<()> {
         let t0 = Instant::now();
         let mut next = argmax(model.prefill(&prompt)?);
         pre.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
+        let before = model.stats();
         let t1 = Instant::now();
         for _ in 0..args.decode_tokens {
             next = argmax(model.step(next)?);
         }
         let decode = args.decode_tokens as f64 / t1.elapsed().as_secs_f64();
+        let after = model.stats();
+        let per_token =
+            |d: std::time::Duration| d.as_secs_f64() * 1e3 / args.decode_tokens.max(1) as f64;
+        let projection_ms = per_token(after.projection_time - before.projection_time);
+        let attention_ms = per_token(after.attention_time - before.attention_time);
+        let pass_ms = per_token(after.pass_time - before.pass_time);
+        projection.push(projection_ms);
+        attention.push(attention_ms);
+        other.push(pass_ms - projection_ms - attention_ms);
+        // The projections' own share of the limit: the weight bytes over their time, against
+        // this run's probe.
+        projection_fracs.push(bytes / (projection_ms * 1e-3) / bw);
         dec.push(decode);
         fracs.push(decode / (bw / bytes));
         bws.push(bw);
     }
     let (decode_runs, fraction_runs) = (dec.clone(), fracs.clone());
+    let (projection_ms, attention_ms, other_ms) = (
+        median(&mut projection),
+        median(&mut attention),
+        median(&mut other),
+    );
+    let projection_frac = median(&mut projection_fracs);
     let threads = xdna::kernels::pool::Pool::global().threads();
     let bw = median(&mut bws);
     let limit = bw / bytes;
@@ -109,6 +132,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 "weight_bytes_per_token": bytes as u64, "runs": args.runs.max(1),
                 "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
                 "threads": threads, "backend": model.weights().backend,
+                "projection_ms_per_token": projection_ms, "attention_ms_per_token": attention_ms,
+                "other_ms_per_token": other_ms,
+                "projection_fraction_of_bandwidth": projection_frac,
             })
         );
     } else {
@@ -128,6 +154,14 @@ pub fn run(args: Args) -> xdna::Result<()> {
             .map(|f| format!("{:.1}%", 100.0 * f))
             .collect();
         println!("{:<28} {:>12}", "fraction per run", runs.join(" "));
+        println!("{:<28} {:>12.3}", "projections ms/token", projection_ms);
+        println!(
+            "{:<28} {:>11.1}%",
+            "projections at bandwidth",
+            100.0 * projection_frac
+        );
+        println!("{:<28} {:>12.3}", "attention ms/token", attention_ms);
+        println!("{:<28} {:>12.3}", "rest of a pass ms/token", other_ms);
         println!("{:<28} {:>12}", "backend", model.weights().backend);
     }
     Ok(())
