@@ -268,7 +268,7 @@ pub fn attend_rows<'a>(
 }
 
 /// [`attend_rows`] for a batch with fewer KV groups than twice the threads (a decode row has
-/// `kv_heads`): three pool jobs — scores split by positions, softmax by heads, values by columns —
+/// `kv_heads`): two pool jobs — scores split by positions, then softmax and values by columns —
 /// so the threads share every group's keys and values (each byte read once per token) instead of
 /// one thread reading a whole group while the other idles. The bits are those of [`attend_heads`]
 /// (see [`avx2`]).
@@ -341,56 +341,55 @@ fn attend_rows_split<'a>(
                 }
             }
         });
-        let counter = ChunkCounter::new(rows * heads, rows * heads, 1);
-        pool.run(&|_, _| {
-            while let Some(range) = counter.claim() {
-                for unit in range {
-                    let (i, h) = (unit / heads, unit % heads);
-                    let n = positions(i);
-                    // SAFETY: head h of row i owns `n` floats of `buf` at base(i) + h·n, and
-                    // only this unit touches them in this job.
-                    let head = unsafe {
-                        std::slice::from_raw_parts_mut(scores.get().add(base(i) + h * n), n)
-                    };
-                    softmax_in_place(head);
-                }
-            }
-        });
         let units = rows * kv_heads * col_chunks;
         let counter = ChunkCounter::new(units, units, 1);
         let out_ptr = SharedF32(out.as_mut_ptr());
         pool.run(&|_, _| {
-            while let Some(range) = counter.claim() {
-                for unit in range {
-                    let (i, kv, chunk) = (
-                        unit / (kv_heads * col_chunks),
-                        unit / col_chunks % kv_heads,
-                        unit % col_chunks,
-                    );
-                    let (r, n) = (row(i), positions(i));
-                    let h0 = kv * g.group;
-                    let cols = chunk * COLUMN_CHUNK..((chunk + 1) * COLUMN_CHUNK).min(hd);
-                    // SAFETY: the softmax job has finished, so the group's probabilities are
-                    // only read now.
-                    let probs = unsafe {
-                        std::slice::from_raw_parts(scores.get().add(base(i) + h0 * n), g.group * n)
-                    };
-                    // SAFETY: AVX2/FMA available (caller); `out` holds `rows * heads * hd`
-                    // floats and this unit alone writes columns `cols` of row i's heads
-                    // h0..h0 + group.
-                    unsafe {
-                        avx2::group_values(
-                            probs,
-                            g.group,
-                            r.v_cache,
-                            (g.kvd, kv * hd, hd),
-                            n,
-                            cols,
-                            out_ptr.get().add((i * heads + h0) * hd),
-                        )
-                    };
+            HEAD_SCORES.with(|cell| {
+                let mut probs = cell.borrow_mut();
+                while let Some(range) = counter.claim() {
+                    for unit in range {
+                        let (i, kv, chunk) = (
+                            unit / (kv_heads * col_chunks),
+                            unit / col_chunks % kv_heads,
+                            unit % col_chunks,
+                        );
+                        let (r, n) = (row(i), positions(i));
+                        let h0 = kv * g.group;
+                        let cols = chunk * COLUMN_CHUNK..((chunk + 1) * COLUMN_CHUNK).min(hd);
+                        // SAFETY: the scores job has finished, so the group's scores are only read
+                        // now.
+                        let group_scores = unsafe {
+                            std::slice::from_raw_parts(
+                                scores.get().add(base(i) + h0 * n),
+                                g.group * n,
+                            )
+                        };
+                        // Each column chunk takes its own copy of the group's softmax (the same
+                        // function of the same scores, so the same bits): no third job, and no
+                        // two units writing one buffer.
+                        probs.clear();
+                        probs.extend_from_slice(group_scores);
+                        for head in probs.chunks_exact_mut(n) {
+                            softmax_in_place(head);
+                        }
+                        // SAFETY: AVX2/FMA available (caller); `out` holds `rows * heads * hd`
+                        // floats and this unit alone writes columns `cols` of row i's heads
+                        // h0..h0 + group.
+                        unsafe {
+                            avx2::group_values(
+                                &probs,
+                                g.group,
+                                r.v_cache,
+                                (g.kvd, kv * hd, hd),
+                                n,
+                                cols,
+                                out_ptr.get().add((i * heads + h0) * hd),
+                            )
+                        };
+                    }
                 }
-            }
+            });
         });
     });
 }
