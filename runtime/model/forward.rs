@@ -317,7 +317,7 @@ pub struct PassStats {
     pub m128_passes: u64,
     pub m16_rows: u64,
     pub m128_rows: u64,
-    /// Wall time of the passes (embedding lookup to logits).
+    /// Wall time of the passes that succeeded (embedding lookup to logits).
     pub pass_time: Duration,
     /// Of which in the projections (the kernel set's GEMMs, activation quantization included).
     pub projection_time: Duration,
@@ -1215,23 +1215,8 @@ impl Model {
         taps: bool,
         record: bool,
     ) -> Result<(), ModelError> {
+        // Wall time of a successful pass, added to `stats.pass_time` where it returns.
         let start = Instant::now();
-        let result =
-            self.forward_rows_untimed(segments, family, first_logit_row, sink, taps, record);
-        self.stats.pass_time += start.elapsed();
-        result
-    }
-
-    /// [`Self::forward_rows`] without the pass timer.
-    fn forward_rows_untimed(
-        &mut self,
-        segments: &mut [Segment<'_, '_>],
-        family: Family,
-        first_logit_row: usize,
-        sink: &mut Sink<'_>,
-        taps: bool,
-        record: bool,
-    ) -> Result<(), ModelError> {
         let c = &self.w.config;
         let (hd, rd, hidden) = (c.head_dim, c.rotary_dim, c.hidden);
         let half = rd / 2;
@@ -1509,6 +1494,7 @@ impl Model {
                 }
                 g0 = g1;
             }
+            self.stats.pass_time += start.elapsed();
             return Ok(());
         }
         // Logits for rows first_logit_row.., up to 16 rows per lm_head GEMM.
@@ -1538,6 +1524,7 @@ impl Model {
             }
             r0 = r1;
         }
+        self.stats.pass_time += start.elapsed();
         Ok(())
     }
 }
