@@ -291,13 +291,11 @@ pub(super) fn projection(
 /// q8 / q4_1 tiles and plain formats).
 ///
 /// The table is read through the package's file mapping and never held: each lookup releases the
-/// pages it mapped. A page fault maps the kernel's whole fault-around window (64 KiB), so without
-/// the release a few dozen distinct tokens would leave megabytes of the table resident, a second
-/// copy of a tied lm_head already held as records or device buffers.
+/// pages it mapped. A page fault maps far more than its page (see [`MAX_FAULT_MAP_BYTES`]), so
+/// without the release a few dozen distinct tokens would leave megabytes of the table resident, a
+/// second copy of a tied lm_head already held as records or device buffers.
 pub struct PackageEmbedding {
     _pkg: Arc<Package>,
-    /// The package's whole file mapping: releases are clipped to it.
-    file: &'static [u8],
     data: &'static [u8],
     format: WeightFormat,
     rows: usize,
@@ -309,7 +307,6 @@ impl PackageEmbedding {
     pub(super) fn new(pkg: &Arc<Package>, view: MatrixView<'_>) -> PackageEmbedding {
         PackageEmbedding {
             _pkg: pkg.clone(),
-            file: mapped(pkg, pkg.weights().mapped_file()),
             data: mapped(pkg, view.data),
             format: view.format,
             rows: view.rows,
@@ -338,25 +335,28 @@ impl Embedding for PackageEmbedding {
             });
         }
         let decoded = decode_row_noalloc(self.format, self.data, self.rows, self.cols, r, out);
-        release_fault_around(self.file, self.row_bytes(r));
+        release_fault_around(self.data, self.row_bytes(r));
         decoded
     }
 }
 
-/// Bytes the kernel maps around one fault on a file mapping (`fault_around_bytes`, 64 KiB unless
-/// an administrator changed it in debugfs; a larger setting only leaves more pages resident).
-const FAULT_AROUND_BYTES: usize = 64 << 10;
+/// The most one fault on a file mapping maps around the faulting page: the kernel's fault-around
+/// window is 64 KiB, but the page cache holds files in large folios (up to 2 MiB, the PMD size)
+/// and a fault maps more of its folio. Measured (`tests/model_memory.rs`): releasing 64 KiB
+/// windows still left 2.3 MB of 256 lookups resident, 2 MiB windows nothing.
+const MAX_FAULT_MAP_BYTES: usize = 2 << 20;
 
-/// Release the pages that reading `span` may have mapped: the aligned fault-around windows that
-/// cover it, clipped to `file` (the package's whole mapping, so no other memory is touched).
-fn release_fault_around(file: &[u8], span: &[u8]) {
-    let base = file.as_ptr() as usize;
-    let lo = (span.as_ptr() as usize) / FAULT_AROUND_BYTES * FAULT_AROUND_BYTES;
+/// Release the pages that reading `span` may have mapped: the aligned windows of
+/// [`MAX_FAULT_MAP_BYTES`] that cover it, clipped to `table` (the embedding matrix, so no other
+/// tensor's pages are touched; at its two ends a folio reaching past it may stay mapped).
+fn release_fault_around(table: &[u8], span: &[u8]) {
+    let base = table.as_ptr() as usize;
+    let lo = (span.as_ptr() as usize) / MAX_FAULT_MAP_BYTES * MAX_FAULT_MAP_BYTES;
     let hi =
-        (span.as_ptr() as usize + span.len()).div_ceil(FAULT_AROUND_BYTES) * FAULT_AROUND_BYTES;
-    let (start, end) = (lo.max(base) - base, hi.min(base + file.len()) - base);
+        (span.as_ptr() as usize + span.len()).div_ceil(MAX_FAULT_MAP_BYTES) * MAX_FAULT_MAP_BYTES;
+    let (start, end) = (lo.max(base) - base, hi.min(base + table.len()) - base);
     if end > start {
-        release_mapped_pages(&file[start..end]);
+        release_mapped_pages(&table[start..end]);
     }
 }
 

@@ -337,10 +337,6 @@ impl SafeTensors {
     pub fn file_len(&self) -> usize {
         self.map.len()
     }
-    /// The whole file as mapped (every tensor's bytes are a slice of it).
-    pub fn mapped_file(&self) -> &[u8] {
-        &self.map
-    }
     /// Scale type of the tiles (from `xdna.scale_type`, default bf16).
     pub fn scale_type(&self) -> ScaleType {
         self.scale
