@@ -218,7 +218,7 @@ impl WeightFormat {
     pub fn matrix_bytes(self, rows: usize, cols: usize) -> Result<usize, TileError> {
         match (self.tile_bytes(), self.plain_elem_bytes()) {
             (Some(tile), _) => {
-                if rows % TILE_ROWS != 0 {
+                if !rows.is_multiple_of(TILE_ROWS) {
                     return Err(TileError::NotMultiple {
                         what: "tiled matrix rows",
                         value: rows,

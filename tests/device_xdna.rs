@@ -404,7 +404,7 @@ fn child_npu() {
     img.resize(64, 0);
     let instr = Bo::with_data(&dev, BoKind::Dev, &img).unwrap();
     let mut ctx = HwContext::new(&dev, 1).unwrap();
-    if instr.xdna_addr() % (16 << 10) != 0 {
+    if !instr.xdna_addr().is_multiple_of(16 << 10) {
         // The builder refuses what the firmware would never complete.
         assert!(matches!(
             ctx.run_start_npu(&instr, &[], &[&a, &b], TIMEOUT),

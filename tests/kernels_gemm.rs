@@ -685,3 +685,50 @@ fn group_records_are_refused_where_tiles_are_required() {
         other => panic!("expected Unsupported, got {other:?}"),
     }
 }
+
+/// The AVX-512 VNNI multi-row kernels (`vpdpbusd`; Q8 codes offset by 128 and corrected by the
+/// activations' Σq) must give the AVX2 kernels' bits: both form exact integer dot products and then
+/// run the same float operations. Every tiled format, both packings, row counts that use the
+/// 4-row assembly loop, its 1-row tail, or both.
+#[test]
+fn vnni_kernels_give_the_avx2_results_bit_for_bit() {
+    if !HostExecutor::new().uses_vnni() {
+        eprintln!("skipped: this CPU has no AVX-512 VNNI (or XDNA_NO_VNNI is set)");
+        return;
+    }
+    assert!(!HostExecutor::without_vnni().uses_vnni());
+    let (n, k) = (64, 2600);
+    for (i, format) in WeightFormat::ALL
+        .into_iter()
+        .filter(|f| f.tile_bytes().is_some())
+        .enumerate()
+    {
+        let mut rng = Rng(211 + i as u64);
+        let data = encode(format, &rng.vec(n * k, 1.0), n, k);
+        let tiles = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
+        let packed = host_layout::pack_group_records(&tiles).expect("packs");
+        let mut matrices = vec![tiles];
+        if let Some(packed) = &packed {
+            matrices.push(WeightMatrix::group_records(format, n, k, packed).expect("valid"));
+        }
+        for w in matrices {
+            for m in [2, 4, 7, 16, 17] {
+                // Activations with both signs, and rows of one sign (large |Σq|, which the Q8
+                // offset correction must cancel exactly).
+                let mut x = rng.vec(m * k, 2.0);
+                for v in &mut x[..k] {
+                    *v = v.abs();
+                }
+                let mut vnni = vec![f32::NAN; m * n];
+                let mut avx2 = vec![f32::NAN; m * n];
+                HostExecutor::new()
+                    .gemm(&w, &x, m, &mut vnni)
+                    .expect("gemm");
+                HostExecutor::without_vnni()
+                    .gemm(&w, &x, m, &mut avx2)
+                    .expect("gemm");
+                assert_eq!(vnni, avx2, "{} {:?} m {m}", format.name(), w.packing);
+            }
+        }
+    }
+}

@@ -338,7 +338,7 @@ impl<D: Drafter> Drafter for EveryOtherRound<D> {
         out: &mut DraftProposal,
     ) -> Result<(), SpecError> {
         self.round += 1;
-        if self.round % 2 == 0 {
+        if self.round.is_multiple_of(2) {
             out.reset(true, 0);
             return Ok(());
         }

@@ -52,7 +52,7 @@ impl G {
         self.kv_raw(key, 4, &v.to_le_bytes())
     }
     fn tensor(&mut self, name: &str, shape: &[u64], ty: u32, bytes: &[u8]) -> &mut Self {
-        while self.data.len() % self.align != 0 {
+        while !self.data.len().is_multiple_of(self.align) {
             self.data.push(0);
         }
         s(&mut self.infos, name);
@@ -75,7 +75,7 @@ impl G {
         b.extend_from_slice(&self.n_kv.to_le_bytes());
         b.extend_from_slice(&self.kv);
         b.extend_from_slice(&self.infos);
-        while b.len() % self.align != 0 {
+        while !b.len().is_multiple_of(self.align) {
             b.push(0);
         }
         b.extend_from_slice(&self.data);

@@ -355,7 +355,7 @@ impl XdnaDevice {
     /// must be page aligned; udmabuf limits a buffer to 64 MiB by default.
     pub fn import_memfd(&self, memfd: BorrowedFd<'_>, offset: u64, size: usize) -> Result<Bo> {
         let page = 4096u64;
-        if offset % page != 0 || size as u64 % page != 0 || size == 0 {
+        if !offset.is_multiple_of(page) || !(size as u64).is_multiple_of(page) || size == 0 {
             return Err(DeviceError::Invalid(format!(
                 "udmabuf range offset {offset} size {size} must be non-empty and page aligned"
             )));

@@ -432,7 +432,7 @@ fn check_control_code(instr: &Bo) -> Result<()> {
             instr.kind()
         )));
     }
-    if instr.xdna_addr() % CONTROL_CODE_ALIGN != 0 {
+    if !instr.xdna_addr().is_multiple_of(CONTROL_CODE_ALIGN) {
         return Err(DeviceError::Invalid(format!(
             "instruction BO {} at device address {:#x} is not 16 KiB-aligned",
             instr.handle(),

@@ -21,6 +21,17 @@
 //!
 //! Q8 tiles use ggml's sign trick (`maddubs(|w|, sign(a, w))`, `ggml_vec_dot_q8_0_q8_0`) and a 4×32
 //! byte transpose; the legacy 32×128 q8 tile and the 16-row-lane orders only change the loads.
+//!
+//! # AVX-512 VNNI
+//!
+//! On CPUs with AVX-512 VNNI + VL (Zen 4, Ice Lake and later; [`vnni_available`]) the multi-row
+//! loops use `vpdpbusd` on 256-bit vectors instead ([`IntDot::Vnni`]): one instruction per 32
+//! products into i32 instead of `maddubs` + add (q4) or sign + `maddubs` + `madd` + add (Q8). Q8
+//! codes are signed, so they are unpacked offset by +128 and each row's sums start at `−128·Σx`,
+//! which cancels the offset exactly. Four activation rows go through a group's 8 quads together in a
+//! short assembly loop (`vnni_quads_4_rows`). The integer sums are exact either way and the float
+//! work after them is the same, so both paths give the same bits, and the single-row kernel
+//! (memory-bound, AVX2) stays the same for both.
 
 #[cfg(target_arch = "x86_64")]
 pub use imp::*;
@@ -80,6 +91,19 @@ pub struct Q8Layout {
     pub tile_bytes: usize,
 }
 
+/// How the multi-row integer kernels form their u8 · i8 dot products. Both give the same integer
+/// sums (exact, no saturation), so the same bits; only the instruction count differs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IntDot {
+    /// `maddubs` (u8·i8 pairs → i16) plus adds: AVX2, two vector ops per 32 products (q4), four
+    /// with Q8's sign trick.
+    #[default]
+    Maddubs,
+    /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI + VL, e.g. Zen 4, Ice Lake and later): one op
+    /// per 32 products into i32, and 32 vector registers instead of 16.
+    Vnni,
+}
+
 /// Most activation rows one kernel call handles (its stack accumulators are sized for this).
 pub const MAX_ROWS: usize = 128;
 
@@ -100,6 +124,19 @@ mod imp {
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// Does this CPU also run [`IntDot::Vnni`] (AVX-512 F, VL and VNNI)? Detected once;
+    /// `XDNA_NO_VNNI` (any value) turns it off, for A/B runs of the two paths.
+    pub fn vnni_available() -> bool {
+        static DETECTED: OnceLock<bool> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            available()
+                && std::env::var_os("XDNA_NO_VNNI").is_none()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
         })
     }
 
@@ -784,10 +821,13 @@ mod imp {
 
     /// One 32-row block of a 4-bit tiled matrix times activation rows `rows` of `act`:
     /// `out[(i - rows.start) * 32 + r]` for every activation row i. `block` is the row block's tiles
-    /// (`ceil(K / 256)` of them); only groups holding real columns (< `act.cols`) are read.
+    /// (`ceil(K / 256)` of them); only groups holding real columns (< `act.cols`) are read. `dot`
+    /// picks the multi-row loop's instructions (a single row always takes the AVX2 kernel: it is
+    /// bound by memory, not by the multiplies).
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C (`available()`), `block` must hold
+    /// The CPU must support AVX2, FMA and F16C (`available()`), and AVX-512 VNNI
+    /// (`vnni_available()`) when `dot` is [`IntDot::Vnni`]; `block` must hold
     /// `act.cols.div_ceil(256)` tiles of `layout.tile_bytes`, `rows` must be inside `act`, and
     /// `out.len() ≥ rows.len() * 32`.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -796,6 +836,7 @@ mod imp {
         block: &[u8],
         act: &QuantizedRows,
         rows: std::ops::Range<usize>,
+        dot: IntDot,
         out: &mut [f32],
     ) {
         let groups_total = act.groups();
@@ -847,12 +888,21 @@ mod imp {
             // SAFETY: columns g·32 .. g·32 + 32 lie inside the tile.
             let unpacked = unsafe { q4_unpack_group(codes, layout.column_major, g) };
             // SAFETY: rows ⊂ 0..act.rows and gg < groups (caller contract); `out` holds m × 32
-            // floats.
+            // floats; `IntDot::Vnni` only when the caller checked `vnni_available()`.
             unsafe {
-                if gg == 0 {
-                    q4_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, out)
-                } else {
-                    q4_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, out)
+                match (dot, gg == 0) {
+                    (IntDot::Maddubs, true) => {
+                        q4_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, out)
+                    }
+                    (IntDot::Maddubs, false) => {
+                        q4_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, out)
+                    }
+                    (IntDot::Vnni, true) => {
+                        vnni_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, false, out)
+                    }
+                    (IntDot::Vnni, false) => {
+                        vnni_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, false, out)
+                    }
                 }
             };
         }
@@ -952,6 +1002,7 @@ mod imp {
         block: &[u8],
         act: &QuantizedRows,
         rows: std::ops::Range<usize>,
+        dot: IntDot,
         out: &mut [f32],
     ) {
         let groups_total = act.groups();
@@ -997,6 +1048,28 @@ mod imp {
                 }
                 continue;
             }
+            if dot == IntDot::Vnni {
+                // `vpdpbusd` multiplies u8 by i8: the codes offset by +128 (a sign-bit flip), with
+                // the extra 128·Σx taken off by each row's starting sum.
+                let offset = _mm256_set1_epi8(i8::MIN);
+                let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
+                for (quad, slots) in unpacked.iter_mut().enumerate() {
+                    // SAFETY: columns g·32 + 4·quad .. + 4 < tile_cols.
+                    let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
+                    for (slot, v) in slots.iter_mut().zip(w) {
+                        *slot = _mm256_xor_si256(v, offset);
+                    }
+                }
+                // SAFETY: as for the 4-bit kernel; VNNI checked by the caller (contract).
+                unsafe {
+                    if gg == 0 {
+                        vnni_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, true, out)
+                    } else {
+                        vnni_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, true, out)
+                    }
+                };
+                continue;
+            }
             // Per quad: the codes (for the sign) and their magnitudes (the unsigned maddubs operand).
             // SAFETY: columns g·32 .. g·32 + 32 < tile_cols.
             let unpacked = unsafe { q8_unpack_group(codes, layout, g) };
@@ -1014,6 +1087,183 @@ mod imp {
         } else {
             // SAFETY: AVX2 available; `out` holds m × 32 floats.
             unsafe { unpermute_rows(out, m, SlotOrder::Q8) };
+        }
+    }
+
+    // ---- VNNI row loop ------------------------------------------------------------------------------
+
+    /// [`q4_group_rows`] / [`q8_group_rows`] with `vpdpbusd`: each (row, quad, slot) is one
+    /// instruction into an i32 sum, and rows go four at a time so a quad's four weight vectors are
+    /// loaded once per four rows (16 sums + 4 weights + 4 broadcasts fit the 32 AVX-512 registers).
+    /// `unpacked` holds u8 codes; with `q8_offset` they are Q8 codes + 128, and every row's sums
+    /// start at `−128 · Σx` of the group, which cancels the offset exactly. The integer sums equal the
+    /// AVX2 kernels' (both exact), and the float work after them is [`accumulate_row`]'s, so the
+    /// bits do too.
+    ///
+    /// # Safety
+    /// As [`q4_group_rows`]; the CPU has AVX-512 F, VL and VNNI (`vnni_available()`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn vnni_group_rows<const FIRST: bool>(
+        unpacked: &[[__m256i; 4]; 8],
+        d: &[__m256; 4],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        gg: usize,
+        q8_offset: bool,
+        out: &mut [f32],
+    ) {
+        debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
+        let m = rows.len();
+        let mut i = 0;
+        // SAFETY (both loops): rows start + i .. + R are inside `rows`, and `out` holds their
+        // 32 floats each (caller contract).
+        while i + 4 <= m {
+            let out_rows = &mut out[i * TILE_ROWS..(i + 4) * TILE_ROWS];
+            unsafe {
+                vnni_rows::<4, FIRST>(unpacked, d, act, rows.start + i, gg, q8_offset, out_rows)
+            };
+            i += 4;
+        }
+        while i < m {
+            let out_rows = &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS];
+            unsafe {
+                vnni_rows::<1, FIRST>(unpacked, d, act, rows.start + i, gg, q8_offset, out_rows)
+            };
+            i += 1;
+        }
+    }
+
+    /// `R` activation rows from `row0` of [`vnni_group_rows`] (R = 1 or 4).
+    ///
+    /// # Safety
+    /// As [`vnni_group_rows`], with rows `row0 .. row0 + R` inside `act` and `out.len() ≥ R × 32`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn vnni_rows<const R: usize, const FIRST: bool>(
+        unpacked: &[[__m256i; 4]; 8],
+        d: &[__m256; 4],
+        act: &QuantizedRows,
+        row0: usize,
+        gg: usize,
+        q8_offset: bool,
+        out: &mut [f32],
+    ) {
+        debug_assert!((R == 1 || R == 4) && row0 + R <= act.rows && out.len() >= R * TILE_ROWS);
+        let groups_total = act.groups();
+        let at = |r: usize| (row0 + r) * groups_total + gg;
+        let mut sums: [[__m256i; 4]; R] = std::array::from_fn(|r| {
+            // |Σx| ≤ 32 · 127, so the product fits easily.
+            let start = if q8_offset {
+                -128 * act.code_sums[at(r)]
+            } else {
+                0
+            };
+            [_mm256_set1_epi32(start); 4]
+        });
+        // SAFETY: each row < act.rows and gg < groups: its 32 codes of group gg are readable.
+        let codes =
+            |r: usize| unsafe { act.codes.as_ptr().add((row0 + r) * act.cols + gg * GROUP) };
+        if let [s0, s1, s2, s3] = &mut sums[..] {
+            let rows = [codes(0), codes(1), codes(2), codes(3)];
+            // SAFETY: every row pointer has its group's 32 codes (above); VNNI is enabled here.
+            unsafe { vnni_quads_4_rows(unpacked, rows, [s0, s1, s2, s3]) };
+        } else {
+            let a = codes(0);
+            for (quad, w) in unpacked.iter().enumerate() {
+                // SAFETY: 4 codes at a + 4·quad (quad < 8).
+                let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+                for (sum, &w_slot) in sums[0].iter_mut().zip(w) {
+                    *sum = _mm256_dpbusd_epi32(*sum, w_slot, x4);
+                }
+            }
+        }
+        for (r, row_sums) in sums.iter().enumerate() {
+            let scale_x = _mm256_set1_ps(act.scales[at(r)]);
+            let dots = row_sums.map(|sum| _mm256_cvtepi32_ps(sum));
+            // SAFETY: out holds R × 32 floats; row r's 32 start at r · 32.
+            unsafe { accumulate_row::<FIRST>(&mut out[r * TILE_ROWS..], dots, d, scale_x) };
+        }
+    }
+
+    /// The 8 quads × 4 slots × 4 rows of `vpdpbusd` of one group, in assembly: a quad's 4 weight
+    /// vectors are loaded once and feed 4 rows, each activation quad is a broadcast memory operand
+    /// (`{1to8}`), and the 16 sums stay in registers. Compiled from intrinsics, the same loop came
+    /// out reordered row by row, with the 32 weight vectors hoisted and spilled to the stack: it
+    /// ran slower than the AVX2 kernel.
+    ///
+    /// # Safety
+    /// AVX-512 F, VL and VNNI available; `rows[r]` points at 32 readable activation codes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn vnni_quads_4_rows(
+        unpacked: &[[__m256i; 4]; 8],
+        rows: [*const i8; 4],
+        sums: [&mut [__m256i; 4]; 4],
+    ) {
+        let [s0, s1, s2, s3] = sums;
+        // The weight registers, typed so that `:y` names their 256-bit halves.
+        let (_w0, _w1, _w2, _w3): (__m256i, __m256i, __m256i, __m256i);
+        // SAFETY: the loop reads 8 × 128 bytes from `unpacked` and 8 × 4 bytes from each row
+        // pointer (caller contract); it writes only the named registers and flags.
+        unsafe {
+            std::arch::asm!(
+                "2:",
+                "vmovdqu64 {w0:y}, ymmword ptr [{w}]",
+                "vmovdqu64 {w1:y}, ymmword ptr [{w} + 32]",
+                "vmovdqu64 {w2:y}, ymmword ptr [{w} + 64]",
+                "vmovdqu64 {w3:y}, ymmword ptr [{w} + 96]",
+                "vpdpbusd {s00:y}, {w0:y}, dword ptr [{a0}]{{1to8}}",
+                "vpdpbusd {s01:y}, {w1:y}, dword ptr [{a0}]{{1to8}}",
+                "vpdpbusd {s02:y}, {w2:y}, dword ptr [{a0}]{{1to8}}",
+                "vpdpbusd {s03:y}, {w3:y}, dword ptr [{a0}]{{1to8}}",
+                "vpdpbusd {s10:y}, {w0:y}, dword ptr [{a1}]{{1to8}}",
+                "vpdpbusd {s11:y}, {w1:y}, dword ptr [{a1}]{{1to8}}",
+                "vpdpbusd {s12:y}, {w2:y}, dword ptr [{a1}]{{1to8}}",
+                "vpdpbusd {s13:y}, {w3:y}, dword ptr [{a1}]{{1to8}}",
+                "vpdpbusd {s20:y}, {w0:y}, dword ptr [{a2}]{{1to8}}",
+                "vpdpbusd {s21:y}, {w1:y}, dword ptr [{a2}]{{1to8}}",
+                "vpdpbusd {s22:y}, {w2:y}, dword ptr [{a2}]{{1to8}}",
+                "vpdpbusd {s23:y}, {w3:y}, dword ptr [{a2}]{{1to8}}",
+                "vpdpbusd {s30:y}, {w0:y}, dword ptr [{a3}]{{1to8}}",
+                "vpdpbusd {s31:y}, {w1:y}, dword ptr [{a3}]{{1to8}}",
+                "vpdpbusd {s32:y}, {w2:y}, dword ptr [{a3}]{{1to8}}",
+                "vpdpbusd {s33:y}, {w3:y}, dword ptr [{a3}]{{1to8}}",
+                "add {w}, 128",
+                "add {a0}, 4",
+                "add {a1}, 4",
+                "add {a2}, 4",
+                "add {a3}, 4",
+                "dec {n:e}",
+                "jnz 2b",
+                w = inout(reg) unpacked.as_ptr() => _,
+                a0 = inout(reg) rows[0] => _,
+                a1 = inout(reg) rows[1] => _,
+                a2 = inout(reg) rows[2] => _,
+                a3 = inout(reg) rows[3] => _,
+                n = inout(reg) 8u32 => _,
+                w0 = out(zmm_reg) _w0,
+                w1 = out(zmm_reg) _w1,
+                w2 = out(zmm_reg) _w2,
+                w3 = out(zmm_reg) _w3,
+                s00 = inout(zmm_reg) s0[0],
+                s01 = inout(zmm_reg) s0[1],
+                s02 = inout(zmm_reg) s0[2],
+                s03 = inout(zmm_reg) s0[3],
+                s10 = inout(zmm_reg) s1[0],
+                s11 = inout(zmm_reg) s1[1],
+                s12 = inout(zmm_reg) s1[2],
+                s13 = inout(zmm_reg) s1[3],
+                s20 = inout(zmm_reg) s2[0],
+                s21 = inout(zmm_reg) s2[1],
+                s22 = inout(zmm_reg) s2[2],
+                s23 = inout(zmm_reg) s2[3],
+                s30 = inout(zmm_reg) s3[0],
+                s31 = inout(zmm_reg) s3[1],
+                s32 = inout(zmm_reg) s3[2],
+                s33 = inout(zmm_reg) s3[3],
+                options(nostack, readonly, pure),
+            );
         }
     }
 

@@ -308,7 +308,7 @@ fn decode_note(section: &[u8]) -> Result<(String, u32, &[u8]), ElfReason> {
 }
 
 fn pad_to(out: &mut Vec<u8>, align: usize) {
-    while out.len() % align != 0 {
+    while !out.len().is_multiple_of(align) {
         out.push(0);
     }
 }

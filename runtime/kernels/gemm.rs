@@ -1,7 +1,7 @@
 //! The host GEMM executor: `y[m×N] = x[m×K] · Wᵀ` over weights in their stored tile layout.
 //!
-//! Dispatch: AVX2+FMA+F16C kernels (`avx2`) when the CPU has them (detected once), else a portable
-//! scalar path that decodes one tile at a time. Tile formats quantize the activations to q8 once per
+//! Dispatch: AVX2+FMA+F16C kernels (`avx2`) when the CPU has them (detected once; their multi-row
+//! loops use AVX-512 VNNI where present, with the same results), else a portable scalar path that decodes one tile at a time. Tile formats quantize the activations to q8 once per
 //! call (`quant`); plain bf16/f16/f32 weights take f32 dot products. Work is split over the global
 //! [`Pool`] in contiguous chunks of 32-row blocks, guided (shrinking) so both threads finish together.
 
@@ -269,6 +269,8 @@ pub const SINGLE_ROW_MIN_CHUNK: usize = 8;
 pub struct HostExecutor {
     /// Use the portable scalar path even when AVX2 is available (tests, comparisons).
     force_scalar: bool,
+    /// Use the AVX2 multi-row loops even when AVX-512 VNNI is available (tests, comparisons).
+    no_vnni: bool,
     /// Fewest row blocks per claim in a single-row GEMM ([`SINGLE_ROW_MIN_CHUNK`] unless tuned).
     single_row_min_chunk: usize,
 }
@@ -284,6 +286,7 @@ impl HostExecutor {
     pub fn new() -> Self {
         HostExecutor {
             force_scalar: false,
+            no_vnni: false,
             single_row_min_chunk: SINGLE_ROW_MIN_CHUNK,
         }
     }
@@ -292,7 +295,17 @@ impl HostExecutor {
     pub fn scalar() -> Self {
         HostExecutor {
             force_scalar: true,
+            no_vnni: false,
             single_row_min_chunk: SINGLE_ROW_MIN_CHUNK,
+        }
+    }
+
+    /// An executor whose multi-row kernels use AVX2's `maddubs` even on a CPU with AVX-512 VNNI
+    /// (the two give the same bits; this is for comparing them).
+    pub fn without_vnni() -> Self {
+        HostExecutor {
+            no_vnni: true,
+            ..HostExecutor::new()
         }
     }
 
@@ -307,6 +320,7 @@ impl HostExecutor {
     pub fn global() -> &'static HostExecutor {
         static GLOBAL: HostExecutor = HostExecutor {
             force_scalar: false,
+            no_vnni: false,
             single_row_min_chunk: SINGLE_ROW_MIN_CHUNK,
         };
         &GLOBAL
@@ -315,6 +329,23 @@ impl HostExecutor {
     /// Does this executor use the AVX2 kernels?
     pub fn uses_avx2(&self) -> bool {
         !self.force_scalar && fast_available()
+    }
+
+    /// Do this executor's multi-row kernels use AVX-512 VNNI?
+    pub fn uses_vnni(&self) -> bool {
+        self.int_dot() == Some(avx2::IntDot::Vnni)
+    }
+
+    /// The integer dot product the fast kernels use, or `None` on the scalar path.
+    fn int_dot(&self) -> Option<avx2::IntDot> {
+        if !self.uses_avx2() {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if !self.no_vnni && avx2::vnni_available() {
+            return Some(avx2::IntDot::Vnni);
+        }
+        Some(avx2::IntDot::Maddubs)
     }
 
     /// `y[m×N] = x[m×K] · Wᵀ`; `x` is `m × K` row-major, `y` is `m × N` row-major.
@@ -362,7 +393,7 @@ impl HostExecutor {
         if m == 0 || w.rows == 0 {
             return Ok(());
         }
-        let fast = self.uses_avx2();
+        let fast = self.int_dot();
         let kernel = fast_kernel(w.format, w.packing);
         let out = OutPtr(y.as_mut_ptr());
         let blocks = w.rows.div_ceil(TILE_ROWS);
@@ -385,7 +416,7 @@ impl HostExecutor {
                 });
             });
         };
-        if w.format.tile_bytes().is_some() && fast {
+        if w.format.tile_bytes().is_some() && fast.is_some() {
             ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
                 Ok(mut act) => {
                     act.quantize(x, m, w.cols);
@@ -423,7 +454,7 @@ pub fn fast_available() -> bool {
 fn run_block(
     w: &WeightMatrix,
     kernel: FastKernel,
-    fast: bool,
+    fast: Option<avx2::IntDot>,
     act: Option<&QuantizedRows>,
     x: &[f32],
     m: usize,
@@ -476,7 +507,7 @@ fn run_block(
 fn compute_block(
     w: &WeightMatrix,
     kernel: FastKernel,
-    fast: bool,
+    fast: Option<avx2::IntDot>,
     act: Option<&QuantizedRows>,
     x: &[f32],
     rows: std::ops::Range<usize>,
@@ -489,19 +520,20 @@ fn compute_block(
         let block_bytes = w.block_bytes();
         let data = &w.data[block * block_bytes..(block + 1) * block_bytes];
         #[cfg(target_arch = "x86_64")]
-        if fast {
+        if let Some(dot) = fast {
             if let Some(act) = act {
                 debug_assert_eq!(act.cols, k.div_ceil(GROUP) * GROUP);
                 match kernel {
-                    // SAFETY: `fast` means avx2::available(); `data` is the full row block (its
+                    // SAFETY: `fast` means avx2::available(), and `IntDot::Vnni` means
+                    // avx2::vnni_available() (`int_dot`); `data` is the full row block (its
                     // length follows from matrix_bytes, validated by the caller), rows ⊂ 0..m,
                     // and `out` holds rows.len() × 32 floats.
                     FastKernel::Q4(layout) => unsafe {
-                        avx2::q4_block(layout, data, act, rows, out)
+                        avx2::q4_block(layout, data, act, rows, dot, out)
                     },
                     // SAFETY: as above.
                     FastKernel::Q8(layout) => unsafe {
-                        avx2::q8_block(layout, data, act, rows, out)
+                        avx2::q8_block(layout, data, act, rows, dot, out)
                     },
                     FastKernel::Plain(_) => {}
                 }
@@ -521,7 +553,7 @@ fn compute_block(
         for (slot, i) in rows.clone().enumerate() {
             let xr = &x[i * k..(i + 1) * k];
             #[cfg(target_arch = "x86_64")]
-            if fast {
+            if fast.is_some() {
                 if let FastKernel::Plain(kind) = kernel {
                     // SAFETY: `fast` means the CPU has AVX2/FMA/F16C; wrow holds k elements and
                     // xr has k floats.
@@ -625,7 +657,7 @@ pub fn execute(
     let (k, n) = (desc.k as usize, desc.n as usize);
     let w = WeightMatrix::new(desc.wfmt, n, k, weight)?;
     let row_bytes = 4 * k;
-    if row_bytes == 0 || x.len() % row_bytes != 0 {
+    if row_bytes == 0 || !x.len().is_multiple_of(row_bytes) {
         return Err(KernelError::Shape {
             what: "x bytes (m × K × 4)",
             expected: x.len().div_ceil(row_bytes.max(1)) * row_bytes,

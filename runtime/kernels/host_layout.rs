@@ -59,7 +59,7 @@ pub fn records_matrix_bytes(
 ) -> Result<usize, tiles::TileError> {
     let record = record_bytes(format)
         .ok_or_else(|| tiles::TileError::UnknownFormat(format!("{} records", format.name())))?;
-    if rows % TILE_ROWS != 0 {
+    if !rows.is_multiple_of(TILE_ROWS) {
         return Err(tiles::TileError::NotMultiple {
             what: "tiled matrix rows",
             value: rows,

@@ -28,6 +28,8 @@ pub struct QuantizedRows {
     pub scales: Vec<f32>,
     /// `scale · Σ codes` per group, `[rows, cols / 32]`.
     pub sums: Vec<f32>,
+    /// `Σ codes` per group, `[rows, cols / 32]`: the VNNI q8 kernel's offset correction.
+    pub code_sums: Vec<i32>,
 }
 
 impl QuantizedRows {
@@ -47,14 +49,18 @@ impl QuantizedRows {
         self.codes.resize(rows * cols, 0);
         self.scales.resize(rows * groups, 0.0);
         self.sums.resize(rows * groups, 0.0);
+        self.code_sums.resize(rows * groups, 0);
         let pool = Pool::global();
         if rows < POOLED_MIN_ROWS || pool.threads() < 2 {
             for row in 0..rows {
                 quantize_row(
                     &x[row * k..(row + 1) * k],
-                    &mut self.codes[row * cols..(row + 1) * cols],
-                    &mut self.scales[row * groups..(row + 1) * groups],
-                    &mut self.sums[row * groups..(row + 1) * groups],
+                    RowOut {
+                        codes: &mut self.codes[row * cols..(row + 1) * cols],
+                        scales: &mut self.scales[row * groups..(row + 1) * groups],
+                        sums: &mut self.sums[row * groups..(row + 1) * groups],
+                        code_sums: &mut self.code_sums[row * groups..(row + 1) * groups],
+                    },
                 );
             }
             return;
@@ -63,24 +69,35 @@ impl QuantizedRows {
             codes: self.codes.as_mut_ptr(),
             scales: self.scales.as_mut_ptr(),
             sums: self.sums.as_mut_ptr(),
+            code_sums: self.code_sums.as_mut_ptr(),
         };
         let counter = ChunkCounter::new(rows, pool.threads(), 2);
         pool.run(&|_, _| {
             let out = &out;
             while let Some(range) = counter.claim() {
                 for row in range {
-                    // SAFETY: row < rows, and the three buffers hold rows × cols codes and
+                    // SAFETY: row < rows, and the four buffers hold rows × cols codes and
                     // rows × groups scales and sums (resized above, not touched again until
                     // the pool job returns); every row is claimed by exactly one thread, so the
                     // row's slices are disjoint from every other thread's.
-                    let (codes, scales, sums) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(out.codes.add(row * cols), cols),
-                            std::slice::from_raw_parts_mut(out.scales.add(row * groups), groups),
-                            std::slice::from_raw_parts_mut(out.sums.add(row * groups), groups),
-                        )
+                    let row_out = unsafe {
+                        RowOut {
+                            codes: std::slice::from_raw_parts_mut(out.codes.add(row * cols), cols),
+                            scales: std::slice::from_raw_parts_mut(
+                                out.scales.add(row * groups),
+                                groups,
+                            ),
+                            sums: std::slice::from_raw_parts_mut(
+                                out.sums.add(row * groups),
+                                groups,
+                            ),
+                            code_sums: std::slice::from_raw_parts_mut(
+                                out.code_sums.add(row * groups),
+                                groups,
+                            ),
+                        }
                     };
-                    quantize_row(&x[row * k..(row + 1) * k], codes, scales, sums);
+                    quantize_row(&x[row * k..(row + 1) * k], row_out);
                 }
             }
         });
@@ -93,22 +110,38 @@ struct RowsOut {
     codes: *mut i8,
     scales: *mut f32,
     sums: *mut f32,
+    code_sums: *mut i32,
+}
+
+/// One row's slices of the [`QuantizedRows`] buffers.
+struct RowOut<'a> {
+    codes: &'a mut [i8],
+    scales: &'a mut [f32],
+    sums: &'a mut [f32],
+    code_sums: &'a mut [i32],
 }
 
 // SAFETY: the pointers are only dereferenced for rows a thread has claimed exactly once (see the
 // pool job in `quantize`), while the buffers they point into outlive the job.
 unsafe impl Sync for RowsOut {}
 
-/// One activation row of `k` values into `codes` (the quantized width) and a scale and `d·Σq` per
-/// group.
-fn quantize_row(src: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+/// One activation row of `k` values into `out.codes` (the quantized width) and a scale, `d·Σq` and
+/// `Σq` per group.
+fn quantize_row(src: &[f32], out: RowOut<'_>) {
     let k = src.len();
-    for (g, (scale, sum_out)) in scales.iter_mut().zip(sums.iter_mut()).enumerate() {
+    for (g, ((scale, sum_out), code_sum)) in out
+        .scales
+        .iter_mut()
+        .zip(out.sums.iter_mut())
+        .zip(out.code_sums.iter_mut())
+        .enumerate()
+    {
         let start = g * GROUP;
         let end = (start + GROUP).min(k);
-        let (d, sum) = quantize_group_fast(&src[start..end], &mut codes[start..start + GROUP]);
+        let (d, sum) = quantize_group_fast(&src[start..end], &mut out.codes[start..start + GROUP]);
         *scale = d;
         *sum_out = d * sum as f32;
+        *code_sum = sum;
     }
 }
 
@@ -196,5 +229,7 @@ mod tests {
         assert!((d0 - 20.0 / 127.0).abs() < 1e-7);
         let sum: i32 = q.codes[..32].iter().map(|&c| c as i32).sum();
         assert_eq!(q.sums[0], d0 * sum as f32);
+        let tail: i32 = q.codes[32..64].iter().map(|&c| c as i32).sum();
+        assert_eq!(q.code_sums, [sum, tail]);
     }
 }

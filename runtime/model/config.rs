@@ -221,7 +221,7 @@ impl ModelConfig {
             return Err(f.bad("partial_rotary_factor", "a number in (0, 1]"));
         }
         let rotary_dim = (head_dim as f64 * partial).round() as usize;
-        if rotary_dim == 0 || rotary_dim % 2 != 0 {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
             return Err(f.bad(
                 "partial_rotary_factor",
                 "a factor giving an even, non-zero number of rotated dimensions",
@@ -369,7 +369,7 @@ fn parse_hybrid_layers(
             return Err(f.bad(name, "a positive integer"));
         }
     }
-    if lin.value_heads % lin.key_heads != 0 {
+    if !lin.value_heads.is_multiple_of(lin.key_heads) {
         return Err(f.bad(
             "linear_num_value_heads",
             "a multiple of linear_num_key_heads",

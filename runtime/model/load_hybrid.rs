@@ -893,7 +893,7 @@ pub fn write_synthetic(dir: &Path, o: &SynthOptions) -> Result<ModelConfig, Mode
         "xdna.source".to_string(),
         format!("synthetic seed {}", o.seed),
     );
-    let tiled = |rows: usize| rows % tiles::TILE_ROWS == 0;
+    let tiled = |rows: usize| rows.is_multiple_of(tiles::TILE_ROWS);
     for (name, t) in &tensors {
         match t {
             Synth::Matrix { rows, cols } if tiled(*rows) => {

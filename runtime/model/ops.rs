@@ -447,7 +447,7 @@ fn attend_heads(
     debug_assert!(count > 0 && (h0 + count - 1) / s.group == h0 / s.group);
     let n = scores.len() / count;
     #[cfg(target_arch = "x86_64")]
-    if fast && s.hd % 8 == 0 {
+    if fast && s.hd.is_multiple_of(8) {
         let dims = (s.kvd, k_off, s.hd);
         assert!(qs.len() >= count * s.hd && out.len() >= count * s.hd && n > 0);
         // SAFETY: AVX2/FMA are available (`fast`); `scores` and `out` are this call's own
@@ -620,8 +620,8 @@ mod avx2 {
         out: *mut f32,
     ) {
         assert!(
-            cols.start % 8 == 0
-                && cols.end % 8 == 0
+            cols.start.is_multiple_of(8)
+                && cols.end.is_multiple_of(8)
                 && cols.end <= hd
                 && k_off + hd <= kvd
                 && probs.len() >= count * n

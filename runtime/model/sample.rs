@@ -321,9 +321,13 @@ mod tests {
                 1 => v[(r.next_u64() as usize) % n] = f32::NAN,
                 2 => v[0] = f32::NAN,
                 3 => v.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
-                4 => v
-                    .iter_mut()
-                    .for_each(|x| *x = if r.next_u64() % 2 == 0 { 0.0 } else { -0.0 }),
+                4 => v.iter_mut().for_each(|x| {
+                    *x = if r.next_u64().is_multiple_of(2) {
+                        0.0
+                    } else {
+                        -0.0
+                    }
+                }),
                 5 => v[n - 1] = 1e30,
                 _ => {}
             }

@@ -794,7 +794,7 @@ pub fn decode_f32(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), Stri
     if !ty.can_decode() {
         return Err(format!("decoding ggml type {} is not supported", ty.name()));
     }
-    if out.len() % be != 0 || data.len() != out.len() / be * bb {
+    if !out.len().is_multiple_of(be) || data.len() != out.len() / be * bb {
         return Err(format!(
             "{} bytes of {} cannot hold exactly {} values",
             data.len(),

@@ -248,7 +248,7 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>
             let fmt = tile_format(&t)?;
             let rows = t.shape[1] as usize;
             if let Some(h) = heads {
-                if h == 0 || rows % (2 * h) != 0 {
+                if h == 0 || !rows.is_multiple_of(2 * h) {
                     return Err(WeightsError::tensor(
                         f.path(),
                         &name,
@@ -288,7 +288,7 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>
                 ps.push(pt);
             }
             let rows: usize = ps.iter().map(|p| p.rows).sum();
-            if rows % tiles::TILE_ROWS != 0 {
+            if !rows.is_multiple_of(tiles::TILE_ROWS) {
                 return Err(WeightsError::tensor(
                     f.path(),
                     out,

@@ -66,7 +66,7 @@ pub struct Qwen35Params {
 impl Qwen35Params {
     /// Whether layer `i` is a Gated DeltaNet layer (llama.cpp: `(i + 1) % interval != 0`).
     pub fn is_linear(&self, i: usize) -> bool {
-        (i + 1) % self.full_attention_interval != 0
+        !(i + 1).is_multiple_of(self.full_attention_interval)
     }
     fn key_dim(&self) -> usize {
         self.key_heads * self.key_head_dim
@@ -282,7 +282,7 @@ impl Planner<'_> {
             }
         };
         match (format, col_blocks) {
-            (Some(format), Some(col_blocks)) if rows % tiles::TILE_ROWS == 0 => {
+            (Some(format), Some(col_blocks)) if rows.is_multiple_of(tiles::TILE_ROWS) => {
                 Ok(Planned::Matrix {
                     name: out.to_string(),
                     format,

@@ -109,7 +109,7 @@ impl Dtype {
     pub fn byte_size(self, shape: &[usize]) -> Option<usize> {
         if self == Dtype::Q4nx {
             // Logical [M, K]: M/32 × ceil(K/256) chunks of 5120 bytes.
-            if shape.len() != 2 || shape[0] % tiles::TILE_ROWS != 0 {
+            if shape.len() != 2 || !shape[0].is_multiple_of(tiles::TILE_ROWS) {
                 return None;
             }
             return (shape[0] / tiles::TILE_ROWS)

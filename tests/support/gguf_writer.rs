@@ -83,7 +83,7 @@ impl GgufWriter {
     }
     /// A tensor with dims `ne` (innermost first) of ggml type `ty`.
     pub fn tensor(&mut self, name: &str, ne: &[u64], ty: u32, bytes: &[u8]) {
-        while self.data.len() % 32 != 0 {
+        while !self.data.len().is_multiple_of(32) {
             self.data.push(0);
         }
         string(&mut self.infos, name);
@@ -105,7 +105,7 @@ impl GgufWriter {
         b.extend_from_slice(&self.n_kv.to_le_bytes());
         b.extend_from_slice(&self.kv);
         b.extend_from_slice(&self.infos);
-        while b.len() % 32 != 0 {
+        while !b.len().is_multiple_of(32) {
             b.push(0);
         }
         b.extend_from_slice(&self.data);

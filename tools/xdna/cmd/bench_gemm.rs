@@ -209,7 +209,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "--compare-chunks needs positive block counts".into(),
         ));
     }
-    if args.head_rows == 0 || args.head_rows % 32 != 0 || args.head_rows > VOCAB {
+    if args.head_rows == 0 || !args.head_rows.is_multiple_of(32) || args.head_rows > VOCAB {
         return Err(xdna::Error::Usage(format!(
             "--head-rows {} must be a positive multiple of 32, at most {VOCAB}",
             args.head_rows
@@ -340,6 +340,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "layout": args.layout.name(),
             "threads": threads,
             "avx2": executor.uses_avx2(),
+            "vnni": executor.uses_vnni(),
             "calls_per_sweep": views.len(),
             "streamed_bytes": streamed,
             "stored_bytes": stored,
@@ -380,7 +381,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
         streamed as f64 / 1e6,
         stored as f64 / 1e6,
         threads,
-        if executor.uses_avx2() { "AVX2" } else { "scalar" },
+        match (executor.uses_avx2(), executor.uses_vnni()) {
+            (true, true) => "AVX2, AVX-512 VNNI for M > 1",
+            (true, false) => "AVX2",
+            _ => "scalar",
+        },
     );
     println!(
         "read bandwidth (256 MiB streaming read, pool): median {bandwidth:.2} GB/s, best {best_bandwidth:.2} GB/s"
