@@ -9,11 +9,15 @@ use xdna::model::load_hybrid::{write_synthetic, SynthArch, SynthOptions};
 use xdna::model::reference::HybridReference;
 use xdna::model::{LayerKind, Model, ModelError};
 
+#[path = "support/scratch_dir.rs"]
+mod scratch_dir;
+use scratch_dir::scratch_path;
+
 /// A synthetic hybrid package written once per test binary (per options) into a temp dir.
 fn synth(name: &str, o: &SynthOptions) -> PathBuf {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("xdna_gdn_{}_{name}", std::process::id()));
+    let dir = scratch_path("gdn", name);
     if !dir.join("model.q4nx").exists() {
         write_synthetic(&dir, o).expect("write synthetic package");
     }
@@ -231,7 +235,7 @@ fn synthetic_llama_loads_and_is_deterministic() {
         ..SynthOptions::default()
     };
     let a = synth("llama_a", &o);
-    let b = std::env::temp_dir().join(format!("xdna_gdn_{}_llama_b", std::process::id()));
+    let b = scratch_path("gdn", "llama_b");
     write_synthetic(&b, &o).unwrap();
     assert_eq!(
         std::fs::read(a.join("model.q4nx")).unwrap(),

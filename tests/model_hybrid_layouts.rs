@@ -290,8 +290,11 @@ fn rewrite(src: &Path, dst: &Path, target: Target) {
     write_f32_package(src, dst, &t);
 }
 
+#[path = "support/scratch_dir.rs"]
+mod scratch_dir;
+
 fn tmp(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("xdna_layouts_{}_{name}", std::process::id()))
+    scratch_dir::scratch_path("layouts", name)
 }
 
 fn logits(dir: &Path) -> Vec<Vec<f32>> {

@@ -4,6 +4,9 @@
 
 #[path = "model_common.rs"]
 mod common;
+#[path = "support/scratch_dir.rs"]
+mod scratch_dir;
+use scratch_dir::scratch_path;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,8 +18,7 @@ use xdna::model::{CommitFault, Model, ModelError, ModelWeights, ReplayMode};
 fn hybrid_weights() -> Arc<ModelWeights> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("xdna_replay_{}_hybrid", std::process::id()));
+    let dir: PathBuf = scratch_path("replay", "hybrid");
     if !dir.join("model.q4nx").exists() {
         write_synthetic(&dir, &SynthOptions::default()).unwrap();
     }
@@ -213,7 +215,7 @@ fn zero_draft_rounds_keep_every_layer_state() {
 /// NPU_REPLAY_CHECK turns a broken replay into an error (exit 2) naming the layer.
 #[test]
 fn replay_check_binary_exit_codes_and_env_modes() {
-    let dir = std::env::temp_dir().join(format!("xdna_replay_{}_cli", std::process::id()));
+    let dir = scratch_path("replay", "cli");
     let st = std::process::Command::new(env!("CARGO_BIN_EXE_xdna"))
         .args(["pack", "synth", "--arch", "qwen3_5", "--seed", "3", "-o"])
         .arg(&dir)
