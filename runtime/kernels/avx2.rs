@@ -24,7 +24,7 @@
 //!
 //! # AVX-512 VNNI
 //!
-//! On CPUs with AVX-512 VNNI + VL (Zen 4, Ice Lake and later; [`vnni_available`]) the multi-row
+//! On CPUs with AVX-512 VNNI, VL and VBMI (Zen 4, Ice Lake and later; [`vnni_available`]) the multi-row
 //! loops use `vpdpbusd` on 256-bit vectors instead ([`IntDot::Vnni`]): one instruction per 32
 //! products into i32 instead of `maddubs` + add (q4) or sign + `maddubs` + `madd` + add (Q8). Q8
 //! codes are signed, so they are unpacked offset by +128 and each row's sums start at `−128·Σx`,
@@ -99,8 +99,8 @@ pub enum IntDot {
     /// with Q8's sign trick.
     #[default]
     Maddubs,
-    /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI + VL, e.g. Zen 4, Ice Lake and later): one op
-    /// per 32 products into i32, and 32 vector registers instead of 16.
+    /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI + VL, with VBMI's byte permutes for unpacking;
+    /// Zen 4, Ice Lake and later): one op per 32 products into i32, and 32 vector registers.
     Vnni,
 }
 
@@ -127,7 +127,8 @@ mod imp {
         })
     }
 
-    /// Does this CPU also run [`IntDot::Vnni`] (AVX-512 F, VL and VNNI)? Detected once;
+    /// Does this CPU also run [`IntDot::Vnni`] (AVX-512 F, VL, VNNI and VBMI: Zen 4, Ice Lake and
+    /// later)? Detected once;
     /// `XDNA_NO_VNNI` (any value) turns it off, for A/B runs of the two paths.
     pub fn vnni_available() -> bool {
         static DETECTED: OnceLock<bool> = OnceLock::new();
@@ -137,6 +138,7 @@ mod imp {
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vbmi")
         })
     }
 
@@ -335,6 +337,45 @@ mod imp {
                 q4_unpack_quad(codes, column_major, c + 28),
             ]
         }
+    }
+
+    /// [`q4_unpack_group`] for column-major codes with AVX-512 VBMI: a quad's 64 code bytes go
+    /// through two two-table byte permutes (`vpermi2b`), each gathering one byte per (row pair,
+    /// column) for 16 rows, and a mask and a shift split the nibbles. 8 vector ops per quad instead
+    /// of 12; the same vectors.
+    ///
+    /// # Safety
+    /// AVX-512 F, VL, VNNI and VBMI available; columns `32·g .. 32·g + 32` lie inside the code area.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    unsafe fn q4_unpack_group_vbmi(codes: *const u8, g: usize) -> [[__m256i; 4]; 8] {
+        // Output byte 4k + j of the first permute is column j of row pair p = [0-3, 8-11][k],
+        // i.e. byte 16j + p of the quad; the second permute takes row pairs 4-7 and 12-15. Low
+        // nibbles are the even rows, high nibbles the odd ones: `Q4_SLOT_ROWS` order.
+        let pairs_a = _mm256_setr_epi8(
+            0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 8, 24, 40, 56, 9, 25, 41,
+            57, 10, 26, 42, 58, 11, 27, 43, 59,
+        );
+        let pairs_b = _mm256_add_epi8(pairs_a, _mm256_set1_epi8(4));
+        let low = _mm256_set1_epi8(0x0F);
+        std::array::from_fn(|quad| {
+            let c = g * GROUP + quad * 4;
+            // SAFETY: columns c..c+4 are 64 contiguous bytes inside the code area (caller contract).
+            let (a, b) = unsafe {
+                (
+                    _mm256_loadu_si256(codes.add(c * 16) as *const __m256i),
+                    _mm256_loadu_si256(codes.add(c * 16 + 32) as *const __m256i),
+                )
+            };
+            let first = _mm256_permutex2var_epi8(a, pairs_a, b);
+            let second = _mm256_permutex2var_epi8(a, pairs_b, b);
+            [
+                _mm256_and_si256(first, low),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(first), low),
+                _mm256_and_si256(second, low),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(second), low),
+            ]
+        })
     }
 
     /// Group `g` of an 8-bit tile as eight quads of `[codes, |codes|]` (the sign trick's two
@@ -886,7 +927,12 @@ mod imp {
             let codes = unsafe { tile.add(layout.codes) };
             let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
             // SAFETY: columns g·32 .. g·32 + 32 lie inside the tile.
-            let unpacked = unsafe { q4_unpack_group(codes, layout.column_major, g) };
+            let unpacked = if dot == IntDot::Vnni && layout.column_major {
+                // SAFETY: as above; `IntDot::Vnni` means `vnni_available()`, which includes VBMI.
+                unsafe { q4_unpack_group_vbmi(codes, g) }
+            } else {
+                unsafe { q4_unpack_group(codes, layout.column_major, g) }
+            };
             // SAFETY: rows ⊂ 0..act.rows and gg < groups (caller contract); `out` holds m × 32
             // floats; `IntDot::Vnni` only when the caller checked `vnni_available()`.
             unsafe {
