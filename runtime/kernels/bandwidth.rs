@@ -55,9 +55,9 @@ pub fn read_bandwidth(bytes: usize, runs: usize) -> Bandwidth {
 }
 
 /// Int8 multiply-adds per second (10⁹), every pool thread issuing only the integer multiply the
-/// AVX2 GEMM kernels are built on (`vpmaddubsw`: 32 u8 × i8 products per instruction) on
-/// independent register chains: the ceiling no q4/q8 kernel on this ISA can pass. `None` without
-/// AVX2.
+/// multi-row GEMM kernels are built on (`vpdpbusd` where AVX-512 VNNI runs, else `vpmaddubsw`:
+/// 32 u8 × i8 products per instruction either way; see [`int8_peak_instruction`]) on independent
+/// register chains: the ceiling no q4/q8 kernel on this ISA can pass. `None` without AVX2.
 pub fn int8_mac_peak(runs: usize) -> Option<Bandwidth> {
     if !super::gemm::fast_available() {
         return None;
@@ -71,8 +71,16 @@ pub fn int8_mac_peak(runs: usize) -> Option<Bandwidth> {
         let start = Instant::now();
         pool.run(&|_, _| {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 is available (`fast_available` above).
-            sink.fetch_xor(unsafe { maddubs_chains(ITERATIONS) }, Ordering::Relaxed);
+            // SAFETY: AVX2 is available (`fast_available` above), and AVX-512 VNNI where
+            // `vnni_available` says so.
+            let folded = unsafe {
+                if super::avx2::vnni_available() {
+                    dpbusd_chains(ITERATIONS)
+                } else {
+                    maddubs_chains(ITERATIONS)
+                }
+            };
+            sink.fetch_xor(folded, Ordering::Relaxed);
         });
         let seconds = start.elapsed().as_secs_f64();
         if run > 0 {
@@ -86,6 +94,39 @@ pub fn int8_mac_peak(runs: usize) -> Option<Bandwidth> {
         median_gbs: samples[samples.len() / 2],
         best_gbs: samples[samples.len() - 1],
     })
+}
+
+/// The instruction [`int8_mac_peak`] measures on this CPU.
+pub fn int8_peak_instruction() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::vnni_available() {
+        return "vpdpbusd";
+    }
+    "vpmaddubsw"
+}
+
+/// `iterations` × 8 `vpdpbusd` (16 independent chains, half as many steps: 16 cover its latency at
+/// two per cycle), folded into one word.
+///
+/// # Safety
+/// AVX2, AVX-512 F, VL and VNNI available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+unsafe fn dpbusd_chains(iterations: u64) -> u64 {
+    use std::arch::x86_64::*;
+    let seed = std::hint::black_box(0x0102_0304_0506_0708i64);
+    let w = _mm256_set1_epi64x(std::hint::black_box(0x0101_0101_0101_0101));
+    let x = _mm256_set1_epi64x(std::hint::black_box(0x0203_0405_0607_0809));
+    let mut acc: [__m256i; 16] = std::array::from_fn(|i| _mm256_set1_epi64x(seed + i as i64));
+    for _ in 0..iterations / 2 {
+        for a in acc.iter_mut() {
+            *a = _mm256_dpbusd_epi32(*a, w, x);
+        }
+    }
+    let folded = acc
+        .iter()
+        .fold(_mm256_setzero_si256(), |f, &a| _mm256_xor_si256(f, a));
+    _mm256_extract_epi64::<0>(folded) as u64
 }
 
 /// `iterations` × 8 `vpmaddubsw` on 8 independent chains (enough to cover its latency on every

@@ -349,6 +349,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "best_read_bandwidth_gbs": best_bandwidth,
             "best_fraction_of_bandwidth_m1": best_fraction_m1,
             "int8_mac_peak_gmacs": int8_peak,
+            "int8_peak_instruction": xdna::kernels::bandwidth::int8_peak_instruction(),
             "rows": rows.iter().map(|r| serde_json::json!({
                 "m": r.m,
                 "seconds": r.seconds,
@@ -392,7 +393,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
     );
     match int8_peak {
         Some(peak) => println!(
-            "int8 multiply-add peak (vpmaddubsw on registers only, pool): median {peak:.1} GMAC/s"
+            "int8 multiply-add peak ({} on registers only, pool): median {peak:.1} GMAC/s",
+            xdna::kernels::bandwidth::int8_peak_instruction()
         ),
         None => println!("int8 multiply-add peak: not measured (no AVX2)"),
     }
