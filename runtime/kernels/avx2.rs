@@ -1140,7 +1140,8 @@ mod imp {
 
     /// [`q4_group_rows`] / [`q8_group_rows`] with `vpdpbusd`: each (row, quad, slot) is one
     /// instruction into an i32 sum, and rows go four at a time so a quad's four weight vectors are
-    /// loaded once per four rows (16 sums + 4 weights + 4 broadcasts fit the 32 AVX-512 registers).
+    /// loaded once per four rows (the 16 sums and 4 weight vectors stay in the 32 AVX-512
+    /// registers; activation quads are broadcast memory operands).
     /// `unpacked` holds u8 codes; with `q8_offset` they are Q8 codes + 128, and every row's sums
     /// start at `−128 · Σx` of the group, which cancels the offset exactly. The integer sums equal the
     /// AVX2 kernels' (both exact), and the float work after them is [`accumulate_row`]'s, so the
