@@ -315,6 +315,8 @@ fn benches_reject_bad_sizes_by_name() {
     }
     let (ok, _, err) = xdna(&["bench", "decode", "--probe-mib", "1000000000000"]);
     assert!(!ok && err.contains("--probe-mib"), "{err}");
+    let (ok, _, err) = xdna(&["bench", "decode", "--decode-tokens", "0"]);
+    assert!(!ok && err.contains("--decode-tokens"), "{err}");
 }
 
 /// `xdna perplexity --reference [--reference-q8 LIST]`: the slow reference forward through the CLI,

@@ -61,6 +61,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
             args.probe_mib
         )));
     }
+    if args.decode_tokens == 0 {
+        // Nothing to time: the rates and fractions below would be 0 or undefined.
+        return Err(xdna::Error::Usage(
+            "--decode-tokens 0: a decode benchmark needs at least one decoded token".into(),
+        ));
+    }
     let ctx = args
         .prompt_tokens
         .saturating_add(args.decode_tokens)
@@ -95,8 +101,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         }
         let decode = args.decode_tokens as f64 / t1.elapsed().as_secs_f64();
         let after = model.stats();
-        let per_token =
-            |d: std::time::Duration| d.as_secs_f64() * 1e3 / args.decode_tokens.max(1) as f64;
+        let per_token = |d: std::time::Duration| d.as_secs_f64() * 1e3 / args.decode_tokens as f64;
         let projection_ms = per_token(after.projection_time - before.projection_time);
         let attention_ms = per_token(after.attention_time - before.attention_time);
         let pass_ms = per_token(after.pass_time - before.pass_time);
