@@ -1,7 +1,8 @@
 //! The host GEMM executor: `y[m×N] = x[m×K] · Wᵀ` over weights in their stored tile layout.
 //!
 //! Dispatch: AVX2+FMA+F16C kernels (`avx2`) when the CPU has them (detected once; their multi-row
-//! loops use AVX-512 VNNI where present, with the same results), else a portable scalar path that decodes one tile at a time. Tile formats quantize the activations to q8 once per
+//! loops use AVX-512 VNNI where present, with the same results), else a portable scalar path that
+//! decodes one tile at a time. Tile formats quantize the activations to q8 once per
 //! call (`quant`); plain bf16/f16/f32 weights take f32 dot products. Work is split over the global
 //! [`Pool`] in contiguous chunks of 32-row blocks, guided (shrinking) so both threads finish together.
 
