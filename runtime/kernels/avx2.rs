@@ -1325,6 +1325,27 @@ mod imp {
         }
     }
 
+    /// Copy the 32-float result rows of one block (`src`, contiguous) to rows `stride` floats apart
+    /// at `dst`, in 256-bit moves. The portable copy compiles to 128-bit moves, and reading back
+    /// the halves of the kernels' 256-bit stores that way was ~3 % of a 16-row pass.
+    ///
+    /// # Safety
+    /// AVX available; `src.len()` is a multiple of 32; for each row i, `dst + i·stride` is
+    /// valid for 32 float writes that no other thread touches meanwhile and that do not overlap `src`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn copy_block_rows(src: &[f32], dst: *mut f32, stride: usize) {
+        debug_assert!(src.len().is_multiple_of(TILE_ROWS));
+        for (i, row) in src.chunks_exact(TILE_ROWS).enumerate() {
+            for part in 0..TILE_ROWS / 8 {
+                // SAFETY: row holds 32 floats; dst row i holds 32 (caller contract).
+                unsafe {
+                    let v = _mm256_loadu_ps(row.as_ptr().add(8 * part));
+                    _mm256_storeu_ps(dst.add(i * stride + 8 * part), v);
+                }
+            }
+        }
+    }
+
     // ---- activation quantization -------------------------------------------------------------------
 
     /// ggml's `quantize_row_q8_1` for one full group of 32: codes into `out`, returns (d, Σq).

@@ -482,6 +482,15 @@ fn run_block(
             out,
             scalar,
         );
+        #[cfg(target_arch = "x86_64")]
+        if fast.is_some() && rows_here == TILE_ROWS {
+            // SAFETY: `fast` means AVX2 is available; `out` holds `pass` rows of 32 floats; row
+            // (row0+i) < m of y has 32 floats from n0 + 32 ≤ N (see the copy below for why they
+            // are inside y, disjoint between threads, and apart from `out`).
+            unsafe { avx2::copy_block_rows(out, y.0.add(row0 * y_stride + n0), y_stride) };
+            row0 += pass;
+            continue;
+        }
         for (i, src) in out.chunks_exact(TILE_ROWS).enumerate() {
             // SAFETY: (row0+i) < m and n0 + rows_here ≤ N, so the range ends at or before
             // (m-1)·stride + N ≤ y.len() (checked in gemm_strided); blocks are disjoint, so no
