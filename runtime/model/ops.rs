@@ -525,13 +525,16 @@ mod avx2 {
 
     /// Positions whose value rows are reused from L1 by every head of a group.
     const VALUE_BLOCK: usize = 32;
+    /// Positions per block of [`group_scores`].
+    const BLOCK: usize = 8;
 
     /// Scores `q·k/√hd` of positions `span` for the `count` query heads at `qs` (`[count, hd]`)
     /// over the KV head at column `k_off`, written to `scores[h * n + t]`.
     ///
-    /// Four positions at a time, each with its own accumulator chain, reduced together by one
+    /// Eight positions at a time, each with its own accumulator chain (eight chains keep both FMA
+    /// pipes busy; four left half of them idle on the FMA latency), reduced four at a time by one
     /// `hadd` tree (a position's sum does not depend on its neighbours, its block or `n`: a block
-    /// past `n` recomputes the last position and does not store it); the four key rows stay in L1
+    /// past `n` recomputes the last position and does not store it); the eight key rows stay in L1
     /// while every head takes its turn.
     ///
     /// # Safety
@@ -560,42 +563,44 @@ mod avx2 {
         let scale = _mm_set1_ps(1.0 / (hd as f32).sqrt());
         let mut t = span.start;
         while t < span.end {
-            let key = |j: usize| k_cache[(t + j).min(n - 1) * kvd + k_off..].as_ptr();
-            let (k0, k1, k2, k3) = (key(0), key(1), key(2), key(3));
-            let valid = (span.end - t).min(4);
+            let keys: [*const f32; BLOCK] =
+                std::array::from_fn(|j| k_cache[(t + j).min(n - 1) * kvd + k_off..].as_ptr());
+            let valid = (span.end - t).min(BLOCK);
             for h in 0..count {
                 let q = qs[h * hd..].as_ptr();
-                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut acc = [_mm256_setzero_ps(); BLOCK];
                 let mut c = 0;
                 while c < hd {
                     // SAFETY: c + 8 ≤ hd; the head's q and every key row hold hd floats from
                     // their start (asserted).
                     unsafe {
                         let qv = _mm256_loadu_ps(q.add(c));
-                        acc[0] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(c)), acc[0]);
-                        acc[1] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1.add(c)), acc[1]);
-                        acc[2] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2.add(c)), acc[2]);
-                        acc[3] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3.add(c)), acc[3]);
+                        for (a, k) in acc.iter_mut().zip(keys) {
+                            *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add(c)), *a);
+                        }
                     }
                     c += 8;
                 }
-                let pairs = _mm256_hadd_ps(
-                    _mm256_hadd_ps(acc[0], acc[1]),
-                    _mm256_hadd_ps(acc[2], acc[3]),
-                );
-                let sums = _mm_add_ps(
-                    _mm256_castps256_ps128(pairs),
-                    _mm256_extractf128_ps::<1>(pairs),
-                );
-                let mut four = [0f32; 4];
-                // SAFETY: `four` holds 4 floats.
-                unsafe { _mm_storeu_ps(four.as_mut_ptr(), _mm_mul_ps(sums, scale)) };
-                for (j, &v) in four[..valid].iter().enumerate() {
-                    // SAFETY: h < count and t + j ∈ span (caller contract).
-                    unsafe { *scores.add(h * n + t + j) = v };
+                for (quad, acc) in acc.chunks_exact(4).enumerate() {
+                    let pairs = _mm256_hadd_ps(
+                        _mm256_hadd_ps(acc[0], acc[1]),
+                        _mm256_hadd_ps(acc[2], acc[3]),
+                    );
+                    let sums = _mm_add_ps(
+                        _mm256_castps256_ps128(pairs),
+                        _mm256_extractf128_ps::<1>(pairs),
+                    );
+                    let mut four = [0f32; 4];
+                    // SAFETY: `four` holds 4 floats.
+                    unsafe { _mm_storeu_ps(four.as_mut_ptr(), _mm_mul_ps(sums, scale)) };
+                    let stored = valid.saturating_sub(4 * quad).min(4);
+                    for (j, &v) in four[..stored].iter().enumerate() {
+                        // SAFETY: h < count and t + 4·quad + j ∈ span (caller contract).
+                        unsafe { *scores.add(h * n + t + 4 * quad + j) = v };
+                    }
                 }
             }
-            t += 4;
+            t += BLOCK;
         }
     }
 
@@ -853,8 +858,8 @@ mod tests {
 
     #[test]
     fn batched_rows_of_different_sequences_equal_each_row_alone() {
-        // Rows over two "sequences" of different lengths (one shorter than a 4-position
-        // block, one not a multiple of 4), head dims 64 and 80 (a 64-wide and an 8-wide chunk):
+        // Rows over two "sequences" of different lengths (one shorter than an 8-position
+        // block, one not a multiple of 8), head dims 64 and 80 (a 64-wide and an 8-wide chunk):
         // the batch is bit-identical to each row alone and close to the scalar reference.
         for hd in [64usize, 80] {
             let (heads, kv_heads) = (6, 2);
