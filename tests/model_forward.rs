@@ -7,7 +7,7 @@ mod common;
 use common::{max_diff, smollm2_gguf};
 use xdna::model::reference::Reference;
 use xdna::model::sample::argmax;
-use xdna::model::{Model, ModelError};
+use xdna::model::{KvSlice, Model, ModelError};
 
 /// Logit tolerance of the fast path against the exact (f32-activation, f64-sum) reference,
 /// absolute, per logit (logits here have magnitude ≈ 15–35).
@@ -366,6 +366,53 @@ fn sequences_batched_in_one_pass_equal_each_sequence_alone() {
             Err(ModelError::State { .. })
         ));
     }
+}
+
+/// The fast path caches keys and values in f16 and exact runs in f32; a sequence state made by one
+/// kind of model is refused by the other with an error naming both types.
+#[test]
+fn kv_cache_types_follow_the_model_and_a_mismatch_is_refused() {
+    let Some(mut fast) = fast_model(64) else {
+        return;
+    };
+    let (_, mut exact) = common::model_with(64, true).unwrap();
+    let mut fast_state = fast.new_sequence(16).unwrap();
+    fast.prefill_sequence(&mut fast_state, &PROMPT[..3], 2, &mut |_, _| {})
+        .unwrap();
+    let mut exact_state = exact.new_sequence(16).unwrap();
+    exact
+        .prefill_sequence(&mut exact_state, &PROMPT[..3], 2, &mut |_, _| {})
+        .unwrap();
+    let kvd = fast.weights().config.kv_dim();
+    match fast_state.layer_state(0).unwrap().keys {
+        Some(KvSlice::F16(k)) => assert_eq!(k.len(), 3 * kvd),
+        other => panic!("fast path cache: {other:?}"),
+    }
+    match exact_state.layer_state(0).unwrap().values {
+        Some(KvSlice::F32(v)) => assert_eq!(v.len(), 3 * kvd),
+        other => panic!("exact cache: {other:?}"),
+    }
+    let next = [PROMPT[3]];
+    let e = fast
+        .step_sequences(&mut [(&mut exact_state, &next[..])])
+        .err();
+    assert!(
+        matches!(&e, Some(ModelError::State { what }) if what.contains("f32 KV cache") && what.contains("keeping f16")),
+        "{e:?}"
+    );
+    let e = exact
+        .step_sequences(&mut [(&mut fast_state, &next[..])])
+        .err();
+    assert!(
+        matches!(&e, Some(ModelError::State { what }) if what.contains("f16 KV cache") && what.contains("keeping f32")),
+        "{e:?}"
+    );
+    // Both states are still usable by their own models.
+    fast.step_sequences(&mut [(&mut fast_state, &next[..])])
+        .unwrap();
+    exact
+        .step_sequences(&mut [(&mut exact_state, &next[..])])
+        .unwrap();
 }
 
 /// An early-exit view runs the first E layers and the head: its logits equal the full model's

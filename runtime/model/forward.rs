@@ -11,6 +11,7 @@ use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
 use super::gdn::{self, GdnScratch, GdnState, GdnWeights};
 use super::ops;
 use super::ModelError;
+use half::f16;
 
 /// Most rows of a verify pass (`m16` family).
 pub const MAX_VERIFY_ROWS: usize = 16;
@@ -135,6 +136,9 @@ pub struct ModelWeights {
     pub lm_head: Box<dyn Projection>,
     /// Human-readable backend name (for stats lines).
     pub backend: String,
+    /// Keep the KV cache in f32 instead of f16: exact runs (`LoadOptions::exact`), whose
+    /// comparisons with the f64 reference are about the model code, not f16 rounding.
+    pub f32_kv_cache: bool,
 }
 
 impl ModelWeights {
@@ -388,13 +392,113 @@ struct RecurrentSlot {
 
 /// Read-only view of one layer's state (for `replay-check` and tests).
 pub struct LayerStateView<'a> {
-    /// Keys / values of positions `0..P` (attention layers).
-    pub keys: Option<&'a [f32]>,
-    pub values: Option<&'a [f32]>,
+    /// Keys / values of positions `0..P` (attention layers), as cached.
+    pub keys: Option<KvSlice<'a>>,
+    pub values: Option<KvSlice<'a>>,
     /// The conv window (last K − 1 inputs, oldest first) and the recurrent state `[Hv, d_k, d_v]`
     /// (GDN layers).
     pub conv: Option<&'a [f32]>,
     pub recurrent: Option<&'a [f32]>,
+}
+
+/// Cached keys or values of one layer, in the model's cache type.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvSlice<'a> {
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+}
+
+impl KvSlice<'_> {
+    /// The values as f32 (exact for both types).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            KvSlice::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
+            KvSlice::F32(v) => v.to_vec(),
+        }
+    }
+}
+
+/// Every layer's keys (or values) of one sequence: `[ctx, kv_heads, head_dim]` per attention
+/// layer, empty for GDN layers.
+enum KvCache {
+    /// The fast path's cache (llama.cpp's default type): half the bytes attention streams.
+    F16(Vec<Vec<f16>>),
+    /// Exact runs' cache ([`ModelWeights::f32_kv_cache`]).
+    F32(Vec<Vec<f32>>),
+}
+
+impl Default for KvCache {
+    fn default() -> Self {
+        KvCache::F16(Vec::new())
+    }
+}
+
+impl KvCache {
+    fn new(f32_cache: bool, layers: usize, len: impl Fn(usize) -> usize) -> KvCache {
+        if f32_cache {
+            KvCache::F32((0..layers).map(|l| vec![0.0; len(l)]).collect())
+        } else {
+            KvCache::F16((0..layers).map(|l| vec![f16::ZERO; len(l)]).collect())
+        }
+    }
+
+    fn layers(&self) -> usize {
+        match self {
+            KvCache::F16(v) => v.len(),
+            KvCache::F32(v) => v.len(),
+        }
+    }
+
+    fn is_f32(&self) -> bool {
+        matches!(self, KvCache::F32(_))
+    }
+
+    /// Layer `l`'s first `len` values (`None` past the last layer or for a GDN layer).
+    fn view(&self, l: usize, len: usize) -> Option<KvSlice<'_>> {
+        match self {
+            KvCache::F16(v) => v
+                .get(l)
+                .filter(|b| !b.is_empty())
+                .map(|b| KvSlice::F16(&b[..len])),
+            KvCache::F32(v) => v
+                .get(l)
+                .filter(|b| !b.is_empty())
+                .map(|b| KvSlice::F32(&b[..len])),
+        }
+    }
+
+    /// Store `src` at values `at..at + src.len()` of layer `l`.
+    fn store(&mut self, l: usize, at: usize, src: &[f32]) {
+        match self {
+            KvCache::F16(v) => ops::store_kv_row(src, &mut v[l][at..at + src.len()]),
+            KvCache::F32(v) => v[l][at..at + src.len()].copy_from_slice(src),
+        }
+    }
+}
+
+/// A cache element type the forward can attend over: how to find its layers in a [`KvCache`].
+trait CachedValue: ops::KvValue {
+    /// Layer `l` of `cache` (empty when `cache` holds the other type; batches are checked to
+    /// match the model's type first).
+    fn layer(cache: &KvCache, l: usize) -> &[Self];
+}
+
+impl CachedValue for f16 {
+    fn layer(cache: &KvCache, l: usize) -> &[f16] {
+        match cache {
+            KvCache::F16(v) => &v[l],
+            KvCache::F32(_) => &[],
+        }
+    }
+}
+
+impl CachedValue for f32 {
+    fn layer(cache: &KvCache, l: usize) -> &[f32] {
+        match cache {
+            KvCache::F32(v) => &v[l],
+            KvCache::F16(_) => &[],
+        }
+    }
 }
 
 /// The decoding state of one sequence: its KV cache, recurrent state, committed position `P` and
@@ -406,9 +510,8 @@ pub struct LayerStateView<'a> {
 pub struct SequenceState {
     ctx: usize,
     kv_dim: usize,
-    /// Per layer `[ctx, kv_heads, head_dim]` (empty for GDN layers).
-    k_cache: Vec<Vec<f32>>,
-    v_cache: Vec<Vec<f32>>,
+    k_cache: KvCache,
+    v_cache: KvCache,
     /// Per layer: GDN state (None for attention layers).
     recurrent: Vec<Option<RecurrentSlot>>,
     /// Floats per row of a slot's tape.
@@ -418,7 +521,12 @@ pub struct SequenceState {
 }
 
 impl SequenceState {
-    fn new(config: &ModelConfig, layers: usize, ctx: usize) -> Result<Self, ModelError> {
+    fn new(
+        config: &ModelConfig,
+        layers: usize,
+        ctx: usize,
+        f32_kv_cache: bool,
+    ) -> Result<Self, ModelError> {
         if ctx == 0 || ctx > config.max_position_embeddings {
             return Err(ModelError::Context {
                 what: format!(
@@ -429,13 +537,7 @@ impl SequenceState {
         }
         let kvd = config.kv_dim();
         let is_attn = |l: usize| config.layer_kind(l) == LayerKind::Attention;
-        let kv = |l: usize| {
-            if is_attn(l) {
-                vec![0.0; ctx * kvd]
-            } else {
-                Vec::new()
-            }
-        };
+        let kv_len = |l: usize| if is_attn(l) { ctx * kvd } else { 0 };
         let mut tape_stride = 0;
         let mut recurrent = Vec::with_capacity(layers);
         for l in 0..layers {
@@ -454,8 +556,8 @@ impl SequenceState {
         Ok(SequenceState {
             ctx,
             kv_dim: kvd,
-            k_cache: (0..layers).map(kv).collect(),
-            v_cache: (0..layers).map(kv).collect(),
+            k_cache: KvCache::new(f32_kv_cache, layers, kv_len),
+            v_cache: KvCache::new(f32_kv_cache, layers, kv_len),
             recurrent,
             tape_stride,
             pos: 0,
@@ -470,18 +572,19 @@ impl SequenceState {
 
     /// Layers this state covers.
     pub fn layers(&self) -> usize {
-        self.k_cache.len()
+        self.k_cache.layers()
     }
 
     /// The committed state of layer `l` (`None` past the last layer).
     pub fn layer_state(&self, l: usize) -> Option<LayerStateView<'_>> {
-        let k = self.k_cache.get(l)?;
-        let v = &self.v_cache[l];
+        if l >= self.layers() {
+            return None;
+        }
         let kv_len = self.pos * self.kv_dim;
         let slot = self.recurrent.get(l).and_then(Option::as_ref);
         Some(LayerStateView {
-            keys: (!k.is_empty()).then(|| &k[..kv_len]),
-            values: (!v.is_empty()).then(|| &v[..kv_len]),
+            keys: self.k_cache.view(l, kv_len),
+            values: self.v_cache.view(l, kv_len),
             conv: slot.map(|s| &s.state.conv[..]),
             recurrent: slot.map(|s| &s.state.s[..]),
         })
@@ -775,7 +878,7 @@ impl Model {
     ) -> Result<Self, ModelError> {
         w.check_shapes()?;
         let c = w.config.clone();
-        let seq = SequenceState::new(&c, run_layers, ctx)?;
+        let seq = SequenceState::new(&c, run_layers, ctx, w.f32_kv_cache)?;
         let r = MAX_PREFILL_ROWS;
         let half = c.rotary_dim / 2;
         let gated = if c.attn_output_gate { r * c.q_dim() } else { 0 };
@@ -877,7 +980,7 @@ impl Model {
 
     /// A fresh state for another sequence over these weights (`ctx` positions).
     pub fn new_sequence(&self, ctx: usize) -> Result<SequenceState, ModelError> {
-        SequenceState::new(&self.w.config, self.run_layers, ctx)
+        SequenceState::new(&self.w.config, self.run_layers, ctx, self.w.f32_kv_cache)
     }
 
     /// Forget everything: `P = 0`, no pending pass.
@@ -985,12 +1088,22 @@ impl Model {
                     max: max_rows,
                 });
             }
-            if seq.k_cache.len() != self.run_layers {
+            if seq.layers() != self.run_layers {
                 return Err(ModelError::State {
                     what: format!(
                         "a sequence state of {} layers given to a model running {}",
-                        seq.k_cache.len(),
+                        seq.layers(),
                         self.run_layers
+                    ),
+                });
+            }
+            if seq.k_cache.is_f32() != self.w.f32_kv_cache {
+                let name = |f32_cache: bool| if f32_cache { "f32" } else { "f16" };
+                return Err(ModelError::State {
+                    what: format!(
+                        "a sequence state with an {} KV cache given to a model keeping {}",
+                        name(seq.k_cache.is_f32()),
+                        name(self.w.f32_kv_cache)
                     ),
                 });
             }
@@ -1314,41 +1427,33 @@ impl Model {
                         }
                         let seq = &mut *segments[s.row_segment[i]].seq;
                         let p = s.row_position[i];
-                        seq.k_cache[l][p * kvd..(p + 1) * kvd].copy_from_slice(&row[qr..qr + kvd]);
-                        seq.v_cache[l][p * kvd..(p + 1) * kvd]
-                            .copy_from_slice(&row[qr + kvd..qkvn]);
+                        seq.k_cache.store(l, p * kvd, &row[qr..qr + kvd]);
+                        seq.v_cache.store(l, p * kvd, &row[qr + kvd..qkvn]);
                     }
                     {
                         // Every row's heads in one pool dispatch (rows of different sequences read
                         // their own caches).
-                        let segs: &[Segment<'_, '_>] = segments;
-                        let (qkv, q_compact) = (&s.qkv, &s.q_compact);
-                        let (row_segment, row_position) = (&s.row_segment, &s.row_position);
-                        let row = |i: usize| {
-                            let seq = &*segs[row_segment[i]].seq;
-                            ops::AttentionRow {
-                                q: if gated {
-                                    &q_compact[i * qd..(i + 1) * qd]
-                                } else {
-                                    &qkv[i * qkvn..i * qkvn + qd]
-                                },
-                                k_cache: &seq.k_cache[l],
-                                v_cache: &seq.v_cache[l],
-                                last: row_position[i],
-                            }
-                        };
-                        let start = Instant::now();
-                        ops::attend_rows(
-                            ops::AttentionShape {
+                        let pass = LayerAttention {
+                            shape: ops::AttentionShape {
                                 heads: c.heads,
                                 kv_heads: c.kv_heads,
                                 hd,
                             },
-                            m,
-                            &row,
-                            &mut s.scores,
-                            &mut s.attn[..m * qd],
-                        );
+                            segments,
+                            layer: l,
+                            rows: m,
+                            q: if gated { &s.q_compact } else { &s.qkv },
+                            q_stride: if gated { qd } else { qkvn },
+                            row_segment: &s.row_segment,
+                            row_position: &s.row_position,
+                        };
+                        let out = &mut s.attn[..m * qd];
+                        let start = Instant::now();
+                        if self.w.f32_kv_cache {
+                            pass.run::<f32>(&mut s.scores, out);
+                        } else {
+                            pass.run::<f16>(&mut s.scores, out);
+                        }
                         self.stats.attention_time += start.elapsed();
                     }
                     if gated {
@@ -1526,6 +1631,37 @@ impl Model {
         }
         self.stats.pass_time += start.elapsed();
         Ok(())
+    }
+}
+
+/// One layer's attention for every row of a pass, each row over its own sequence's cache.
+struct LayerAttention<'p, 's, 'a, 'b> {
+    shape: ops::AttentionShape,
+    segments: &'s [Segment<'a, 'b>],
+    layer: usize,
+    rows: usize,
+    /// Row i's query heads are `q[i * q_stride..][..heads * hd]`.
+    q: &'p [f32],
+    q_stride: usize,
+    row_segment: &'p [usize],
+    row_position: &'p [usize],
+}
+
+impl LayerAttention<'_, '_, '_, '_> {
+    /// Every row's heads in one pool dispatch, over caches of element type `T` (the model's: the
+    /// batch was checked to match it).
+    fn run<T: CachedValue>(&self, scores: &mut [f32], out: &mut [f32]) {
+        let qd = self.shape.heads * self.shape.hd;
+        let row = |i: usize| {
+            let seq = &*self.segments[self.row_segment[i]].seq;
+            ops::AttentionRow {
+                q: &self.q[i * self.q_stride..i * self.q_stride + qd],
+                k_cache: T::layer(&seq.k_cache, self.layer),
+                v_cache: T::layer(&seq.v_cache, self.layer),
+                last: self.row_position[i],
+            }
+        };
+        ops::attend_rows(self.shape, self.rows, &row, scores, out);
     }
 }
 

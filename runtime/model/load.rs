@@ -790,6 +790,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
         embed: Box::new(embed),
         lm_head,
         backend: backend.to_string(),
+        f32_kv_cache: opts.exact,
         config: c,
     })
 }

@@ -191,6 +191,7 @@ pub fn load(
         embed: Box::new(embed),
         lm_head: Box::new(lm_head),
         backend: backend.to_string(),
+        f32_kv_cache: opts.exact,
         config: c,
     })
 }

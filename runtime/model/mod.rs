@@ -19,8 +19,8 @@ pub mod text;
 
 pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use forward::{
-    BatchOutput, CommitFault, Family, Layer, LayerStateView, Model, ModelWeights, PassStats,
-    ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
+    BatchOutput, CommitFault, Family, KvSlice, Layer, LayerStateView, Model, ModelWeights,
+    PassStats, ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
 };
 
 /// Errors of the model layer.

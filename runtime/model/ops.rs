@@ -1,5 +1,8 @@
 //! Host-side transformer operations of the fast path: RMSNorm, RoPE (HF half-split), SwiGLU,
-//! softmax, grouped-query attention over the f32 KV cache. No allocation: callers pass scratch.
+//! softmax, grouped-query attention over the KV cache (f16, or f32 for exact verification runs). No
+//! allocation: callers pass scratch.
+
+use half::f16;
 
 /// `out = x / rms(x) * w`, row by row (`x`, `out`: `[rows, w.len()]`).
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -114,16 +117,98 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// An element of a KV cache: f16 (the fast path's cache, llama.cpp's default: half the bytes of
+/// the attention stream) or f32 (exact runs, whose comparisons with the f64 reference would
+/// otherwise be dominated by f16 rounding). Conversions to f32 are exact.
+pub trait KvValue: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// Store one row of keys or values (f16: rounded to nearest even).
+    fn store_row(src: &[f32], dst: &mut [Self]);
+    /// Eight values at `p` as f32.
+    ///
+    /// # Safety
+    /// AVX2 and F16C available; 8 values readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvValue for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn store_row(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: 8 floats readable at p (caller contract).
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl KvValue for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn store_row(src: &[f32], dst: &mut [f16]) {
+        store_kv_row(src, dst);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: 16 readable bytes at p (caller contract).
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) })
+    }
+}
+
+/// [`dot`] of f32 values with cached ones (a query with a key), in the same order.
+#[inline]
+fn dot_kv<T: KvValue>(a: &[f32], b: &[T]) -> f32 {
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k].to_f32();
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y.to_f32();
+    }
+    s
+}
+
+/// Store one row of keys or values in an f16 KV cache (round to nearest even, as llama.cpp's f16
+/// cache does): with F16C eight at a time, otherwise one by one; the same bits either way.
+pub fn store_kv_row(src: &[f32], dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len(), "KV row width");
+    #[cfg(target_arch = "x86_64")]
+    if fast_attention_available() {
+        // SAFETY: AVX2/F16C available (`fast_attention_available`); equal lengths (asserted).
+        unsafe { avx2::store_f16(src, dst) };
+        return;
+    }
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = f16::from_f32(v);
+    }
+}
+
 /// One query row's attention for all heads.
 ///
 /// `q`: `[heads, hd]`; `k_cache`, `v_cache`: `[positions, kv_heads, hd]`; attends to positions
 /// `0..=last`; `scores`: scratch of at least `last + 1`; `out`: `[heads, hd]`.
 /// (A single-row [`attend_rows`]; the result is the same bits either way.)
 #[allow(clippy::too_many_arguments)]
-pub fn attend_row(
+pub fn attend_row<T: KvValue>(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
     heads: usize,
     kv_heads: usize,
     hd: usize,
@@ -161,10 +246,10 @@ pub struct AttentionShape {
 /// One query row of a batched attention: its query heads `[heads, hd]`, its sequence's caches
 /// (`[positions, kv_heads, hd]`) and the last position it attends to.
 #[derive(Clone, Copy)]
-pub struct AttentionRow<'a> {
+pub struct AttentionRow<'a, T> {
     pub q: &'a [f32],
-    pub k_cache: &'a [f32],
-    pub v_cache: &'a [f32],
+    pub k_cache: &'a [T],
+    pub v_cache: &'a [T],
     pub last: usize,
 }
 
@@ -179,10 +264,10 @@ pub struct AttentionRow<'a> {
 /// ([`attend_rows_split`]); tiny totals run on the caller. Every head's arithmetic is the same
 /// whichever path, thread or batch computes it, so a row's result does not depend on its batch.
 /// AVX2+FMA when the CPU has it ([`attend_head`] is the scalar reference).
-pub fn attend_rows<'a>(
+pub fn attend_rows<'a, T: KvValue>(
     shape: AttentionShape,
     rows: usize,
-    row: &(dyn Fn(usize) -> AttentionRow<'a> + Sync),
+    row: &(dyn Fn(usize) -> AttentionRow<'a, T> + Sync),
     scores: &mut [f32],
     out: &mut [f32],
 ) {
@@ -273,10 +358,10 @@ pub fn attend_rows<'a>(
 /// one thread reading a whole group while the other idles. The bits are those of [`attend_heads`]
 /// (see [`avx2`]).
 #[cfg(target_arch = "x86_64")]
-fn attend_rows_split<'a>(
+fn attend_rows_split<'a, T: KvValue>(
     g: HeadShape,
     rows: usize,
-    row: &(dyn Fn(usize) -> AttentionRow<'a> + Sync),
+    row: &(dyn Fn(usize) -> AttentionRow<'a, T> + Sync),
     out: &mut [f32],
     pool: &crate::kernels::pool::Pool,
 ) {
@@ -432,14 +517,14 @@ fn fast_attention_available() -> bool {
 /// `[count, hd]`, `scores` is `[count, n]` scratch.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-fn attend_heads(
+fn attend_heads<T: KvValue>(
     fast: bool,
     s: HeadShape,
     h0: usize,
     count: usize,
     qs: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
     scores: &mut [f32],
     out: &mut [f32],
 ) {
@@ -476,10 +561,10 @@ fn attend_heads(
 /// Scalar reference of one head: softmax(q·Kᵀ/√hd)·V over `scores.len()` positions, reading the
 /// KV head at column `k_off` of each `[kvd]` cache row.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_head(
+pub fn attend_head<T: KvValue>(
     qh: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
     kvd: usize,
     k_off: usize,
     hd: usize,
@@ -490,7 +575,7 @@ pub fn attend_head(
     let mut max = f32::NEG_INFINITY;
     for (t, s) in scores.iter_mut().enumerate() {
         let kt = &k_cache[t * kvd + k_off..t * kvd + k_off + hd];
-        *s = dot(qh, kt) * scale;
+        *s = dot_kv(qh, kt) * scale;
         max = max.max(*s);
     }
     let mut sum = 0f32;
@@ -504,7 +589,7 @@ pub fn attend_head(
         let w = p * inv;
         let vt = &v_cache[t * kvd + k_off..t * kvd + k_off + hd];
         for (o, &v) in oh.iter_mut().zip(vt) {
-            *o += w * v;
+            *o += w * v.to_f32();
         }
     }
 }
@@ -513,15 +598,39 @@ pub fn attend_head(
 /// every position's score, every head's softmax and every output column's value sum is computed
 /// by the same operations in the same order whichever piece or thread computes it.
 ///
-/// Why pieces: a cached position costs 2·hd·4 bytes of KV per KV head and only 4·hd FLOPs per
+/// Why pieces: a cached position costs 2·hd·2 bytes of KV (f16) per KV head and only 4·hd FLOPs per
 /// query head, so decode attention is bound by that traffic. Every piece reads each key and value
 /// row once for all the query heads of its KV head, and a decode row (only `kv_heads` groups) splits
 /// its positions (scores) and columns (values) between the threads, so each byte is read once
 /// per token by one core.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::KvValue;
+    use half::f16;
     use std::arch::x86_64::*;
     use std::ops::Range;
+
+    /// [`super::store_kv_row`] with `vcvtps2ph` (round to nearest even, like `f16::from_f32`).
+    ///
+    /// # Safety
+    /// AVX2 and F16C available; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn store_f16(src: &[f32], dst: &mut [f16]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let whole = src.len() / 8 * 8;
+        let (src, src_rest) = src.split_at(whole);
+        let (dst, dst_rest) = dst.split_at_mut(whole);
+        for (s, d) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)) {
+            // SAFETY: 8 floats readable at s, 8 halves (16 bytes) writable at d.
+            unsafe {
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.as_ptr()));
+                _mm_storeu_si128(d.as_mut_ptr() as *mut __m128i, h);
+            }
+        }
+        for (d, &v) in dst_rest.iter_mut().zip(src_rest) {
+            *d = f16::from_f32(v);
+        }
+    }
 
     /// Positions whose value rows are reused from L1 by every head of a group.
     const VALUE_BLOCK: usize = 32;
@@ -542,11 +651,11 @@ mod avx2 {
     /// `scores` is valid for writes at `h * n + t` for `h < count`, `t ∈ span`, and no other
     /// thread touches those floats meanwhile.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn group_scores(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn group_scores<T: KvValue>(
         qs: &[f32],
         count: usize,
-        k_cache: &[f32],
+        k_cache: &[T],
         (kvd, k_off, hd): (usize, usize, usize),
         n: usize,
         span: Range<usize>,
@@ -563,7 +672,7 @@ mod avx2 {
         let scale = _mm_set1_ps(1.0 / (hd as f32).sqrt());
         let mut t = span.start;
         while t < span.end {
-            let keys: [*const f32; BLOCK] =
+            let keys: [*const T; BLOCK] =
                 std::array::from_fn(|j| k_cache[(t + j).min(n - 1) * kvd + k_off..].as_ptr());
             let valid = (span.end - t).min(BLOCK);
             for h in 0..count {
@@ -576,7 +685,7 @@ mod avx2 {
                     unsafe {
                         let qv = _mm256_loadu_ps(q.add(c));
                         for (a, k) in acc.iter_mut().zip(keys) {
-                            *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add(c)), *a);
+                            *a = _mm256_fmadd_ps(qv, T::load8(k.add(c)), *a);
                         }
                     }
                     c += 8;
@@ -614,11 +723,11 @@ mod avx2 {
     /// both ends multiples of 8; `out` is valid for writes at `h * hd + c` for `h < count`,
     /// `c ∈ cols`, and no other thread touches those floats meanwhile.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn group_values(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn group_values<T: KvValue>(
         probs: &[f32],
         count: usize,
-        v_cache: &[f32],
+        v_cache: &[T],
         (kvd, k_off, hd): (usize, usize, usize),
         n: usize,
         cols: Range<usize>,
@@ -645,9 +754,9 @@ mod avx2 {
             unsafe {
                 let o = out.add(c0);
                 match width {
-                    64 => value_columns::<8>(probs, count, n, v0, kvd, o, hd),
-                    32 => value_columns::<4>(probs, count, n, v0, kvd, o, hd),
-                    _ => value_columns::<1>(probs, count, n, v0, kvd, o, hd),
+                    64 => value_columns::<T, 8>(probs, count, n, v0, kvd, o, hd),
+                    32 => value_columns::<T, 4>(probs, count, n, v0, kvd, o, hd),
+                    _ => value_columns::<T, 1>(probs, count, n, v0, kvd, o, hd),
                 }
             }
             c0 += width;
@@ -660,12 +769,12 @@ mod avx2 {
     /// As [`group_values`]: `8 · VECS` floats readable at `v0 + t · kvd` for `t < n` and writable
     /// at `out + h · hd` for `h < count`.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn value_columns<const VECS: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn value_columns<T: KvValue, const VECS: usize>(
         probs: &[f32],
         count: usize,
         n: usize,
-        v0: *const f32,
+        v0: *const T,
         kvd: usize,
         out: *mut f32,
         hd: usize,
@@ -689,7 +798,7 @@ mod avx2 {
                     let v = unsafe { v0.add(t * kvd) };
                     for (j, a) in acc.iter_mut().enumerate() {
                         // SAFETY: as above, j < VECS.
-                        *a = _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.add(8 * j)) }, *a);
+                        *a = _mm256_fmadd_ps(w, unsafe { T::load8(v.add(8 * j)) }, *a);
                     }
                 }
                 for (j, a) in acc.iter().enumerate() {
@@ -744,15 +853,15 @@ mod tests {
     fn attention_single_key_returns_value_and_gqa_groups() {
         // 2 heads share 1 kv head; one position → output = v.
         let q = [1.0f32, 0.0, 0.0, 1.0];
-        let k = [0.5f32, 0.5];
-        let v = [7.0f32, -1.0];
+        let k = halves(&[0.5, 0.5]);
+        let v = halves(&[7.0, -1.0]);
         let mut sc = [0f32; 1];
         let mut out = [0f32; 4];
         attend_row(&q, &k, &v, 2, 1, 2, 0, &mut sc, &mut out);
         assert_eq!(out, [7.0, -1.0, 7.0, -1.0]);
         // Two positions with equal scores average the values.
-        let k2 = [1.0f32, 0.0, 1.0, 0.0];
-        let v2 = [2.0f32, 0.0, 4.0, 2.0];
+        let k2 = halves(&[1.0, 0.0, 1.0, 0.0]);
+        let v2 = halves(&[2.0, 0.0, 4.0, 2.0]);
         let mut sc = [0f32; 2];
         let mut out = [0f32; 2];
         attend_row(&[0.0, 1.0], &k2, &v2, 1, 1, 2, 1, &mut sc, &mut out);
@@ -792,6 +901,38 @@ mod tests {
         }
     }
 
+    /// f16 cache values (test values here are exact in f16 or rounded on purpose).
+    fn halves(v: &[f32]) -> Vec<f16> {
+        v.iter().map(|&x| f16::from_f32(x)).collect()
+    }
+
+    #[test]
+    fn kv_rows_are_stored_as_f16_rounded_to_nearest_even() {
+        // Hand values: 1 + 2^-11 is halfway between 1 and the next f16 (1 + 2^-10): ties go to
+        // the even 1.0; 1 + 3·2^-11 goes up to 1 + 2^-9 (even); 65520 overflows to infinity;
+        // 2^-24 is the smallest f16 subnormal; 2^-26 rounds to zero.
+        let hand = [
+            (1.0 + 2f32.powi(-11), 1.0),
+            (1.0 + 3.0 * 2f32.powi(-11), 1.0 + 2f32.powi(-9)),
+            (65520.0, f32::INFINITY),
+            (-2f32.powi(-24), -2f32.powi(-24)),
+            (2f32.powi(-26), 0.0),
+            (0.1, 0.099975586),
+        ];
+        // 13 values: one full 8-lane chunk and a 5-value tail.
+        let mut src: Vec<f32> = hand.iter().map(|h| h.0).collect();
+        let mut next = uniform_values(0x1d8e_4e27_c47d_124f);
+        src.extend((0..7).map(|_| 1000.0 * next()));
+        let mut got = vec![f16::ZERO; src.len()];
+        store_kv_row(&src, &mut got);
+        for (i, &(_, want)) in hand.iter().enumerate() {
+            assert_eq!(got[i].to_f32(), want, "value {i}");
+        }
+        for (i, (&g, &x)) in got.iter().zip(&src).enumerate() {
+            assert_eq!(g.to_bits(), f16::from_f32(x).to_bits(), "value {i}: {x}");
+        }
+    }
+
     /// Deterministic test values in [-0.5, 0.5) (xorshift64).
     fn uniform_values(mut seed: u64) -> impl FnMut() -> f32 {
         move || {
@@ -808,8 +949,8 @@ mod tests {
     fn assert_heads_match_reference(
         out: &[f32],
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        k: &[f16],
+        v: &[f16],
         heads: usize,
         kv_heads: usize,
         hd: usize,
@@ -838,8 +979,8 @@ mod tests {
         let kvd = kv_heads * hd;
         let mut next = uniform_values(0x9e37_79b9_7f4a_7c15);
         let q: Vec<f32> = (0..heads * hd).map(|_| 4.0 * next()).collect();
-        let k: Vec<f32> = (0..n * kvd).map(|_| next()).collect();
-        let v: Vec<f32> = (0..n * kvd).map(|_| next()).collect();
+        let k: Vec<f16> = (0..n * kvd).map(|_| f16::from_f32(next())).collect();
+        let v: Vec<f16> = (0..n * kvd).map(|_| f16::from_f32(next())).collect();
         let mut scores = vec![0f32; n];
         let mut out = vec![0f32; heads * hd];
         attend_row(
@@ -865,11 +1006,11 @@ mod tests {
             let (heads, kv_heads) = (6, 2);
             let kvd = kv_heads * hd;
             let mut next = uniform_values(0x2545_f491_4f6c_dd1d);
-            let caches: Vec<(Vec<f32>, Vec<f32>)> = [3usize, 203]
+            let caches: Vec<(Vec<f16>, Vec<f16>)> = [3usize, 203]
                 .iter()
                 .map(|&n| {
-                    let k = (0..n * kvd).map(|_| next()).collect();
-                    let v = (0..n * kvd).map(|_| next()).collect();
+                    let k = (0..n * kvd).map(|_| f16::from_f32(next())).collect();
+                    let v = (0..n * kvd).map(|_| f16::from_f32(next())).collect();
                     (k, v)
                 })
                 .collect();

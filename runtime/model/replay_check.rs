@@ -77,8 +77,9 @@ fn copy_state(seq: &SequenceState) -> Vec<LayerCopy> {
         .map(|v| {
             let mut kv = Vec::new();
             if let (Some(k), Some(vv)) = (v.keys, v.values) {
-                kv.extend_from_slice(k);
-                kv.extend_from_slice(vv);
+                // Widening to f32 is exact: the comparison sees the cached values.
+                kv.extend(k.to_f32_vec());
+                kv.extend(vv.to_f32_vec());
             }
             LayerCopy {
                 kv,
