@@ -102,21 +102,7 @@ fn swiglu_span(gate_up: &[f32], inter: usize, span: std::ops::Range<usize>, out:
 
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise.
-    let mut acc = [0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
+    dot_kv(a, b)
 }
 
 /// An element of a KV cache: f16 (the fast path's cache, llama.cpp's default: half the bytes of
@@ -124,8 +110,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// otherwise be dominated by f16 rounding). Conversions to f32 are exact.
 pub trait KvValue: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
-    /// Store one row of keys or values (f16: rounded to nearest even).
-    fn store_row(src: &[f32], dst: &mut [Self]);
     /// Eight values at `p` as f32.
     ///
     /// # Safety
@@ -137,9 +121,6 @@ pub trait KvValue: Copy + Send + Sync + 'static {
 impl KvValue for f32 {
     fn to_f32(self) -> f32 {
         self
-    }
-    fn store_row(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
     }
     #[cfg(target_arch = "x86_64")]
     #[inline]
@@ -154,9 +135,6 @@ impl KvValue for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
-    fn store_row(src: &[f32], dst: &mut [f16]) {
-        store_kv_row(src, dst);
-    }
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -167,7 +145,8 @@ impl KvValue for f16 {
     }
 }
 
-/// [`dot`] of f32 values with cached ones (a query with a key), in the same order.
+/// The dot product of f32 values with f32 or cached ones (a query with a key): eight independent
+/// accumulators, which let the compiler vectorise.
 #[inline]
 fn dot_kv<T: KvValue>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0f32; 8];
