@@ -407,6 +407,14 @@ fn kv_cache_types_follow_the_model_and_a_mismatch_is_refused() {
         matches!(&e, Some(ModelError::State { what }) if what.contains("f16 KV cache") && what.contains("keeping f32")),
         "{e:?}"
     );
+    // prefill_sequence checks the state it is given the same way.
+    let e = fast
+        .prefill_sequence(&mut exact_state, &next, 0, &mut |_, _| {})
+        .err();
+    assert!(
+        matches!(&e, Some(ModelError::State { what }) if what.contains("f32 KV cache")),
+        "{e:?}"
+    );
     // Both states are still usable by their own models.
     fast.step_sequences(&mut [(&mut fast_state, &next[..])])
         .unwrap();

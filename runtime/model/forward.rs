@@ -1088,25 +1088,7 @@ impl Model {
                     max: max_rows,
                 });
             }
-            if seq.layers() != self.run_layers {
-                return Err(ModelError::State {
-                    what: format!(
-                        "a sequence state of {} layers given to a model running {}",
-                        seq.layers(),
-                        self.run_layers
-                    ),
-                });
-            }
-            if seq.k_cache.is_f32() != self.w.f32_kv_cache {
-                let name = |f32_cache: bool| if f32_cache { "f32" } else { "f16" };
-                return Err(ModelError::State {
-                    what: format!(
-                        "a sequence state with an {} KV cache given to a model keeping {}",
-                        name(seq.k_cache.is_f32()),
-                        name(self.w.f32_kv_cache)
-                    ),
-                });
-            }
+            self.check_state_fits(seq)?;
             seq.check_tokens(tokens, self.w.config.vocab)?;
         }
         Ok(rows)
@@ -1141,6 +1123,30 @@ impl Model {
         )
     }
 
+    /// Is `seq` a state this model can run: its layers, and its KV cache of the model's type?
+    fn check_state_fits(&self, seq: &SequenceState) -> Result<(), ModelError> {
+        if seq.layers() != self.run_layers {
+            return Err(ModelError::State {
+                what: format!(
+                    "a sequence state of {} layers given to a model running {}",
+                    seq.layers(),
+                    self.run_layers
+                ),
+            });
+        }
+        if seq.k_cache.is_f32() != self.w.f32_kv_cache {
+            let name = |f32_cache: bool| if f32_cache { "f32" } else { "f16" };
+            return Err(ModelError::State {
+                what: format!(
+                    "a sequence state with an {} KV cache given to a model keeping {}",
+                    name(seq.k_cache.is_f32()),
+                    name(self.w.f32_kv_cache)
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Feed `tokens` of a server-held sequence in chunks of ≤ 128 rows (see [`Model::prefill_with`]).
     pub fn prefill_sequence(
         &mut self,
@@ -1149,6 +1155,8 @@ impl Model {
         first_logit_row: usize,
         on_logits: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), ModelError> {
+        // The model's own state always fits; a caller's must be checked before it stands in.
+        self.check_state_fits(seq)?;
         std::mem::swap(&mut self.seq, seq);
         let r = self.prefill_with(tokens, first_logit_row, on_logits);
         std::mem::swap(&mut self.seq, seq);
