@@ -186,6 +186,47 @@ fn perplexity_json_and_bench_json() {
     );
     let f = part("projection_fraction_of_bandwidth");
     assert!(f > 0.0 && f >= part("fraction_of_limit"), "{v}");
+    // Four streams per batched pass: the split is per pass, a token's share a quarter of it, and
+    // a pass (four tokens) takes at least its three parts.
+    let (ok, out, err) = xdna(&[
+        "bench",
+        "decode",
+        "--model",
+        &g,
+        "--json",
+        "--runs",
+        "1",
+        "--prompt-tokens",
+        "16",
+        "--decode-tokens",
+        "8",
+        "--probe-mib",
+        "64",
+        "--streams",
+        "4",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let part = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
+    assert_eq!(v["streams"], 4, "{v}");
+    let (projection, attention, other) = (
+        part("projection_ms_per_pass"),
+        part("attention_ms_per_pass"),
+        part("other_ms_per_pass"),
+    );
+    assert!(projection > 0.0 && attention > 0.0 && other >= 0.0, "{v}");
+    assert!((part("attention_ms_per_token") - attention / 4.0).abs() <= 1e-9 * attention);
+    let per_pass_ms = 4.0 * 1e3 / part("decode_tok_s");
+    assert!(
+        projection + attention + other <= per_pass_ms * 1.0001,
+        "{projection} + {attention} + {other} ms > {per_pass_ms} ms per pass: {v}"
+    );
+    // Passes per second against one weight sweep at the probe's bandwidth.
+    let passes_per_limit = part("decode_tok_s") / 4.0 / part("limit_tok_s");
+    assert!(
+        (part("fraction_of_limit") - passes_per_limit).abs() <= 1e-9,
+        "{v}"
+    );
 }
 
 /// `--exact` runs the projections at reference precision: on this chat prompt the fast q8 path
@@ -317,6 +358,13 @@ fn benches_reject_bad_sizes_by_name() {
     assert!(!ok && err.contains("--probe-mib"), "{err}");
     let (ok, _, err) = xdna(&["bench", "decode", "--decode-tokens", "0"]);
     assert!(!ok && err.contains("--decode-tokens"), "{err}");
+    for bad in ["0", "17"] {
+        let (ok, _, err) = xdna(&["bench", "decode", "--streams", bad]);
+        assert!(
+            !ok && err.contains("--streams") && err.contains(bad),
+            "{err}"
+        );
+    }
 }
 
 /// `xdna perplexity --reference [--reference-q8 LIST]`: the slow reference forward through the CLI,

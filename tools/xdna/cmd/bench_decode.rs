@@ -4,11 +4,16 @@
 //! So every run is paired with its own bandwidth probe, taken just before it, and the fraction of
 //! the limit is the median of the runs' own fractions (decode tok/s over that run's limit), not
 //! one run's speed over another moment's bandwidth.
+//!
+//! With `--streams N` (2..=16) every run decodes N sequences at once, one row each per batched
+//! pass (the server's decode step): the time split is then per pass, and the fraction of the limit
+//! compares passes per second with one weight sweep at the probe's bandwidth.
 
 use std::path::PathBuf;
 use std::time::Instant;
 use xdna::model::load::{open_model, Backend, LoadOptions};
 use xdna::model::sample::argmax;
+use xdna::model::{Model, SequenceState, MAX_VERIFY_ROWS};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -36,6 +41,9 @@ pub struct Args {
     /// MiB streamed by each run's bandwidth probe (best of 3 passes).
     #[arg(long, default_value_t = 512)]
     probe_mib: usize,
+    /// Sequences decoded at once, one row each per batched pass (1..=16).
+    #[arg(long, default_value_t = 1)]
+    streams: usize,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -67,6 +75,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "--decode-tokens 0: a decode benchmark needs at least one decoded token".into(),
         ));
     }
+    if args.streams == 0 || args.streams > MAX_VERIFY_ROWS {
+        return Err(xdna::Error::Usage(format!(
+            "--streams {} must be between 1 and {MAX_VERIFY_ROWS} (one batched pass)",
+            args.streams
+        )));
+    }
     let ctx = args
         .prompt_tokens
         .saturating_add(args.decode_tokens)
@@ -90,21 +104,28 @@ pub fn run(args: Args) -> xdna::Result<()> {
     for _ in 0..args.runs.max(1) {
         // The same pool the kernels run on; the best pass is the attainable roofline.
         let bw = xdna::kernels::bandwidth::read_bandwidth(args.probe_mib << 20, 3).best_gbs * 1e9;
-        model.reset();
-        let t0 = Instant::now();
-        let mut next = argmax(model.prefill(&prompt)?);
-        pre.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
-        let before = model.stats();
-        let t1 = Instant::now();
-        for _ in 0..args.decode_tokens {
-            next = argmax(model.step(next)?);
-        }
-        let decode = args.decode_tokens as f64 / t1.elapsed().as_secs_f64();
-        let after = model.stats();
-        let per_token = |d: std::time::Duration| d.as_secs_f64() * 1e3 / args.decode_tokens as f64;
-        let projection_ms = per_token(after.projection_time - before.projection_time);
-        let attention_ms = per_token(after.attention_time - before.attention_time);
-        let pass_ms = per_token(after.pass_time - before.pass_time);
+        let (prefill_tok_s, passes_s, before, after) = if args.streams == 1 {
+            model.reset();
+            let t0 = Instant::now();
+            let mut next = argmax(model.prefill(&prompt)?);
+            let prefill_tok_s = prompt.len() as f64 / t0.elapsed().as_secs_f64();
+            let before = model.stats();
+            let t1 = Instant::now();
+            for _ in 0..args.decode_tokens {
+                next = argmax(model.step(next)?);
+            }
+            let passes_s = args.decode_tokens as f64 / t1.elapsed().as_secs_f64();
+            (prefill_tok_s, passes_s, before, model.stats())
+        } else {
+            decode_streams(&mut model, &prompt, args.streams, args.decode_tokens, ctx)?
+        };
+        pre.push(prefill_tok_s);
+        let decode = passes_s * args.streams as f64;
+        // A pass decodes one token of every stream.
+        let per_pass = |d: std::time::Duration| d.as_secs_f64() * 1e3 / args.decode_tokens as f64;
+        let projection_ms = per_pass(after.projection_time - before.projection_time);
+        let attention_ms = per_pass(after.attention_time - before.attention_time);
+        let pass_ms = per_pass(after.pass_time - before.pass_time);
         projection.push(projection_ms);
         attention.push(attention_ms);
         other.push(pass_ms - projection_ms - attention_ms);
@@ -112,10 +133,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
         // this run's probe.
         projection_fracs.push(bytes / (projection_ms * 1e-3) / bw);
         dec.push(decode);
-        fracs.push(decode / (bw / bytes));
+        fracs.push(passes_s / (bw / bytes));
         bws.push(bw);
     }
     let (decode_runs, fraction_runs) = (dec.clone(), fracs.clone());
+    let streams = args.streams as f64;
     let (projection_ms, attention_ms, other_ms) = (
         median(&mut projection),
         median(&mut attention),
@@ -137,8 +159,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 "weight_bytes_per_token": bytes as u64, "runs": args.runs.max(1),
                 "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
                 "threads": threads, "backend": model.weights().backend,
-                "projection_ms_per_token": projection_ms, "attention_ms_per_token": attention_ms,
-                "other_ms_per_token": other_ms,
+                "streams": args.streams,
+                "projection_ms_per_pass": projection_ms, "attention_ms_per_pass": attention_ms,
+                "other_ms_per_pass": other_ms,
+                "projection_ms_per_token": projection_ms / streams,
+                "attention_ms_per_token": attention_ms / streams,
+                "other_ms_per_token": other_ms / streams,
                 "projection_fraction_of_bandwidth": projection_frac,
             })
         );
@@ -159,15 +185,58 @@ pub fn run(args: Args) -> xdna::Result<()> {
             .map(|f| format!("{:.1}%", 100.0 * f))
             .collect();
         println!("{:<28} {:>12}", "fraction per run", runs.join(" "));
-        println!("{:<28} {:>12.3}", "projections ms/token", projection_ms);
+        println!("{:<28} {:>12}", "streams", args.streams);
+        println!("{:<28} {:>12.3}", "projections ms/pass", projection_ms);
         println!(
             "{:<28} {:>11.1}%",
             "projections at bandwidth",
             100.0 * projection_frac
         );
-        println!("{:<28} {:>12.3}", "attention ms/token", attention_ms);
-        println!("{:<28} {:>12.3}", "rest of a pass ms/token", other_ms);
+        println!("{:<28} {:>12.3}", "attention ms/pass", attention_ms);
+        println!("{:<28} {:>12.3}", "rest of a pass ms/pass", other_ms);
         println!("{:<28} {:>12}", "backend", model.weights().backend);
     }
     Ok(())
+}
+
+/// `streams` sequences prefilled with `prompt` one after another, then `decode_tokens` batched
+/// passes of one greedy row each: (prefill tok/s, passes/s, stats before and after the passes).
+fn decode_streams(
+    model: &mut Model,
+    prompt: &[u32],
+    streams: usize,
+    decode_tokens: usize,
+    ctx: usize,
+) -> xdna::Result<(f64, f64, xdna::model::PassStats, xdna::model::PassStats)> {
+    let mut states: Vec<SequenceState> = (0..streams)
+        .map(|_| model.new_sequence(ctx))
+        .collect::<Result<_, _>>()?;
+    let mut next = vec![0u32; streams];
+    let t0 = Instant::now();
+    for (state, token) in states.iter_mut().zip(&mut next) {
+        let last = prompt.len() - 1;
+        model.prefill_sequence(state, prompt, last, &mut |_, logits| {
+            *token = argmax(logits)
+        })?;
+    }
+    let prefill_tok_s = (streams * prompt.len()) as f64 / t0.elapsed().as_secs_f64();
+    let before = model.stats();
+    let t1 = Instant::now();
+    for _ in 0..decode_tokens {
+        let feeds: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut batch: Vec<(&mut SequenceState, &[u32])> = states
+            .iter_mut()
+            .zip(&feeds)
+            .map(|(state, feed)| (state, &feed[..]))
+            .collect();
+        let out = model.step_sequences(&mut batch)?;
+        for (i, token) in next.iter_mut().enumerate() {
+            *token = argmax(out.logits(i));
+        }
+        for state in states.iter_mut() {
+            model.commit_sequence(state, 1)?;
+        }
+    }
+    let passes_s = decode_tokens as f64 / t1.elapsed().as_secs_f64();
+    Ok((prefill_tok_s, passes_s, before, model.stats()))
 }
