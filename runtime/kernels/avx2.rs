@@ -669,10 +669,10 @@ mod imp {
 
     /// The 8 quads × 4 slots of `maddubs` of one group for two activation rows, in assembly: each
     /// weight vector is loaded once and feeds both rows, and the 8 i16 sums, 2 broadcasts, the
-    /// weight and 2 products fit the 16 AVX2 registers (13 used). Compiled from intrinsics, LLVM
-    /// reloads the weights per row and keeps a few of them hoisted across rows, which ran ~30 %
-    /// slower in a cache-resident microbenchmark on Zen 3. i16 sums are exact (|Σ| ≤ 30480), so the
-    /// order of the adds does not change them.
+    /// weight and 2 products fit the 16 AVX2 registers (13 used). The one-row intrinsics loop it
+    /// replaces reloaded every weight vector per row; this one is ~5 % faster cache-resident on
+    /// Zen 3 (docs/performance.md). i16 sums are exact (|Σ| ≤ 30480), so the order of the adds does
+    /// not change them.
     ///
     /// # Safety
     /// AVX2 available; `rows[r]` points at 32 readable activation codes.
