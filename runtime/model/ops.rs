@@ -242,7 +242,8 @@ pub struct AttentionRow<'a, T> {
 /// Every (row, KV head) group is independent, so all of them go over the kernels' worker pool in
 /// ONE dispatch (a per-row dispatch would cost `rows` pool handoffs per layer); a batch with fewer
 /// groups than twice the threads (a decode row) is split finer, by positions and columns
-/// ([`attend_rows_split`]); tiny totals run on the caller. Every head's arithmetic is the same
+/// ([`attend_rows_split`]); a larger batch on the AVX2 path claims whole rows, so a row's keys are
+/// read in cache-row order ([`attend_rows_whole`]); tiny totals run on the caller. Every head's arithmetic is the same
 /// whichever path, thread or batch computes it, so a row's result does not depend on its batch.
 /// AVX2+FMA when the CPU has it ([`attend_head`] is the scalar reference).
 pub fn attend_rows<'a, T: KvValue>(
@@ -282,6 +283,11 @@ pub fn attend_rows<'a, T: KvValue>(
     #[cfg(target_arch = "x86_64")]
     if fast && hd % 8 == 0 && heads % kv_heads == 0 && rows * kv_heads < 2 * pool.threads() {
         attend_rows_split(geometry, rows, row, out, pool);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if fast && hd % 8 == 0 && heads % kv_heads == 0 {
+        attend_rows_whole(geometry, rows, row, out, pool);
         return;
     }
     // Claim units: the query heads sharing one KV head of one row (its keys and values are then
@@ -456,6 +462,75 @@ fn attend_rows_split<'a, T: KvValue>(
                     }
                 }
             });
+        });
+    });
+}
+
+/// [`attend_rows`] for a batch of rows, one row per claim: its keys are read whole cache row by
+/// cache row (every KV head of 16 positions at a time, as [`attend_rows_split`] does), then its
+/// values KV head by KV head. The bits are those of [`attend_heads`].
+#[cfg(target_arch = "x86_64")]
+fn attend_rows_whole<'a, T: KvValue>(
+    g: HeadShape,
+    rows: usize,
+    row: &(dyn Fn(usize) -> AttentionRow<'a, T> + Sync),
+    out: &mut [f32],
+    pool: &crate::kernels::pool::Pool,
+) {
+    let (hd, kv_heads) = (g.hd, g.kvd / g.hd);
+    let heads = kv_heads * g.group;
+    let counter = crate::kernels::pool::ChunkCounter::new(rows, rows, 1);
+    let out_ptr = SharedF32(out.as_mut_ptr());
+    pool.run(&|_, _| {
+        HEAD_SCORES.with(|cell| {
+            let mut scores = cell.borrow_mut();
+            while let Some(range) = counter.claim() {
+                for i in range {
+                    let r = row(i);
+                    let n = r.last + 1;
+                    if scores.len() < heads * n {
+                        scores.resize(heads * n, 0.0);
+                    }
+                    let scores = &mut scores[..heads * n];
+                    for t in (0..n).step_by(16) {
+                        let block = t..(t + 16).min(n);
+                        for kv in 0..kv_heads {
+                            let h0 = kv * g.group;
+                            // SAFETY: AVX2/FMA available (caller); `scores` holds `[heads, n]`.
+                            unsafe {
+                                avx2::group_scores(
+                                    &r.q[h0 * hd..],
+                                    g.group,
+                                    r.k_cache,
+                                    (g.kvd, kv * hd, hd),
+                                    n,
+                                    block.clone(),
+                                    scores.as_mut_ptr().add(h0 * n),
+                                )
+                            };
+                        }
+                    }
+                    for head in scores.chunks_exact_mut(n) {
+                        softmax_in_place(head);
+                    }
+                    for kv in 0..kv_heads {
+                        let h0 = kv * g.group;
+                        // SAFETY: AVX2/FMA available (caller); `out` holds `rows * heads * hd`
+                        // floats and row i (claimed by this thread alone) owns its heads'.
+                        unsafe {
+                            avx2::group_values(
+                                &scores[h0 * n..(h0 + g.group) * n],
+                                g.group,
+                                r.v_cache,
+                                (g.kvd, kv * hd, hd),
+                                n,
+                                0..hd,
+                                out_ptr.get().add((i * heads + h0) * hd),
+                            )
+                        };
+                    }
+                }
+            }
         });
     });
 }
