@@ -632,38 +632,52 @@ mod imp {
         // SAFETY (closure): row < act.rows and gg < groups: the row's 32 codes of group gg are
         // readable (4 at each of a, a + 4, …, a + 28).
         let codes = |row: usize| unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
-        let finish = |i: usize, row: usize, sum16: [__m256i; 4], out: &mut [f32]| {
-            let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-            let dots = sum16.map(|sum| _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)));
-            // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
-            unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
-        };
-        let m = rows.len();
-        let mut i = 0;
-        while i + 2 <= m {
-            let row = rows.start + i;
+        in_row_pairs(
+            rows,
             // SAFETY: both rows are inside `act` (caller contract), so 32 codes each (above).
-            let [sum_a, sum_b] =
-                unsafe { maddubs_quads_2_rows(unpacked, [codes(row), codes(row + 1)]) };
-            finish(i, row, sum_a, out);
-            finish(i + 1, row + 1, sum_b, out);
+            |row| unsafe { maddubs_quads_2_rows(unpacked, [codes(row), codes(row + 1)]) },
+            |row| {
+                let a = codes(row);
+                // SAFETY: 4 codes at a + 4·quad (quad < 8), as above.
+                let x0 = unsafe { broadcast4(a) };
+                let mut sum16: [__m256i; 4] =
+                    std::array::from_fn(|slot| _mm256_maddubs_epi16(unpacked[0][slot], x0));
+                for (quad, w) in unpacked.iter().enumerate().skip(1) {
+                    // SAFETY: as above.
+                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+                    for (sum, w_slot) in sum16.iter_mut().zip(w) {
+                        *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(*w_slot, x4));
+                    }
+                }
+                sum16
+            },
+            |i, row, sum16| {
+                let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
+                let dots = sum16.map(|sum| _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)));
+                // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
+                unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
+            },
+        );
+    }
+
+    /// Rows `rows` two at a time through `two` and an odd last one through `one`; `finish(i, row,
+    /// sums)` then takes each row's sums, in row order (`i` counts from 0).
+    #[inline(always)]
+    fn in_row_pairs<S>(
+        rows: std::ops::Range<usize>,
+        two: impl Fn(usize) -> [S; 2],
+        one: impl Fn(usize) -> S,
+        mut finish: impl FnMut(usize, usize, S),
+    ) {
+        let mut i = 0;
+        while i + 2 <= rows.len() {
+            let [first, second] = two(rows.start + i);
+            finish(i, rows.start + i, first);
+            finish(i + 1, rows.start + i + 1, second);
             i += 2;
         }
-        if i < m {
-            let row = rows.start + i;
-            let a = codes(row);
-            // SAFETY: 4 codes at a + 4·quad (quad < 8), as above.
-            let x0 = unsafe { broadcast4(a) };
-            let mut sum16: [__m256i; 4] =
-                std::array::from_fn(|slot| _mm256_maddubs_epi16(unpacked[0][slot], x0));
-            for (quad, w) in unpacked.iter().enumerate().skip(1) {
-                // SAFETY: as above.
-                let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                for (sum, w_slot) in sum16.iter_mut().zip(w) {
-                    *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(*w_slot, x4));
-                }
-            }
-            finish(i, row, sum16, out);
+        if i < rows.len() {
+            finish(i, rows.start + i, one(rows.start + i));
         }
     }
 
@@ -1131,35 +1145,28 @@ mod imp {
         // SAFETY (closure): row < act.rows and gg < groups: the row's 32 codes of group gg are
         // readable.
         let codes = |row: usize| unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
-        let finish = |i: usize, row: usize, sum32: [__m256i; 4], out: &mut [f32]| {
-            let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-            let dots = sum32.map(|sum| _mm256_cvtepi32_ps(sum));
-            // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
-            unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
-        };
-        let m = rows.len();
-        let mut i = 0;
-        while i + 2 <= m {
-            let row = rows.start + i;
+        in_row_pairs(
+            rows,
             // SAFETY: both rows are inside `act` (caller contract), so 32 codes each (above).
-            let [sum_a, sum_b] =
-                unsafe { q8_sign_quads_2_rows(unpacked, [codes(row), codes(row + 1)]) };
-            finish(i, row, sum_a, out);
-            finish(i + 1, row + 1, sum_b, out);
-            i += 2;
-        }
-        if i < m {
-            let row = rows.start + i;
-            let a = codes(row);
-            let mut sum32 = [_mm256_setzero_si256(); 4];
-            for (quad, [w, magnitude]) in unpacked.iter().enumerate() {
-                // SAFETY: 4 codes at a + 4·quad (quad < 8).
-                let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                // SAFETY: AVX2 available (caller contract).
-                unsafe { q8_quad_dot(w, magnitude, x4, &mut sum32) };
-            }
-            finish(i, row, sum32, out);
-        }
+            |row| unsafe { q8_sign_quads_2_rows(unpacked, [codes(row), codes(row + 1)]) },
+            |row| {
+                let a = codes(row);
+                let mut sum32 = [_mm256_setzero_si256(); 4];
+                for (quad, [w, magnitude]) in unpacked.iter().enumerate() {
+                    // SAFETY: 4 codes at a + 4·quad (quad < 8).
+                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+                    // SAFETY: AVX2 available (caller contract).
+                    unsafe { q8_quad_dot(w, magnitude, x4, &mut sum32) };
+                }
+                sum32
+            },
+            |i, row, sum32| {
+                let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
+                let dots = sum32.map(|sum| _mm256_cvtepi32_ps(sum));
+                // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
+                unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
+            },
+        );
     }
 
     /// [`q8_quad_dot`] over a group's 8 quads for two activation rows, in assembly: each code and

@@ -388,28 +388,10 @@ fn attend_rows_split<'a, T: KvValue>(
                     }
                     let (r, n) = (row(i), positions(i));
                     let span = s * span_len(i)..((s + 1) * span_len(i)).min(n);
-                    // Every KV head of 16 positions at a time: whole cache rows, read in order.
-                    for t in span.clone().step_by(16) {
-                        let block = t..(t + 16).min(span.end);
-                        for kv in 0..kv_heads {
-                            let h0 = kv * g.group;
-                            // SAFETY: AVX2/FMA available (caller); `buf` holds every row's
-                            // `[heads, n]` scores from base(i), and this unit alone writes
-                            // positions `span` of them, while the job runs inside the borrow
-                            // of `buf`.
-                            unsafe {
-                                avx2::group_scores(
-                                    &r.q[h0 * hd..],
-                                    g.group,
-                                    r.k_cache,
-                                    (g.kvd, kv * hd, hd),
-                                    n,
-                                    block.clone(),
-                                    scores.get().add(base(i) + h0 * n),
-                                )
-                            };
-                        }
-                    }
+                    // SAFETY: AVX2/FMA available (caller); `buf` holds every row's `[heads, n]`
+                    // scores from base(i), and this unit alone writes positions `span` of them,
+                    // while the job runs inside the borrow of `buf`.
+                    unsafe { scores_in_cache_row_order(g, &r, span, scores.get().add(base(i))) };
                 }
             }
         });
@@ -492,24 +474,8 @@ fn attend_rows_whole<'a, T: KvValue>(
                         scores.resize(heads * n, 0.0);
                     }
                     let scores = &mut scores[..heads * n];
-                    for t in (0..n).step_by(16) {
-                        let block = t..(t + 16).min(n);
-                        for kv in 0..kv_heads {
-                            let h0 = kv * g.group;
-                            // SAFETY: AVX2/FMA available (caller); `scores` holds `[heads, n]`.
-                            unsafe {
-                                avx2::group_scores(
-                                    &r.q[h0 * hd..],
-                                    g.group,
-                                    r.k_cache,
-                                    (g.kvd, kv * hd, hd),
-                                    n,
-                                    block.clone(),
-                                    scores.as_mut_ptr().add(h0 * n),
-                                )
-                            };
-                        }
-                    }
+                    // SAFETY: AVX2/FMA available (caller); `scores` holds `[heads, n]`.
+                    unsafe { scores_in_cache_row_order(g, &r, 0..n, scores.as_mut_ptr()) };
                     for head in scores.chunks_exact_mut(n) {
                         softmax_in_place(head);
                     }
@@ -533,6 +499,41 @@ fn attend_rows_whole<'a, T: KvValue>(
             }
         });
     });
+}
+
+/// Scores of positions `span` of row `r` for every head, written to `scores[h * n + t]` (`n =
+/// r.last + 1`): every KV head of 16 positions at a time, so the keys are read whole cache row by
+/// cache row, in order. Each score is [`avx2::group_scores`]'s, whatever the span.
+///
+/// # Safety
+/// AVX2 and FMA available; `span` inside `0..n`; `scores` valid for writes at `h * n + t` for every
+/// head h and t ∈ `span`, which no other thread touches meanwhile.
+#[cfg(target_arch = "x86_64")]
+unsafe fn scores_in_cache_row_order<T: KvValue>(
+    g: HeadShape,
+    r: &AttentionRow<'_, T>,
+    span: std::ops::Range<usize>,
+    scores: *mut f32,
+) {
+    let n = r.last + 1;
+    for t in span.clone().step_by(16) {
+        let block = t..(t + 16).min(span.end);
+        for kv in 0..g.kvd / g.hd {
+            let h0 = kv * g.group;
+            // SAFETY: the caller's contract; head h0's scores start at h0 · n.
+            unsafe {
+                avx2::group_scores(
+                    &r.q[h0 * g.hd..],
+                    g.group,
+                    r.k_cache,
+                    (g.kvd, kv * g.hd, g.hd),
+                    n,
+                    block.clone(),
+                    scores.add(h0 * n),
+                )
+            };
+        }
+    }
 }
 
 thread_local! {
