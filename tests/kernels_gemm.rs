@@ -686,10 +686,10 @@ fn group_records_are_refused_where_tiles_are_required() {
     }
 }
 
-/// The AVX-512 VNNI multi-row kernels (`vpdpbusd`; Q8 codes offset by 128 and corrected by the
-/// activations' Σq) must give the AVX2 kernels' bits: both form exact integer dot products and then
-/// run the same float operations. Every tiled format, both packings, row counts that use the
-/// 4-row assembly loop, its 1-row tail, or both.
+/// The AVX-512 VNNI multi-row kernels (512-bit `vpdpbusd`; Q8 codes offset by 128 and corrected by
+/// the activations' Σq) must give the AVX2 kernels' bits: both form exact integer dot products and
+/// then run the same float operations. Every tiled format, both packings, row counts that use the
+/// 8-row assembly loop, the 1-4-row tail, or both.
 #[test]
 fn vnni_kernels_give_the_avx2_results_bit_for_bit() {
     if !HostExecutor::new().uses_vnni() {
@@ -712,7 +712,7 @@ fn vnni_kernels_give_the_avx2_results_bit_for_bit() {
             matrices.push(WeightMatrix::group_records(format, n, k, packed).expect("valid"));
         }
         for w in matrices {
-            for m in [2, 4, 7, 16, 17] {
+            for m in [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31] {
                 // Activations with both signs, and rows of one sign (large |Σq|, which the Q8
                 // offset correction must cancel exactly).
                 let mut x = rng.vec(m * k, 2.0);

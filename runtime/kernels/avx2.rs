@@ -26,14 +26,12 @@
 //!
 //! # AVX-512 VNNI
 //!
-//! On CPUs with AVX-512 VNNI, VL and VBMI (Zen 4, Ice Lake and later; [`vnni_available`]) the multi-row
-//! loops use `vpdpbusd` on 256-bit vectors instead ([`IntDot::Vnni`]): one instruction per 32
-//! products into i32 instead of `maddubs` + add (q4) or sign + `maddubs` + `madd` + add (Q8). Q8
-//! codes are signed, so they are unpacked offset by +128 and each row's sums start at `−128·Σx`,
-//! which cancels the offset exactly. Four activation rows go through a group's 8 quads together in a
-//! short assembly loop (`vnni_quads_4_rows`). The integer sums are exact either way and the float
-//! work after them is the same, so both paths give the same bits, and the single-row kernel
-//! (memory-bound, AVX2) stays the same for both.
+//! On CPUs with AVX-512 VNNI, VL and VBMI (Zen 4, Ice Lake and later; [`vnni_available`]) the
+//! multi-row calls ([`IntDot::Vnni`], two or more activation rows) go to the 512-bit kernels of
+//! [`super::avx512`] instead: `vpdpbusd` forms 64 products into i32 per instruction, a quad of a
+//! group is two vectors in natural row order, and eight rows share each weight load. Their integer
+//! sums are exact and the float work after them is this module's, per output lane, so both paths
+//! give the same bits; the single-row kernel (memory-bound, AVX2) is the same for both.
 
 #[cfg(target_arch = "x86_64")]
 pub use imp::*;
@@ -101,8 +99,8 @@ pub enum IntDot {
     /// with Q8's sign trick.
     #[default]
     Maddubs,
-    /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI + VL, with VBMI's byte permutes for unpacking;
-    /// Zen 4, Ice Lake and later): one op per 32 products into i32, and 32 vector registers.
+    /// 512-bit `vpdpbusd` ([`super::avx512`]; AVX-512 VNNI, with VBMI's byte permutes for
+    /// unpacking; Zen 4, Ice Lake and later): one op per 64 products into i32.
     Vnni,
 }
 
@@ -175,7 +173,7 @@ mod imp {
     /// Natural-order (rows 0-7, 8-15, 16-23, 24-31) scale and min vectors of group `g`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_group_scales(
+    pub(in crate::kernels) unsafe fn q4_group_scales(
         layout: Q4Layout,
         tile: *const u8,
         g: usize,
@@ -341,45 +339,6 @@ mod imp {
         }
     }
 
-    /// [`q4_unpack_group`] for column-major codes with AVX-512 VBMI: a quad's 64 code bytes go
-    /// through two two-table byte permutes (`vpermi2b`), each gathering one byte per (row pair,
-    /// column) for 16 rows, and a mask and a shift split the nibbles. 8 vector ops per quad instead
-    /// of 12; the same vectors.
-    ///
-    /// # Safety
-    /// AVX-512 F, VL, VNNI and VBMI available; columns `32·g .. 32·g + 32` lie inside the code area.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
-    unsafe fn q4_unpack_group_vbmi(codes: *const u8, g: usize) -> [[__m256i; 4]; 8] {
-        // Output byte 4k + j of the first permute is column j of row pair p = [0-3, 8-11][k],
-        // i.e. byte 16j + p of the quad; the second permute takes row pairs 4-7 and 12-15. Low
-        // nibbles are the even rows, high nibbles the odd ones: `Q4_SLOT_ROWS` order.
-        let pairs_a = _mm256_setr_epi8(
-            0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 8, 24, 40, 56, 9, 25, 41,
-            57, 10, 26, 42, 58, 11, 27, 43, 59,
-        );
-        let pairs_b = _mm256_add_epi8(pairs_a, _mm256_set1_epi8(4));
-        let low = _mm256_set1_epi8(0x0F);
-        std::array::from_fn(|quad| {
-            let c = g * GROUP + quad * 4;
-            // SAFETY: columns c..c+4 are 64 contiguous bytes inside the code area (caller contract).
-            let (a, b) = unsafe {
-                (
-                    _mm256_loadu_si256(codes.add(c * 16) as *const __m256i),
-                    _mm256_loadu_si256(codes.add(c * 16 + 32) as *const __m256i),
-                )
-            };
-            let first = _mm256_permutex2var_epi8(a, pairs_a, b);
-            let second = _mm256_permutex2var_epi8(a, pairs_b, b);
-            [
-                _mm256_and_si256(first, low),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(first), low),
-                _mm256_and_si256(second, low),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(second), low),
-            ]
-        })
-    }
-
     /// Group `g` of an 8-bit tile as eight quads of `[codes, |codes|]` (the sign trick's two
     /// operands), built as a value.
     ///
@@ -536,14 +495,14 @@ mod imp {
     // ---- software prefetch ---------------------------------------------------------------------------
 
     /// Groups to prefetch ahead: ~6 × 640 B covers DRAM latency at one core's M = 1 compute rate.
-    const PREFETCH_AHEAD: usize = 6;
+    pub(in crate::kernels) const PREFETCH_AHEAD: usize = 6;
 
     /// Lines holding group `ahead` of this block (or, past its end, of the next block, which
     /// follows contiguously). The hardware prefetcher alone stalls on the tile layout: per group it
     /// reads three separate places in the tile, and the padding past K is skipped.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn prefetch_group(
+    pub(in crate::kernels) unsafe fn prefetch_group(
         block: &[u8],
         groups_total: usize,
         groups_per_tile: usize,
@@ -559,8 +518,9 @@ mod imp {
                 ahead - groups_total,
             )
         };
-        let tile = base.wrapping_add(gg / groups_per_tile * tile_bytes);
-        for (offset, count) in lines(tile, gg % groups_per_tile) {
+        let (t, g) = tile_and_group(gg, groups_per_tile);
+        let tile = base.wrapping_add(t * tile_bytes);
+        for (offset, count) in lines(tile, g) {
             for line in 0..count {
                 // A prefetch is only a hint: it never faults, even past the end of the matrix
                 // (hence `wrapping_add`, and no dereference).
@@ -569,8 +529,20 @@ mod imp {
         }
     }
 
+    /// `(tile, group in tile)` of a row block's group `gg`, without a division for the layouts
+    /// the kernels meet (1 group per host record, 8 per 256-column tile): a 64-bit `div` per group
+    /// showed in profiles of the multi-row kernels.
+    #[inline(always)]
+    pub(in crate::kernels) fn tile_and_group(gg: usize, groups_per_tile: usize) -> (usize, usize) {
+        match groups_per_tile {
+            1 => (gg, 0),
+            8 => (gg >> 3, gg & 7),
+            n => (gg / n, gg % n),
+        }
+    }
+
     /// (offset, lines) of a 4-bit group's scales, mins and codes.
-    fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
+    pub(in crate::kernels) fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
         let (scales, mins) = match layout.scales {
             Q4Scales::Q4K => (g * 32, 256 + g * 32),
             _ => (g * 64, layout.mins + g * 64),
@@ -588,7 +560,7 @@ mod imp {
     }
 
     /// (offset, lines) of an 8-bit group's scales and codes.
-    fn q8_group_lines(layout: Q8Layout, g: usize) -> [(usize, usize); 3] {
+    pub(in crate::kernels) fn q8_group_lines(layout: Q8Layout, g: usize) -> [(usize, usize); 3] {
         if layout.column_major {
             [(g * 64, 1), (layout.codes + g * 1024, 16), (0, 0)]
         } else {
@@ -799,7 +771,7 @@ mod imp {
         let a_row = unsafe { act.codes.as_ptr().add(row * act.cols) };
         let mut acc = [_mm256_setzero_ps(); 4];
         for (gg, &scale_x) in scales.iter().enumerate() {
-            let (t, g) = (gg / layout.groups_per_tile, gg % layout.groups_per_tile);
+            let (t, g) = tile_and_group(gg, layout.groups_per_tile);
             prefetch_group(
                 block,
                 groups_total,
@@ -865,13 +837,10 @@ mod imp {
         debug_assert!(out.len() >= TILE_ROWS);
         let mut mins_acc = [_mm256_setzero_ps(); 4];
         for (gg, &sum_x) in sums.iter().enumerate() {
-            // SAFETY: tile gg / groups_per_tile exists (caller contract); its min area holds the group.
-            let tile = unsafe {
-                block
-                    .as_ptr()
-                    .add(gg / layout.groups_per_tile * layout.tile_bytes)
-            };
-            let mins = unsafe { q4_group_scales(layout, tile, gg % layout.groups_per_tile) }.1;
+            let (t, g) = tile_and_group(gg, layout.groups_per_tile);
+            // SAFETY: tile t exists (caller contract); its min area holds group g.
+            let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            let mins = unsafe { q4_group_scales(layout, tile, g) }.1;
             let sum_x = _mm256_set1_ps(sum_x);
             for i in 0..4 {
                 mins_acc[i] = _mm256_fmadd_ps(mins[i], sum_x, mins_acc[i]);
@@ -925,15 +894,10 @@ mod imp {
             while g0 < groups_total {
                 let g1 = (g0 + GROUP_CHUNK).min(groups_total);
                 for (gg, slot) in (g0..g1).zip(mins.iter_mut()) {
-                    // SAFETY: tile gg / groups_per_tile exists (caller contract); its min area holds the group.
-                    let tile = unsafe {
-                        block
-                            .as_ptr()
-                            .add(gg / layout.groups_per_tile * layout.tile_bytes)
-                    };
-                    slot.write(
-                        unsafe { q4_group_scales(layout, tile, gg % layout.groups_per_tile) }.1,
-                    );
+                    let (t, g) = tile_and_group(gg, layout.groups_per_tile);
+                    // SAFETY: tile t exists (caller contract); its min area holds group g.
+                    let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+                    slot.write(unsafe { q4_group_scales(layout, tile, g) }.1);
                 }
                 // SAFETY: entries 0..g1 - g0 were written just above; MaybeUninit<T> has T's layout.
                 let mins: &[[__m256; 4]] = unsafe {
@@ -1018,12 +982,17 @@ mod imp {
             }
             return;
         }
+        if dot == IntDot::Vnni {
+            // SAFETY: the caller's contract, and `IntDot::Vnni` means `vnni_available()`.
+            unsafe { crate::kernels::avx512::q4_rows(layout, block, act, rows, out) };
+            return;
+        }
         if groups_total == 0 {
             // K = 0: nothing overwrites the accumulators below.
             out[..m * TILE_ROWS].fill(0.0);
         }
         for gg in 0..groups_total {
-            let (t, g) = (gg / layout.groups_per_tile, gg % layout.groups_per_tile);
+            let (t, g) = tile_and_group(gg, layout.groups_per_tile);
             prefetch_group(
                 block,
                 groups_total,
@@ -1048,28 +1017,14 @@ mod imp {
             let codes = unsafe { tile.add(layout.codes) };
             let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
             // SAFETY: columns g·32 .. g·32 + 32 lie inside the tile.
-            let unpacked = if dot == IntDot::Vnni && layout.column_major {
-                // SAFETY: as above; `IntDot::Vnni` means `vnni_available()`, which includes VBMI.
-                unsafe { q4_unpack_group_vbmi(codes, g) }
-            } else {
-                unsafe { q4_unpack_group(codes, layout.column_major, g) }
-            };
+            let unpacked = unsafe { q4_unpack_group(codes, layout.column_major, g) };
             // SAFETY: rows ⊂ 0..act.rows and gg < groups (caller contract); `out` holds m × 32
-            // floats; `IntDot::Vnni` only when the caller checked `vnni_available()`.
+            // floats.
             unsafe {
-                match (dot, gg == 0) {
-                    (IntDot::Maddubs, true) => {
-                        q4_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, out)
-                    }
-                    (IntDot::Maddubs, false) => {
-                        q4_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, out)
-                    }
-                    (IntDot::Vnni, true) => {
-                        vnni_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, false, out)
-                    }
-                    (IntDot::Vnni, false) => {
-                        vnni_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, false, out)
-                    }
+                if gg == 0 {
+                    q4_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, out)
+                } else {
+                    q4_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, out)
                 }
             };
         }
@@ -1084,7 +1039,11 @@ mod imp {
     /// Natural-order scale vectors of group `g` of an 8-bit tile.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_group_scales(f16_scales: bool, tile: *const u8, g: usize) -> [__m256; 4] {
+    pub(in crate::kernels) unsafe fn q8_group_scales(
+        f16_scales: bool,
+        tile: *const u8,
+        g: usize,
+    ) -> [__m256; 4] {
         // SAFETY: the scale area is [0, 512); g < 8 so g·64 + 64 ≤ 512.
         unsafe {
             let p = tile.add(g * 64);
@@ -1281,13 +1240,18 @@ mod imp {
         let m = rows.len();
         debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
         debug_assert!(block.len() >= groups_total.div_ceil(groups_per_tile) * layout.tile_bytes);
+        if m > 1 && dot == IntDot::Vnni {
+            // SAFETY: the caller's contract, and `IntDot::Vnni` means `vnni_available()`.
+            unsafe { crate::kernels::avx512::q8_rows(layout, block, act, rows, out) };
+            return;
+        }
         let mut acc1 = [_mm256_setzero_ps(); 4];
         if m > 1 && groups_total == 0 {
             // K = 0: nothing overwrites the accumulators below.
             out[..m * TILE_ROWS].fill(0.0);
         }
         for gg in 0..groups_total {
-            let (t, g) = (gg / groups_per_tile, gg % groups_per_tile);
+            let (t, g) = tile_and_group(gg, groups_per_tile);
             prefetch_group(
                 block,
                 groups_total,
@@ -1319,28 +1283,6 @@ mod imp {
                 }
                 continue;
             }
-            if dot == IntDot::Vnni {
-                // `vpdpbusd` multiplies u8 by i8: the codes offset by +128 (a sign-bit flip), with
-                // the extra 128·Σx taken off by each row's starting sum.
-                let offset = _mm256_set1_epi8(i8::MIN);
-                let mut unpacked = [[_mm256_setzero_si256(); 4]; 8];
-                for (quad, slots) in unpacked.iter_mut().enumerate() {
-                    // SAFETY: columns g·32 + 4·quad .. + 4 < tile_cols.
-                    let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
-                    for (slot, v) in slots.iter_mut().zip(w) {
-                        *slot = _mm256_xor_si256(v, offset);
-                    }
-                }
-                // SAFETY: as for the 4-bit kernel; VNNI checked by the caller (contract).
-                unsafe {
-                    if gg == 0 {
-                        vnni_group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, true, out)
-                    } else {
-                        vnni_group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, true, out)
-                    }
-                };
-                continue;
-            }
             // Per quad: the codes (for the sign) and their magnitudes (the unsigned maddubs operand).
             // SAFETY: columns g·32 .. g·32 + 32 < tile_cols.
             let unpacked = unsafe { q8_unpack_group(codes, layout, g) };
@@ -1358,195 +1300,6 @@ mod imp {
         } else {
             // SAFETY: AVX2 available; `out` holds m × 32 floats.
             unsafe { unpermute_rows(out, m, SlotOrder::Q8) };
-        }
-    }
-
-    // ---- VNNI row loop ------------------------------------------------------------------------------
-
-    /// [`q4_group_rows`] / [`q8_group_rows`] with `vpdpbusd`: each (row, quad, slot) is one
-    /// instruction into an i32 sum, and rows go four at a time so a quad's four weight vectors are
-    /// loaded once per four rows (the 16 sums and 4 weight vectors stay in the 32 AVX-512
-    /// registers; each activation quad is broadcast into a register once per row).
-    /// `unpacked` holds u8 codes; with `q8_offset` they are Q8 codes + 128, and every row's sums
-    /// start at `−128 · Σx` of the group, which cancels the offset exactly. The integer sums equal the
-    /// AVX2 kernels' (both exact), and the float work after them is [`accumulate_row`]'s, so the
-    /// bits do too.
-    ///
-    /// # Safety
-    /// As [`q4_group_rows`]; the CPU has AVX-512 F, VL and VNNI (`vnni_available()`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn vnni_group_rows<const FIRST: bool>(
-        unpacked: &[[__m256i; 4]; 8],
-        d: &[__m256; 4],
-        act: &QuantizedRows,
-        rows: std::ops::Range<usize>,
-        gg: usize,
-        q8_offset: bool,
-        out: &mut [f32],
-    ) {
-        debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
-        let m = rows.len();
-        let mut i = 0;
-        // SAFETY (both loops): rows start + i .. + R are inside `rows`, and `out` holds their
-        // 32 floats each (caller contract).
-        while i + 4 <= m {
-            let out_rows = &mut out[i * TILE_ROWS..(i + 4) * TILE_ROWS];
-            unsafe {
-                vnni_rows::<4, FIRST>(unpacked, d, act, rows.start + i, gg, q8_offset, out_rows)
-            };
-            i += 4;
-        }
-        while i < m {
-            let out_rows = &mut out[i * TILE_ROWS..(i + 1) * TILE_ROWS];
-            unsafe {
-                vnni_rows::<1, FIRST>(unpacked, d, act, rows.start + i, gg, q8_offset, out_rows)
-            };
-            i += 1;
-        }
-    }
-
-    /// `R` activation rows from `row0` of [`vnni_group_rows`] (R = 1 or 4).
-    ///
-    /// # Safety
-    /// As [`vnni_group_rows`], with rows `row0 .. row0 + R` inside `act` and `out.len() ≥ R × 32`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn vnni_rows<const R: usize, const FIRST: bool>(
-        unpacked: &[[__m256i; 4]; 8],
-        d: &[__m256; 4],
-        act: &QuantizedRows,
-        row0: usize,
-        gg: usize,
-        q8_offset: bool,
-        out: &mut [f32],
-    ) {
-        debug_assert!((R == 1 || R == 4) && row0 + R <= act.rows && out.len() >= R * TILE_ROWS);
-        let groups_total = act.groups();
-        let at = |r: usize| (row0 + r) * groups_total + gg;
-        let mut sums: [[__m256i; 4]; R] = std::array::from_fn(|r| {
-            // |Σx| ≤ 32 · 127, so the product fits easily.
-            let start = if q8_offset {
-                -128 * act.code_sums[at(r)]
-            } else {
-                0
-            };
-            [_mm256_set1_epi32(start); 4]
-        });
-        // SAFETY: each row < act.rows and gg < groups: its 32 codes of group gg are readable.
-        let codes =
-            |r: usize| unsafe { act.codes.as_ptr().add((row0 + r) * act.cols + gg * GROUP) };
-        if let [s0, s1, s2, s3] = &mut sums[..] {
-            let rows = [codes(0), codes(1), codes(2), codes(3)];
-            // SAFETY: every row pointer has its group's 32 codes (above); VNNI is enabled here.
-            unsafe { vnni_quads_4_rows(unpacked, rows, [s0, s1, s2, s3]) };
-        } else {
-            let a = codes(0);
-            for (quad, w) in unpacked.iter().enumerate() {
-                // SAFETY: 4 codes at a + 4·quad (quad < 8).
-                let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                for (sum, &w_slot) in sums[0].iter_mut().zip(w) {
-                    *sum = _mm256_dpbusd_epi32(*sum, w_slot, x4);
-                }
-            }
-        }
-        for (r, row_sums) in sums.iter().enumerate() {
-            let scale_x = _mm256_set1_ps(act.scales[at(r)]);
-            let dots = row_sums.map(|sum| _mm256_cvtepi32_ps(sum));
-            // SAFETY: out holds R × 32 floats; row r's 32 start at r · 32.
-            unsafe { accumulate_row::<FIRST>(&mut out[r * TILE_ROWS..], dots, d, scale_x) };
-        }
-    }
-
-    /// The 8 quads × 4 slots × 4 rows of `vpdpbusd` of one group, in assembly: a quad's 4 weight
-    /// vectors are loaded once and feed 4 rows, each row's activation quad is broadcast into a
-    /// register once and feeds its 4 slots, and the 16 sums stay in registers (24 of the 32
-    /// vector registers). Broadcasting from memory inside every `vpdpbusd` (`{1to8}`) instead made
-    /// 5 loads per 4 dot products, and ran ~10 % slower. Compiled from intrinsics, the same loop came
-    /// out reordered row by row, with the 32 weight vectors hoisted and spilled to the stack: it
-    /// ran slower than the AVX2 kernel.
-    ///
-    /// # Safety
-    /// AVX-512 F, VL and VNNI available; `rows[r]` points at 32 readable activation codes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn vnni_quads_4_rows(
-        unpacked: &[[__m256i; 4]; 8],
-        rows: [*const i8; 4],
-        sums: [&mut [__m256i; 4]; 4],
-    ) {
-        let [s0, s1, s2, s3] = sums;
-        // The weight registers, typed so that `:y` names their 256-bit halves.
-        let (_w0, _w1, _w2, _w3): (__m256i, __m256i, __m256i, __m256i);
-        let (_x0, _x1, _x2, _x3): (__m256i, __m256i, __m256i, __m256i);
-        // SAFETY: the loop reads 8 × 128 bytes from `unpacked` and 8 × 4 bytes from each row
-        // pointer (caller contract); it writes only the named registers and flags.
-        unsafe {
-            std::arch::asm!(
-                "2:",
-                "vmovdqu64 {w0:y}, ymmword ptr [{w}]",
-                "vmovdqu64 {w1:y}, ymmword ptr [{w} + 32]",
-                "vmovdqu64 {w2:y}, ymmword ptr [{w} + 64]",
-                "vmovdqu64 {w3:y}, ymmword ptr [{w} + 96]",
-                "vpbroadcastd {x0:y}, dword ptr [{a0}]",
-                "vpbroadcastd {x1:y}, dword ptr [{a1}]",
-                "vpbroadcastd {x2:y}, dword ptr [{a2}]",
-                "vpbroadcastd {x3:y}, dword ptr [{a3}]",
-                "vpdpbusd {s00:y}, {w0:y}, {x0:y}",
-                "vpdpbusd {s01:y}, {w1:y}, {x0:y}",
-                "vpdpbusd {s02:y}, {w2:y}, {x0:y}",
-                "vpdpbusd {s03:y}, {w3:y}, {x0:y}",
-                "vpdpbusd {s10:y}, {w0:y}, {x1:y}",
-                "vpdpbusd {s11:y}, {w1:y}, {x1:y}",
-                "vpdpbusd {s12:y}, {w2:y}, {x1:y}",
-                "vpdpbusd {s13:y}, {w3:y}, {x1:y}",
-                "vpdpbusd {s20:y}, {w0:y}, {x2:y}",
-                "vpdpbusd {s21:y}, {w1:y}, {x2:y}",
-                "vpdpbusd {s22:y}, {w2:y}, {x2:y}",
-                "vpdpbusd {s23:y}, {w3:y}, {x2:y}",
-                "vpdpbusd {s30:y}, {w0:y}, {x3:y}",
-                "vpdpbusd {s31:y}, {w1:y}, {x3:y}",
-                "vpdpbusd {s32:y}, {w2:y}, {x3:y}",
-                "vpdpbusd {s33:y}, {w3:y}, {x3:y}",
-                "add {w}, 128",
-                "add {a0}, 4",
-                "add {a1}, 4",
-                "add {a2}, 4",
-                "add {a3}, 4",
-                "dec {n:e}",
-                "jnz 2b",
-                w = inout(reg) unpacked.as_ptr() => _,
-                a0 = inout(reg) rows[0] => _,
-                a1 = inout(reg) rows[1] => _,
-                a2 = inout(reg) rows[2] => _,
-                a3 = inout(reg) rows[3] => _,
-                n = inout(reg) 8u32 => _,
-                w0 = out(zmm_reg) _w0,
-                w1 = out(zmm_reg) _w1,
-                w2 = out(zmm_reg) _w2,
-                w3 = out(zmm_reg) _w3,
-                x0 = out(zmm_reg) _x0,
-                x1 = out(zmm_reg) _x1,
-                x2 = out(zmm_reg) _x2,
-                x3 = out(zmm_reg) _x3,
-                s00 = inout(zmm_reg) s0[0],
-                s01 = inout(zmm_reg) s0[1],
-                s02 = inout(zmm_reg) s0[2],
-                s03 = inout(zmm_reg) s0[3],
-                s10 = inout(zmm_reg) s1[0],
-                s11 = inout(zmm_reg) s1[1],
-                s12 = inout(zmm_reg) s1[2],
-                s13 = inout(zmm_reg) s1[3],
-                s20 = inout(zmm_reg) s2[0],
-                s21 = inout(zmm_reg) s2[1],
-                s22 = inout(zmm_reg) s2[2],
-                s23 = inout(zmm_reg) s2[3],
-                s30 = inout(zmm_reg) s3[0],
-                s31 = inout(zmm_reg) s3[1],
-                s32 = inout(zmm_reg) s3[2],
-                s33 = inout(zmm_reg) s3[3],
-                options(nostack, readonly, pure),
-            );
         }
     }
 

@@ -30,6 +30,7 @@
 //! directory of them and reports every missing shape at once.
 
 pub mod avx2;
+pub mod avx512;
 pub mod bandwidth;
 pub mod device_exec;
 pub mod elf;

@@ -1,0 +1,663 @@
+//! AVX-512 VNNI multi-row kernels on 512-bit vectors: what [`avx2::q4_block`] and
+//! [`avx2::q8_block`] run for two or more activation rows when [`avx2::vnni_available`].
+//!
+//! [`avx2::q4_block`]: crate::kernels::avx2::q4_block
+//! [`avx2::q8_block`]: crate::kernels::avx2::q8_block
+//! [`avx2::vnni_available`]: crate::kernels::avx2::vnni_available
+//!
+//! # Layout in registers
+//!
+//! A group (32 columns × 32 weight rows) is 8 quads of 4 columns. Here a quad is two 512-bit vectors
+//! in natural row order, rows 0-15 and rows 16-31, each 32-bit lane holding one row's 4 codes as u8,
+//! so one `vpdpbusd` forms 64 products into one i32 per row, against 32 for the 256-bit slot vectors
+//! of the AVX2 loops. The codes are gathered into that order with one VBMI byte permute per vector
+//! (`vpermb` for 4-bit codes, then a per-lane shift picks the odd rows' high nibbles; `vpermt2b`
+//! for 8-bit codes), so scales, accumulators and results are all in natural order: nothing is
+//! permuted per row.
+//!
+//! # Why 512-bit
+//!
+//! On a core with two 512-bit integer multiply pipes one `vpdpbusd` costs the same at either width
+//! (Sapphire Rapids: 0.18 ns each, ymm or zmm, measured with a register-only loop), so this halves
+//! the multiplies, converts, scale products and FMAs of a multi-row pass. Zen 4 splits 512-bit
+//! operations into two 256-bit halves, where the count of halves, and so the cost, is the same as
+//! with the 256-bit loop.
+//!
+//! # Same bits
+//!
+//! Integer sums are exact in any order (|Σ| ≤ 32 · 128 · 127 < 2²⁴, so their f32 conversion is exact
+//! too). Q8 codes are signed, so they are gathered offset by +128 (a sign-bit flip) and each row's
+//! sums start at `−128 · Σx`, which cancels the offset exactly. After the sums, every output lane
+//! gets the single-row kernel's float operations in its order: `fma(dot, d · d_x, acc)` per group,
+//! in group order, from zero, then (q4_1) the min term's own chain added last. A row's result
+//! therefore has the same bits as it has alone or on the AVX2 path.
+
+#[cfg(target_arch = "x86_64")]
+pub use imp::*;
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use crate::kernels::avx2::{
+        prefetch_group, q4_group_lines, q4_group_scales, q8_group_lines, q8_group_scales,
+        tile_and_group, Q4Layout, Q8Layout, PREFETCH_AHEAD,
+    };
+    use crate::kernels::quant::QuantizedRows;
+    use crate::tiles::{GROUP, TILE_ROWS};
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    /// One group's codes as u8: `[quad][half]` holds columns `4·quad .. 4·quad + 4` of rows
+    /// `16·half .. 16·half + 16`, lane `L` = row `16·half + L`, byte `j` = column `4·quad + j`.
+    type Unpacked = [[__m512i; 2]; 8];
+
+    /// Byte-gather table for 4-bit codes: output byte `4L + j` (row `first_row + L`, column `j` of a
+    /// quad) takes the byte holding that row's code in the quad's 64 loaded bytes. Column-major
+    /// order loads byte `16j + r/2`; the 16-row-lane order loads its two planes' 32-byte runs one
+    /// after the other, so byte `32·(r/16) + 8j + (r%16)/2`. A row's code is that byte's low nibble
+    /// for even rows, the high one for odd rows.
+    const fn q4_gather(first_row: usize, column_major: bool) -> [u8; 64] {
+        let mut table = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            let (row, col) = (first_row + i / 4, i % 4);
+            table[i] = if column_major {
+                16 * col + row / 2
+            } else {
+                32 * (row / 16) + 8 * col + (row % 16) / 2
+            } as u8;
+            i += 1;
+        }
+        table
+    }
+
+    /// Byte-gather table for 8-bit codes over a quad's 128 bytes (two 64-byte vectors): output byte
+    /// `4L + j` takes row `first_row + L`, column `j`. Column-major: byte `32j + r`; the 16-row-lane
+    /// order: plane `r/16` (the second vector for rows 16-31), byte `16j + r%16`.
+    const fn q8_gather(first_row: usize, column_major: bool) -> [u8; 64] {
+        let mut table = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            let (row, col) = (first_row + i / 4, i % 4);
+            table[i] = if column_major {
+                32 * col + row
+            } else {
+                64 * (row / 16) + 16 * col + row % 16
+            } as u8;
+            i += 1;
+        }
+        table
+    }
+
+    /// The gather tables, `[order][half]` with order 0 = column-major, 1 = 16-row lanes.
+    static Q4_GATHER: [[[u8; 64]; 2]; 2] = [
+        [q4_gather(0, true), q4_gather(16, true)],
+        [q4_gather(0, false), q4_gather(16, false)],
+    ];
+    static Q8_GATHER: [[[u8; 64]; 2]; 2] = [
+        [q8_gather(0, true), q8_gather(16, true)],
+        [q8_gather(0, false), q8_gather(16, false)],
+    ];
+
+    /// Two 256-bit halves as one 512-bit vector (`lo` in lanes 0-7).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    fn join(lo: __m256, hi: __m256) -> __m512 {
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+            _mm256_castps_pd(hi),
+        ))
+    }
+
+    /// Natural-order rows 0-7, 8-15, 16-23, 24-31 as rows 0-15 and 16-31.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    fn pair(v: [__m256; 4]) -> [__m512; 2] {
+        [join(v[0], v[1]), join(v[2], v[3])]
+    }
+
+    /// Group `g` of a 4-bit tile (codes at `codes`) as [`Unpacked`].
+    ///
+    /// # Safety
+    /// AVX-512 F, VL, VNNI and VBMI available; columns `32·g .. 32·g + 32` lie inside the code area
+    /// (for the 16-row-lane order, of both planes).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    unsafe fn q4_unpack_group(codes: *const u8, column_major: bool, g: usize) -> Unpacked {
+        let tables = &Q4_GATHER[usize::from(!column_major)];
+        // SAFETY: the tables are 64 bytes each.
+        let gather = unsafe {
+            [
+                _mm512_loadu_si512(tables[0].as_ptr().cast()),
+                _mm512_loadu_si512(tables[1].as_ptr().cast()),
+            ]
+        };
+        // Odd rows (odd lanes) take the high nibble: shift their lanes down by 4 bits.
+        let shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        let low = _mm512_set1_epi8(0x0F);
+        // Plain loops, not `array::from_fn` / `map`: a closure handed to those generic helpers is
+        // compiled without this function's target features and was called out of line, per vector.
+        let mut unpacked = [[_mm512_setzero_si512(); 2]; 8];
+        for (quad, halves) in unpacked.iter_mut().enumerate() {
+            let c = g * GROUP + quad * 4;
+            // SAFETY: columns c..c+4 are inside the code area (caller contract): 64 contiguous
+            // bytes column-major, or 32 in each 2048-byte plane.
+            let bytes = unsafe {
+                if column_major {
+                    _mm512_loadu_si512(codes.add(c * 16).cast())
+                } else {
+                    let plane0 = _mm256_loadu_si256(codes.add(c * 8).cast());
+                    let plane1 = _mm256_loadu_si256(codes.add(2048 + c * 8).cast());
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(plane0), plane1)
+                }
+            };
+            for (half, table) in halves.iter_mut().zip(gather) {
+                let rows = _mm512_permutexvar_epi8(table, bytes);
+                *half = _mm512_and_si512(_mm512_srlv_epi32(rows, shifts), low);
+            }
+        }
+        unpacked
+    }
+
+    /// Group `g` of an 8-bit tile as [`Unpacked`], codes offset by +128 (u8 for `vpdpbusd`).
+    ///
+    /// # Safety
+    /// AVX-512 F, VL, VNNI and VBMI available; columns `32·g .. 32·g + 32` lie inside the code area
+    /// (for the 16-row-lane order, of both planes, `layout.plane` apart).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    unsafe fn q8_unpack_group(codes: *const u8, layout: Q8Layout, g: usize) -> Unpacked {
+        let tables = &Q8_GATHER[usize::from(!layout.column_major)];
+        // SAFETY: the tables are 64 bytes each.
+        let gather = unsafe {
+            [
+                _mm512_loadu_si512(tables[0].as_ptr().cast()),
+                _mm512_loadu_si512(tables[1].as_ptr().cast()),
+            ]
+        };
+        let offset = _mm512_set1_epi8(i8::MIN);
+        let mut unpacked = [[_mm512_setzero_si512(); 2]; 8];
+        for (quad, halves) in unpacked.iter_mut().enumerate() {
+            let c = g * GROUP + quad * 4;
+            // SAFETY: columns c..c+4 are inside the code area (caller contract): 128 contiguous
+            // bytes column-major, or 64 in each plane.
+            let (first, second) = unsafe {
+                if layout.column_major {
+                    (
+                        _mm512_loadu_si512(codes.add(c * 32).cast()),
+                        _mm512_loadu_si512(codes.add(c * 32 + 64).cast()),
+                    )
+                } else {
+                    (
+                        _mm512_loadu_si512(codes.add(c * 16).cast()),
+                        _mm512_loadu_si512(codes.add(layout.plane + c * 16).cast()),
+                    )
+                }
+            };
+            for (half, table) in halves.iter_mut().zip(gather) {
+                *half = _mm512_xor_si512(_mm512_permutex2var_epi8(first, table, second), offset);
+            }
+        }
+        unpacked
+    }
+
+    /// Rows `rows` of `act` times one 32-row block of a 4-bit tiled matrix, for two or more rows:
+    /// `avx2::q4_block`'s contract and results (natural order, min term included).
+    ///
+    /// # Safety
+    /// As `avx2::q4_block`, and AVX-512 F, VL, VNNI and VBMI available (`vnni_available()`).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    pub unsafe fn q4_rows(
+        layout: Q4Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        let groups_total = act.groups();
+        let m = rows.len();
+        debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
+        debug_assert!(
+            block.len() >= groups_total.div_ceil(layout.groups_per_tile) * layout.tile_bytes
+        );
+        if groups_total == 0 {
+            // K = 0: nothing overwrites the accumulators below.
+            out[..m * TILE_ROWS].fill(0.0);
+        }
+        for gg in 0..groups_total {
+            let (t, g) = tile_and_group(gg, layout.groups_per_tile);
+            // SAFETY: AVX2 available; a prefetch never faults.
+            unsafe {
+                prefetch_group(
+                    block,
+                    groups_total,
+                    layout.groups_per_tile,
+                    layout.tile_bytes,
+                    |_, g| q4_group_lines(layout, g),
+                    gg + PREFETCH_AHEAD,
+                );
+                if !layout.column_major {
+                    // The 16-row-lane order's mins live apart from its scales.
+                    prefetch_group(
+                        block,
+                        groups_total,
+                        layout.groups_per_tile,
+                        layout.tile_bytes,
+                        |_, g| [(layout.mins + g * 64, 1), (0, 0), (0, 0)],
+                        gg + PREFETCH_AHEAD,
+                    );
+                }
+            }
+            // SAFETY: tile t exists (caller contract); the scale and code areas of group g are
+            // inside it.
+            let (d, unpacked) = unsafe {
+                let tile = block.as_ptr().add(t * layout.tile_bytes);
+                (
+                    pair(q4_group_scales(layout, tile, g).0),
+                    q4_unpack_group(tile.add(layout.codes), layout.column_major, g),
+                )
+            };
+            // SAFETY: rows inside `act`, gg < groups, `out` holds m × 32 floats (caller contract).
+            unsafe {
+                if gg == 0 {
+                    group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, false, out)
+                } else {
+                    group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, false, out)
+                }
+            }
+        }
+        // SAFETY: the caller's contract; `out` holds m × 32 natural-order floats.
+        unsafe { add_min_terms(layout, block, act, rows, out) };
+    }
+
+    /// Rows `rows` of `act` times one 32-row block of an 8-bit tiled matrix, for two or more rows:
+    /// `avx2::q8_block`'s contract and results.
+    ///
+    /// # Safety
+    /// As `avx2::q8_block`, and AVX-512 F, VL, VNNI and VBMI available (`vnni_available()`).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    pub unsafe fn q8_rows(
+        layout: Q8Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        let groups_total = act.groups();
+        let groups_per_tile = layout.tile_cols / GROUP;
+        let m = rows.len();
+        debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
+        debug_assert!(block.len() >= groups_total.div_ceil(groups_per_tile) * layout.tile_bytes);
+        if groups_total == 0 {
+            out[..m * TILE_ROWS].fill(0.0);
+        }
+        for gg in 0..groups_total {
+            let (t, g) = tile_and_group(gg, groups_per_tile);
+            // SAFETY: AVX2 available; a prefetch never faults.
+            unsafe {
+                prefetch_group(
+                    block,
+                    groups_total,
+                    groups_per_tile,
+                    layout.tile_bytes,
+                    |_, g| q8_group_lines(layout, g),
+                    gg + PREFETCH_AHEAD,
+                );
+            }
+            // SAFETY: tile t exists (caller contract); group g's scales and codes are inside it.
+            let (d, unpacked) = unsafe {
+                let tile = block.as_ptr().add(t * layout.tile_bytes);
+                (
+                    pair(q8_group_scales(layout.f16_scales, tile, g)),
+                    q8_unpack_group(tile.add(layout.codes), layout, g),
+                )
+            };
+            // SAFETY: as in `q4_rows`.
+            unsafe {
+                if gg == 0 {
+                    group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, true, out)
+                } else {
+                    group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, true, out)
+                }
+            }
+        }
+    }
+
+    /// One unpacked group times every row in `rows`, accumulated into `out` (32 natural-order
+    /// floats per row): eight rows at a time in [`quads_8_rows`], the rest in [`quads_few_rows`].
+    /// With `q8_offset` the codes are Q8 codes + 128 and each row's sums start at `−128 · Σx`.
+    /// `FIRST` (group 0) overwrites the accumulators instead of adding to them.
+    ///
+    /// # Safety
+    /// AVX-512 F, VL and VNNI available; `rows` inside `act`; `gg < act.groups()`;
+    /// `out.len() ≥ rows.len() × 32`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn group_rows<const FIRST: bool>(
+        unpacked: &Unpacked,
+        d: &[__m512; 2],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        gg: usize,
+        q8_offset: bool,
+        out: &mut [f32],
+    ) {
+        debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
+        let groups_total = act.groups();
+        let cell = |row: usize| row * groups_total + gg;
+        let start = |row: usize| {
+            // |Σx| ≤ 32 · 127, so the product fits easily.
+            let s = if q8_offset {
+                -128 * act.code_sums[cell(row)]
+            } else {
+                0
+            };
+            _mm512_set1_epi32(s)
+        };
+        // SAFETY (closure): row < act.rows and gg < groups: the row's 32 codes of group gg are
+        // readable.
+        let codes = |row: usize| unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
+        let m = rows.len();
+        let mut i = 0;
+        while i + 8 <= m {
+            let row0 = rows.start + i;
+            let mut sums = [[_mm512_setzero_si512(); 2]; 8];
+            let mut pointers = [std::ptr::null::<i8>(); 8];
+            for r in 0..8 {
+                sums[r] = [start(row0 + r); 2];
+                pointers[r] = codes(row0 + r);
+            }
+            // SAFETY: the 8 rows are inside `act`, so each pointer has its group's 32 codes.
+            unsafe { quads_8_rows(unpacked, pointers, &mut sums) };
+            for (r, row_sums) in sums.iter().enumerate() {
+                // SAFETY: i + r < rows.len(), so that row's 32 floats are inside `out`.
+                unsafe {
+                    accumulate::<FIRST>(
+                        &mut out[(i + r) * TILE_ROWS..],
+                        *row_sums,
+                        d,
+                        act.scales[cell(row0 + r)],
+                    )
+                };
+            }
+            i += 8;
+        }
+        while i < m {
+            let row = rows.start + i;
+            // SAFETY: the row is inside `act`, so it has its group's 32 codes.
+            let sums = unsafe { quads_one_row(unpacked, codes(row), start(row)) };
+            // SAFETY: i < rows.len(), so row i's 32 floats are inside `out`.
+            unsafe {
+                accumulate::<FIRST>(&mut out[i * TILE_ROWS..], sums, d, act.scales[cell(row)])
+            };
+            i += 1;
+        }
+    }
+
+    /// `acc = fma(dot, d · d_x, acc)` for one row's 32 natural-order accumulators in `acc_mem`
+    /// (from zero when `FIRST`): the single-row kernel's per-group update, 16 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX-512 F available; `acc_mem.len() ≥ 32`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn accumulate<const FIRST: bool>(
+        acc_mem: &mut [f32],
+        sums: [__m512i; 2],
+        d: &[__m512; 2],
+        scale_x: f32,
+    ) {
+        debug_assert!(acc_mem.len() >= TILE_ROWS);
+        let scale_x = _mm512_set1_ps(scale_x);
+        for (half, sum) in sums.into_iter().enumerate() {
+            // SAFETY: acc_mem holds ≥ 32 floats; 16 are read and written at 16·half (half < 2).
+            unsafe {
+                let p = acc_mem.as_mut_ptr().add(half * 16);
+                let acc = if FIRST {
+                    _mm512_setzero_ps()
+                } else {
+                    _mm512_loadu_ps(p)
+                };
+                let scale = _mm512_mul_ps(d[half], scale_x);
+                _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc));
+            }
+        }
+    }
+
+    /// One row of a group in intrinsics, its sums starting at `start`: two chains per half (even
+    /// and odd quads, added at the end; the integer sums are exact), so four independent
+    /// `vpdpbusd` chains.
+    ///
+    /// # Safety
+    /// AVX-512 F, VL and VNNI available; 32 codes readable at `codes`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn quads_one_row(unpacked: &Unpacked, codes: *const i8, start: __m512i) -> [__m512i; 2] {
+        let mut even = [start; 2];
+        let mut odd = [_mm512_setzero_si512(); 2];
+        for pair in 0..4 {
+            for (quad, sums) in [(2 * pair, &mut even), (2 * pair + 1, &mut odd)] {
+                // SAFETY: 4 codes at codes + 4·quad (quad < 8), caller contract.
+                let x = unsafe { codes.add(quad * 4).cast::<i32>().read_unaligned() };
+                let x = _mm512_set1_epi32(x);
+                sums[0] = _mm512_dpbusd_epi32(sums[0], unpacked[quad][0], x);
+                sums[1] = _mm512_dpbusd_epi32(sums[1], unpacked[quad][1], x);
+            }
+        }
+        [
+            _mm512_add_epi32(even[0], odd[0]),
+            _mm512_add_epi32(even[1], odd[1]),
+        ]
+    }
+
+    /// One quad of [`quads_8_rows`]: its two weight vectors loaded once, each row's activation
+    /// quad (4 bytes at `offset`) broadcast once, then 16 `vpdpbusd`.
+    macro_rules! quad_8_rows {
+        ($offset:literal, $w0:literal, $w1:literal) => {
+            concat!(
+                "vmovdqu64 {w0:z}, zmmword ptr [{w} + ",
+                $w0,
+                "]\n",
+                "vmovdqu64 {w1:z}, zmmword ptr [{w} + ",
+                $w1,
+                "]\n",
+                "vpbroadcastd {x0:z}, dword ptr [{a0} + ",
+                $offset,
+                "]\n",
+                "vpbroadcastd {x1:z}, dword ptr [{a1} + ",
+                $offset,
+                "]\n",
+                "vpbroadcastd {x2:z}, dword ptr [{a2} + ",
+                $offset,
+                "]\n",
+                "vpbroadcastd {x3:z}, dword ptr [{a3} + ",
+                $offset,
+                "]\n",
+                "vpbroadcastd {x4:z}, dword ptr [{a4} + ",
+                $offset,
+                "]\n",
+                "vpbroadcastd {x5:z}, dword ptr [{a5} + ",
+                $offset,
+                "]\n",
+                "vpbroadcastd {x6:z}, dword ptr [{a6} + ",
+                $offset,
+                "]\n",
+                "vpbroadcastd {x7:z}, dword ptr [{a7} + ",
+                $offset,
+                "]\n",
+                "vpdpbusd {s00:z}, {w0:z}, {x0:z}\n",
+                "vpdpbusd {s01:z}, {w1:z}, {x0:z}\n",
+                "vpdpbusd {s10:z}, {w0:z}, {x1:z}\n",
+                "vpdpbusd {s11:z}, {w1:z}, {x1:z}\n",
+                "vpdpbusd {s20:z}, {w0:z}, {x2:z}\n",
+                "vpdpbusd {s21:z}, {w1:z}, {x2:z}\n",
+                "vpdpbusd {s30:z}, {w0:z}, {x3:z}\n",
+                "vpdpbusd {s31:z}, {w1:z}, {x3:z}\n",
+                "vpdpbusd {s40:z}, {w0:z}, {x4:z}\n",
+                "vpdpbusd {s41:z}, {w1:z}, {x4:z}\n",
+                "vpdpbusd {s50:z}, {w0:z}, {x5:z}\n",
+                "vpdpbusd {s51:z}, {w1:z}, {x5:z}\n",
+                "vpdpbusd {s60:z}, {w0:z}, {x6:z}\n",
+                "vpdpbusd {s61:z}, {w1:z}, {x6:z}\n",
+                "vpdpbusd {s70:z}, {w0:z}, {x7:z}\n",
+                "vpdpbusd {s71:z}, {w1:z}, {x7:z}\n",
+            )
+        };
+    }
+
+    /// The 8 quads × 2 halves × 8 rows of `vpdpbusd` of one group, in assembly and unrolled (fixed
+    /// offsets, no pointer updates): each quad's two weight vectors are loaded once for the 8 rows,
+    /// and the 16 sums, 8 broadcasts and 2 weights take 26 of the 32 vector registers. Compiled from
+    /// intrinsics, loops like this came out reordered row by row with the weights hoisted and
+    /// spilled (as the AVX2 loops did), so the schedule is written out.
+    ///
+    /// # Safety
+    /// AVX-512 F and VNNI available; `rows[r]` points at 32 readable activation codes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn quads_8_rows(
+        unpacked: &Unpacked,
+        rows: [*const i8; 8],
+        sums: &mut [[__m512i; 2]; 8],
+    ) {
+        let [s0, s1, s2, s3, s4, s5, s6, s7] = sums;
+        // Scratch registers, typed: an untyped `out(zmm_reg) _` is not formatted as a zmm name.
+        let (_w0, _w1): (__m512i, __m512i);
+        let (_x0, _x1, _x2, _x3): (__m512i, __m512i, __m512i, __m512i);
+        let (_x4, _x5, _x6, _x7): (__m512i, __m512i, __m512i, __m512i);
+        // SAFETY: the code reads the 1 KiB of `unpacked` and 32 bytes at each row pointer (caller
+        // contract); it writes only the named registers.
+        unsafe {
+            std::arch::asm!(
+                quad_8_rows!("0", "0", "64"),
+                quad_8_rows!("4", "128", "192"),
+                quad_8_rows!("8", "256", "320"),
+                quad_8_rows!("12", "384", "448"),
+                quad_8_rows!("16", "512", "576"),
+                quad_8_rows!("20", "640", "704"),
+                quad_8_rows!("24", "768", "832"),
+                quad_8_rows!("28", "896", "960"),
+                w = in(reg) unpacked.as_ptr(),
+                a0 = in(reg) rows[0],
+                a1 = in(reg) rows[1],
+                a2 = in(reg) rows[2],
+                a3 = in(reg) rows[3],
+                a4 = in(reg) rows[4],
+                a5 = in(reg) rows[5],
+                a6 = in(reg) rows[6],
+                a7 = in(reg) rows[7],
+                w0 = out(zmm_reg) _w0,
+                w1 = out(zmm_reg) _w1,
+                x0 = out(zmm_reg) _x0,
+                x1 = out(zmm_reg) _x1,
+                x2 = out(zmm_reg) _x2,
+                x3 = out(zmm_reg) _x3,
+                x4 = out(zmm_reg) _x4,
+                x5 = out(zmm_reg) _x5,
+                x6 = out(zmm_reg) _x6,
+                x7 = out(zmm_reg) _x7,
+                s00 = inout(zmm_reg) s0[0],
+                s01 = inout(zmm_reg) s0[1],
+                s10 = inout(zmm_reg) s1[0],
+                s11 = inout(zmm_reg) s1[1],
+                s20 = inout(zmm_reg) s2[0],
+                s21 = inout(zmm_reg) s2[1],
+                s30 = inout(zmm_reg) s3[0],
+                s31 = inout(zmm_reg) s3[1],
+                s40 = inout(zmm_reg) s4[0],
+                s41 = inout(zmm_reg) s4[1],
+                s50 = inout(zmm_reg) s5[0],
+                s51 = inout(zmm_reg) s5[1],
+                s60 = inout(zmm_reg) s6[0],
+                s61 = inout(zmm_reg) s6[1],
+                s70 = inout(zmm_reg) s7[0],
+                s71 = inout(zmm_reg) s7[1],
+                options(nostack, readonly, pure),
+            );
+        }
+    }
+
+    /// `out[r] += Σ_g m_w[g, r] · sums[g]` for every row in `rows` (natural order): the q4_1 min
+    /// term, `avx2::q4_block`'s last step, on 512-bit vectors. Each group's mins are converted
+    /// once per 16 rows into a stack buffer (up to 24 groups at a time); rows go four at a time
+    /// (eight FMA chains) with their accumulators in registers. Per row the FMAs run in group
+    /// order from zero and the total is added to `out` last: the single-row kernel's bits.
+    ///
+    /// # Safety
+    /// As [`q4_rows`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn add_min_terms(
+        layout: Q4Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        const ROW_CHUNK: usize = 16;
+        // 24 groups of converted mins (3 KiB) cover K = 576 in one chunk.
+        const GROUP_CHUNK: usize = 24;
+        const ROWS_AT_ONCE: usize = 4;
+        let groups_total = act.groups();
+        debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
+        if groups_total == 0 {
+            return; // K = 0: no min term.
+        }
+        let first = rows.start;
+        // Left uninitialized: every entry is written before it is read.
+        let mut mins = [MaybeUninit::<[__m512; 2]>::uninit(); GROUP_CHUNK];
+        let mut row_start = rows.start;
+        while row_start < rows.end {
+            let row_chunk = row_start..(row_start + ROW_CHUNK).min(rows.end);
+            let rows_here = row_chunk.len();
+            let mut totals = [[_mm512_setzero_ps(); 2]; ROW_CHUNK];
+            let mut g0 = 0;
+            while g0 < groups_total {
+                let g1 = (g0 + GROUP_CHUNK).min(groups_total);
+                for (gg, slot) in (g0..g1).zip(mins.iter_mut()) {
+                    let (t, g) = tile_and_group(gg, layout.groups_per_tile);
+                    // SAFETY: tile t exists (caller contract); its min area holds group g.
+                    let group_mins = unsafe {
+                        let tile = block.as_ptr().add(t * layout.tile_bytes);
+                        q4_group_scales(layout, tile, g).1
+                    };
+                    slot.write(pair(group_mins));
+                }
+                // SAFETY: entries 0..g1 - g0 were written just above; MaybeUninit<T> has T's layout.
+                let mins: &[[__m512; 2]] = unsafe {
+                    &*(&mins[..g1 - g0] as *const [MaybeUninit<[__m512; 2]>] as *const _)
+                };
+                for quad in (0..rows_here).step_by(ROWS_AT_ONCE) {
+                    // Past the chunk's last row, the last row is computed again (and discarded).
+                    let mut acc = [[_mm512_setzero_ps(); 2]; ROWS_AT_ONCE];
+                    let mut sums: [&[f32]; ROWS_AT_ONCE] = [&[]; ROWS_AT_ONCE];
+                    for r in 0..ROWS_AT_ONCE {
+                        let i = (quad + r).min(rows_here - 1);
+                        let row = row_chunk.start + i;
+                        acc[r] = totals[i];
+                        sums[r] = &act.sums[row * groups_total + g0..row * groups_total + g1];
+                    }
+                    for (j, m) in mins.iter().enumerate() {
+                        for r in 0..ROWS_AT_ONCE {
+                            let sum_x = _mm512_set1_ps(sums[r][j]);
+                            acc[r][0] = _mm512_fmadd_ps(m[0], sum_x, acc[r][0]);
+                            acc[r][1] = _mm512_fmadd_ps(m[1], sum_x, acc[r][1]);
+                        }
+                    }
+                    let kept = ROWS_AT_ONCE.min(rows_here - quad);
+                    totals[quad..quad + kept].copy_from_slice(&acc[..kept]);
+                }
+                g0 = g1;
+            }
+            for (total, row) in totals.iter().zip(row_chunk.clone()) {
+                for (half, m) in total.iter().enumerate() {
+                    // SAFETY: row - first < rows.len(): 32 floats of `out` belong to it; 16 are
+                    // read and written at 16·half for half < 2.
+                    unsafe {
+                        let p = out.as_mut_ptr().add((row - first) * TILE_ROWS + 16 * half);
+                        _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), *m));
+                    }
+                }
+            }
+            row_start = row_chunk.end;
+        }
+    }
+}
