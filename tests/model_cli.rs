@@ -274,10 +274,25 @@ fn bench_gemm_json_reports_both_rooflines_and_every_row() {
         "0",
         "--compare-chunks",
         "1,8",
+        "--copies",
+        "2",
     ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert!(v["read_bandwidth_gbs"].as_f64().unwrap() > 0.0, "{v}");
+    // The sweeps cycle through 2 copies of the weights; the probe reads at least 256 MiB and at
+    // least twice the last-level cache where sysfs names one.
+    assert_eq!(v["copies"], 2, "{v}");
+    assert_eq!(
+        v["working_set_bytes"].as_u64().unwrap(),
+        2 * v["stored_bytes"].as_u64().unwrap(),
+        "{v}"
+    );
+    let probe = v["probe_bytes"].as_u64().unwrap();
+    assert!(probe >= 256 << 20, "{v}");
+    if let Some(llc) = v["last_level_cache_bytes"].as_u64() {
+        assert!(llc > 0 && probe >= 2 * llc, "{v}");
+    }
     assert!(v["fraction_of_bandwidth_m1"].as_f64().unwrap() > 0.0, "{v}");
     assert!(
         v["shapes"].as_str().unwrap().contains("1 x (")
@@ -333,6 +348,29 @@ fn bench_gemm_json_reports_both_rooflines_and_every_row() {
     assert_eq!(chunks[0]["relative_to_first"].as_f64().unwrap(), 1.0);
 }
 
+/// A shrunken sweep (`--layers`, `--head-rows`) defaults to one copy of the weights: it is meant to
+/// stay in the cache.
+#[test]
+fn bench_gemm_small_sweeps_default_to_one_copy() {
+    let (ok, out, err) = xdna(&[
+        "bench",
+        "gemm",
+        "--json",
+        "--m",
+        "2",
+        "--layers",
+        "1",
+        "--head-rows",
+        "32",
+        "--min-time",
+        "0",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["copies"], 1, "{v}");
+    assert_eq!(v["working_set_bytes"], v["stored_bytes"], "{v}");
+}
+
 #[test]
 fn benches_reject_bad_sizes_by_name() {
     for bad in ["0", "100", "49184"] {
@@ -349,8 +387,13 @@ fn benches_reject_bad_sizes_by_name() {
         "0",
     ]);
     assert!(!ok && err.contains("--compare-chunks"), "{err}");
-    // Sizes that would only end in a failed allocation are refused by name.
-    for (flag, bad) in [("--m", "1,1000000000"), ("--layers", "100000000")] {
+    // Sizes that would only end in a failed allocation are refused by name, as is no copy at all.
+    for (flag, bad) in [
+        ("--m", "1,1000000000"),
+        ("--layers", "100000000"),
+        ("--copies", "0"),
+        ("--copies", "100000"),
+    ] {
         let (ok, _, err) = xdna(&["bench", "gemm", flag, bad, "--min-time", "0"]);
         assert!(!ok && err.contains(flag), "{flag} {bad}: {err}");
     }

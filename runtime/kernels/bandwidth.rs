@@ -18,7 +18,52 @@ pub struct Bandwidth {
     pub best_gbs: f64,
 }
 
-/// Streams `bytes` (≥ 256 MiB keeps it out of the last-level cache) `runs` times through the
+/// Size of the last-level CPU cache in bytes, from sysfs (`/sys/devices/system/cpu/cpu0/cache`:
+/// the highest-level data or unified cache), or `None` where the kernel does not say.
+pub fn last_level_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    let mut best: Option<(u32, usize)> = None;
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let read = |name: &str| std::fs::read_to_string(path.join(name)).ok();
+        let (Some(level), Some(kind), Some(size)) = (read("level"), read("type"), read("size"))
+        else {
+            continue;
+        };
+        if kind.trim() == "Instruction" {
+            continue;
+        }
+        let (Ok(level), Some(bytes)) = (level.trim().parse::<u32>(), parse_cache_size(&size))
+        else {
+            continue;
+        };
+        if best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, bytes));
+        }
+    }
+    best.map(|(_, bytes)| bytes)
+}
+
+/// A sysfs cache size (`"32K"`, `"266240K"`, `"32M"`, or plain bytes) in bytes.
+fn parse_cache_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (digits, unit) = match text.as_bytes().last()? {
+        b'K' => (&text[..text.len() - 1], 1 << 10),
+        b'M' => (&text[..text.len() - 1], 1 << 20),
+        b'G' => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
+}
+
+/// Bytes a streaming read must cover to measure memory rather than cache: 256 MiB, or twice the
+/// last-level cache where that is larger (a server part's L3 can exceed 256 MiB).
+pub fn probe_bytes() -> usize {
+    let floor = 256 << 20;
+    last_level_cache_bytes().map_or(floor, |llc| floor.max(2 * llc))
+}
+
+/// Streams `bytes` ([`probe_bytes`] keeps it out of the last-level cache) `runs` times through the
 /// global pool, after one warm-up pass that also faults the pages in.
 pub fn read_bandwidth(bytes: usize, runs: usize) -> Bandwidth {
     let words = (bytes / 8).max(1 << 10);
@@ -55,9 +100,9 @@ pub fn read_bandwidth(bytes: usize, runs: usize) -> Bandwidth {
 }
 
 /// Int8 multiply-adds per second (10⁹), every pool thread issuing only the integer multiply the
-/// multi-row GEMM kernels are built on (`vpdpbusd` where AVX-512 VNNI runs, else `vpmaddubsw`:
-/// 32 u8 × i8 products per instruction either way; see [`int8_peak_instruction`]) on independent
-/// register chains: the ceiling no q4/q8 kernel on this ISA can pass. `None` without AVX2.
+/// multi-row GEMM kernels are built on (512-bit `vpdpbusd`, 64 u8 × i8 products, where AVX-512
+/// VNNI runs, else `vpmaddubsw`, 32; see [`int8_peak_instruction`]) on independent register
+/// chains: the ceiling no q4/q8 kernel on this ISA can pass. `None` without AVX2.
 pub fn int8_mac_peak(runs: usize) -> Option<Bandwidth> {
     if !super::gemm::fast_available() {
         return None;
@@ -84,7 +129,8 @@ pub fn int8_mac_peak(runs: usize) -> Option<Bandwidth> {
         });
         let seconds = start.elapsed().as_secs_f64();
         if run > 0 {
-            let macs = (pool.threads() as u64 * ITERATIONS * 8 * 32) as f64;
+            let products = if vnni() { 64 } else { 32 };
+            let macs = (pool.threads() as u64 * ITERATIONS * 8 * products) as f64;
             samples.push(macs / seconds / 1e9);
         }
     }
@@ -96,37 +142,53 @@ pub fn int8_mac_peak(runs: usize) -> Option<Bandwidth> {
     })
 }
 
-/// The instruction [`int8_mac_peak`] measures on this CPU.
-pub fn int8_peak_instruction() -> &'static str {
+/// Do the multi-row kernels (and so the peak probe) use AVX-512 VNNI here?
+fn vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
-    if super::avx2::vnni_available() {
-        return "vpdpbusd";
+    {
+        super::avx2::vnni_available()
     }
-    "vpmaddubsw"
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
-/// `iterations` × 8 `vpdpbusd` (16 independent chains, half as many steps: 16 cover its latency at
-/// two per cycle), folded into one word.
+/// The instruction [`int8_mac_peak`] measures on this CPU.
+pub fn int8_peak_instruction() -> &'static str {
+    if vnni() {
+        "vpdpbusd (512-bit)"
+    } else {
+        "vpmaddubsw"
+    }
+}
+
+/// `iterations` × 8 512-bit `vpdpbusd` (16 independent chains, half as many steps: 16 cover its
+/// latency at two per cycle), folded into one word.
 ///
 /// # Safety
-/// AVX2, AVX-512 F, VL and VNNI available.
+/// AVX2, AVX-512 F and VNNI available.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,avx512f,avx512vnni")]
 unsafe fn dpbusd_chains(iterations: u64) -> u64 {
     use std::arch::x86_64::*;
     let seed = std::hint::black_box(0x0102_0304_0506_0708i64);
-    let w = _mm256_set1_epi64x(std::hint::black_box(0x0101_0101_0101_0101));
-    let x = _mm256_set1_epi64x(std::hint::black_box(0x0203_0405_0607_0809));
-    let mut acc: [__m256i; 16] = std::array::from_fn(|i| _mm256_set1_epi64x(seed + i as i64));
+    let w = _mm512_set1_epi64(std::hint::black_box(0x0101_0101_0101_0101));
+    let x = _mm512_set1_epi64(std::hint::black_box(0x0203_0405_0607_0809));
+    let mut acc = [_mm512_setzero_si512(); 16];
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = _mm512_set1_epi64(seed + i as i64);
+    }
     for _ in 0..iterations / 2 {
         for a in acc.iter_mut() {
-            *a = _mm256_dpbusd_epi32(*a, w, x);
+            *a = _mm512_dpbusd_epi32(*a, w, x);
         }
     }
-    let folded = acc
-        .iter()
-        .fold(_mm256_setzero_si256(), |f, &a| _mm256_xor_si256(f, a));
-    _mm256_extract_epi64::<0>(folded) as u64
+    let mut folded = _mm512_setzero_si512();
+    for a in acc {
+        folded = _mm512_xor_si512(folded, a);
+    }
+    _mm_cvtsi128_si64(_mm512_castsi512_si128(folded)) as u64
 }
 
 /// `iterations` × 8 `vpmaddubsw` on 8 independent chains (enough to cover its latency on every
@@ -158,6 +220,17 @@ mod tests {
     fn bandwidth_is_positive_and_ordered() {
         let b = super::read_bandwidth(8 << 20, 3);
         assert!(b.median_gbs > 0.0 && b.best_gbs >= b.median_gbs, "{b:?}");
+    }
+
+    #[test]
+    fn sysfs_cache_sizes_parse() {
+        assert_eq!(super::parse_cache_size("48K\n"), Some(48 << 10));
+        assert_eq!(super::parse_cache_size("266240K"), Some(266240 << 10));
+        assert_eq!(super::parse_cache_size("32M"), Some(32 << 20));
+        assert_eq!(super::parse_cache_size("1024"), Some(1024));
+        assert_eq!(super::parse_cache_size("K"), None);
+        assert_eq!(super::parse_cache_size("big"), None);
+        assert!(super::probe_bytes() >= 256 << 20);
     }
 
     #[test]

@@ -2,10 +2,16 @@
 //! bandwidth.
 //!
 //! Each sweep runs every projection of all 30 layers and the lm_head in turn, as a decode step reads
-//! them (synthetic random tiles in the right formats, ~96 MB: far larger than the last-level cache),
-//! for one activation row count M. The median sweep time gives seconds, effective GB/s of weight
-//! bytes streamed, GOP/s and the cost relative to M = 1. A multi-threaded streaming read over
-//! 256 MiB through the same worker pool measures the bandwidth those GB/s are compared with.
+//! them (synthetic random tiles in the right formats, ~96 MB), for one activation row count M. The
+//! median sweep time gives seconds, effective GB/s of weight bytes streamed, GOP/s and the cost
+//! relative to M = 1. A multi-threaded streaming read through the same worker pool measures the
+//! bandwidth those GB/s are compared with.
+//!
+//! Both stay out of the last-level cache, which on a server part can hold the whole model (260 MiB
+//! of L3 on the Sapphire Rapids host of 2026-12-01): the probe reads twice the cache (at least
+//! 256 MiB), and a full-model sweep cycles through as many copies of the weights as cover twice the
+//! cache, one copy per timed sweep (`--copies` sets the count; 1 is what a decode step on such a
+//! host reads).
 
 use std::time::Instant;
 
@@ -45,6 +51,11 @@ pub struct Args {
     /// at load) or `tiles` (the package's tile grid, as a device receives it).
     #[arg(long, value_enum, default_value_t = Layout::Host)]
     layout: Layout,
+    /// Copies of the weights the timed sweeps cycle through, one copy per sweep, so that the
+    /// working set exceeds the last-level cache. Default: enough to cover twice the cache for a
+    /// full-model sweep, 1 when `--layers` or `--head-rows` shrink it.
+    #[arg(long)]
+    copies: Option<usize>,
     /// Also compare M = 1 sweeps whose threads claim at least this many row blocks at a time
     /// (comma-separated, e.g. `1,4`), alternating the settings sweep by sweep so that all of
     /// them see the same machine.
@@ -73,6 +84,7 @@ const FFN: usize = 1536;
 const QKV: usize = (9 + 2 * 3) * 64;
 const VOCAB: usize = 49152;
 
+#[derive(Clone)]
 struct Matrix {
     format: WeightFormat,
     rows: usize,
@@ -193,6 +205,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     // on a failed allocation.
     const MAX_M: usize = 4096;
     const MAX_LAYERS: usize = 1024;
+    const MAX_COPIES: usize = 64;
     if args.m.is_empty() || args.m.iter().any(|&m| m == 0 || m > MAX_M) {
         return Err(xdna::Error::Usage(format!(
             "--m needs row counts between 1 and {MAX_M}"
@@ -236,9 +249,30 @@ pub fn run(args: Args) -> xdna::Result<()> {
         args.layout,
         &mut seed,
     )?);
-    let views: Vec<WeightMatrix> = matrices.iter().map(Matrix::view).collect();
+    let stored: usize = matrices.iter().map(|w| w.data.len()).sum();
+    let llc = xdna::kernels::bandwidth::last_level_cache_bytes();
+    let full_model = args.layers == 30 && args.head_rows == VOCAB;
+    let copies = match args.copies {
+        Some(0) => return Err(xdna::Error::Usage("--copies needs at least 1".into())),
+        Some(n) if n > MAX_COPIES => {
+            return Err(xdna::Error::Usage(format!(
+                "--copies {n} exceeds {MAX_COPIES}"
+            )))
+        }
+        Some(n) => n,
+        None if full_model => llc.map_or(1, |llc| (2 * llc).div_ceil(stored.max(1)).max(1)),
+        None => 1,
+    };
+    // Further copies are clones: the same bytes at other addresses, which is all a cache sees.
+    let first_copy = matrices.clone();
+    for _ in 1..copies {
+        matrices.extend(first_copy.iter().cloned());
+    }
+    let all_views: Vec<WeightMatrix> = matrices.iter().map(Matrix::view).collect();
+    let per_copy = first_copy.len();
+    let copy_views: Vec<&[WeightMatrix]> = all_views.chunks(per_copy).collect();
+    let views = copy_views[0];
     let streamed: usize = views.iter().map(|w| w.streamed_bytes()).sum();
-    let stored: usize = views.iter().map(|w| w.data.len()).sum();
     let macs_per_row: usize = views.iter().map(|w| w.rows * w.cols).sum();
     let max_m = args.m.iter().copied().max().unwrap_or(1);
     let mut y = vec![0f32; max_m * args.head_rows.max(2 * FFN)];
@@ -248,20 +282,27 @@ pub fn run(args: Args) -> xdna::Result<()> {
 
     let executor = HostExecutor::global();
     let threads = Pool::global().threads();
-    let probe = xdna::kernels::bandwidth::read_bandwidth(256 << 20, 7);
+    let probe_bytes = xdna::kernels::bandwidth::probe_bytes();
+    let probe = xdna::kernels::bandwidth::read_bandwidth(probe_bytes, 7);
     let (bandwidth, best_bandwidth) = (probe.median_gbs, probe.best_gbs);
     let int8_peak = xdna::kernels::bandwidth::int8_mac_peak(7).map(|p| p.median_gbs);
 
+    // Timed sweeps take the copies in turn.
+    let mut next_copy = 0;
     let mut sweep = |m: usize| -> xdna::Result<f64> {
+        let views = copy_views[next_copy];
+        next_copy = (next_copy + 1) % copies;
         let start = Instant::now();
-        for w in &views {
+        for w in views {
             executor.gemm(w, &x[..m * w.cols], m, &mut y[..m * w.rows])?;
         }
         Ok(start.elapsed().as_secs_f64())
     };
     let mut rows = Vec::new();
     for &m in &args.m {
-        sweep(m)?; // warm-up (scratch buffers, page faults)
+        for _ in 0..copies {
+            sweep(m)?; // warm-up (scratch buffers, page faults)
+        }
         let mut samples = Vec::new();
         let begin = Instant::now();
         while samples.len() < 3
@@ -298,13 +339,16 @@ pub fn run(args: Args) -> xdna::Result<()> {
             .map(|&c| HostExecutor::new().with_single_row_min_chunk(c))
             .collect();
         let begin = Instant::now();
+        let mut round = 0;
         while chunk_samples[0].len() < 5
             || (begin.elapsed().as_secs_f64() < args.min_time * tuned.len() as f64
                 && chunk_samples[0].len() < 200)
         {
             for (exec, samples) in tuned.iter().zip(&mut chunk_samples) {
+                let views = copy_views[round % copies];
+                round += 1;
                 let start = Instant::now();
-                for w in &views {
+                for w in views {
                     exec.gemm(w, &x[..w.cols], 1, &mut y[..w.rows])?;
                 }
                 samples.push(start.elapsed().as_secs_f64());
@@ -344,6 +388,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "calls_per_sweep": views.len(),
             "streamed_bytes": streamed,
             "stored_bytes": stored,
+            "copies": copies,
+            "working_set_bytes": copies * stored,
+            "last_level_cache_bytes": llc,
+            "probe_bytes": probe_bytes,
             "read_bandwidth_gbs": bandwidth,
             "fraction_of_bandwidth_m1": fraction_m1,
             "best_read_bandwidth_gbs": best_bandwidth,
@@ -389,7 +437,17 @@ pub fn run(args: Args) -> xdna::Result<()> {
         },
     );
     println!(
-        "read bandwidth (256 MiB streaming read, pool): median {bandwidth:.2} GB/s, best {best_bandwidth:.2} GB/s"
+        "working set: {copies} cop{} of the weights, {:.0} MB; last-level cache {}",
+        if copies == 1 { "y" } else { "ies" },
+        (copies * stored) as f64 / 1e6,
+        llc.map_or("unknown".to_string(), |b| format!(
+            "{:.0} MB",
+            b as f64 / 1e6
+        )),
+    );
+    println!(
+        "read bandwidth ({} MiB streaming read, pool): median {bandwidth:.2} GB/s, best {best_bandwidth:.2} GB/s",
+        probe_bytes >> 20
     );
     match int8_peak {
         Some(peak) => println!(
