@@ -127,8 +127,8 @@ mod imp {
         })
     }
 
-    /// Does this CPU also run [`IntDot::Vnni`] (AVX-512 F, VL, VNNI and VBMI: Zen 4, Ice Lake and
-    /// later)? Detected once;
+    /// Does this CPU also run [`IntDot::Vnni`] (AVX-512 F, BW, VL, VNNI and VBMI: Zen 4, Ice Lake
+    /// and later)? Detected once;
     /// `XDNA_NO_VNNI` (any value) turns it off, for A/B runs of the two paths.
     pub fn vnni_available() -> bool {
         static DETECTED: OnceLock<bool> = OnceLock::new();
@@ -136,6 +136,7 @@ mod imp {
             available()
                 && std::env::var_os("XDNA_NO_VNNI").is_none()
                 && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx512vbmi")

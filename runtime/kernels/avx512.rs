@@ -8,12 +8,13 @@
 //! # Layout in registers
 //!
 //! A group (32 columns × 32 weight rows) is 8 quads of 4 columns. Here a quad is two 512-bit vectors
-//! in natural row order, rows 0-15 and rows 16-31, each 32-bit lane holding one row's 4 codes as u8,
-//! so one `vpdpbusd` forms 64 products into one i32 per row, against 32 for the 256-bit slot vectors
-//! of the AVX2 loops. The codes are gathered into that order with one VBMI byte permute per vector
-//! (`vpermb` for 4-bit codes, then a per-lane shift picks the odd rows' high nibbles; `vpermt2b`
-//! for 8-bit codes), so scales, accumulators and results are all in natural order: nothing is
-//! permuted per row.
+//! of 16 rows each, each 32-bit lane holding one row's 4 codes as u8, so one `vpdpbusd` forms 64
+//! products into one i32 per row, against 32 for the 256-bit slot vectors of the AVX2 loops. Q8
+//! codes are gathered into natural order (rows 0-15, 16-31) with one `vpermt2b` per vector. 4-bit
+//! codes take one `vpermb` per quad, which puts each row pair's byte of the 4 columns into one
+//! lane; its low nibbles are then the even rows and its high nibbles the odd rows (a mask, and a
+//! shift and a mask). So q4_1 scales are split into even and odd rows once per group, and each
+//! row's 32 results are interleaved back once per block, before the min term.
 //!
 //! # Why 512-bit
 //!
@@ -50,20 +51,19 @@ mod imp {
     /// `16·half .. 16·half + 16`, lane `L` = row `16·half + L`, byte `j` = column `4·quad + j`.
     type Unpacked = [[__m512i; 2]; 8];
 
-    /// Byte-gather table for 4-bit codes: output byte `4L + j` (row `first_row + L`, column `j` of a
-    /// quad) takes the byte holding that row's code in the quad's 64 loaded bytes. Column-major
-    /// order loads byte `16j + r/2`; the 16-row-lane order loads its two planes' 32-byte runs one
-    /// after the other, so byte `32·(r/16) + 8j + (r%16)/2`. A row's code is that byte's low nibble
-    /// for even rows, the high one for odd rows.
-    const fn q4_gather(first_row: usize, column_major: bool) -> [u8; 64] {
+    /// Byte-gather table for 4-bit codes: output byte `4L + j` takes the byte holding row pair `L`
+    /// (rows `2L`, low nibble, and `2L + 1`, high nibble) of column `j` from a quad's 64 loaded
+    /// bytes. Column-major order loads byte `16j + L`; the 16-row-lane order loads its two planes'
+    /// 32-byte runs one after the other, so byte `32·(L/8) + 8j + L%8`.
+    const fn q4_gather(column_major: bool) -> [u8; 64] {
         let mut table = [0u8; 64];
         let mut i = 0;
         while i < 64 {
-            let (row, col) = (first_row + i / 4, i % 4);
+            let (pair, col) = (i / 4, i % 4);
             table[i] = if column_major {
-                16 * col + row / 2
+                16 * col + pair
             } else {
-                32 * (row / 16) + 8 * col + (row % 16) / 2
+                32 * (pair / 8) + 8 * col + pair % 8
             } as u8;
             i += 1;
         }
@@ -88,11 +88,9 @@ mod imp {
         table
     }
 
-    /// The gather tables, `[order][half]` with order 0 = column-major, 1 = 16-row lanes.
-    static Q4_GATHER: [[[u8; 64]; 2]; 2] = [
-        [q4_gather(0, true), q4_gather(16, true)],
-        [q4_gather(0, false), q4_gather(16, false)],
-    ];
+    /// The gather tables: `Q4_GATHER[order]`, `Q8_GATHER[order][half]`, with order 0 =
+    /// column-major, 1 = 16-row lanes.
+    static Q4_GATHER: [[u8; 64]; 2] = [q4_gather(true), q4_gather(false)];
     static Q8_GATHER: [[[u8; 64]; 2]; 2] = [
         [q8_gather(0, true), q8_gather(16, true)],
         [q8_gather(0, false), q8_gather(16, false)],
@@ -115,24 +113,18 @@ mod imp {
         [join(v[0], v[1]), join(v[2], v[3])]
     }
 
-    /// Group `g` of a 4-bit tile (codes at `codes`) as [`Unpacked`].
+    /// Group `g` of a 4-bit tile (codes at `codes`) as [`Unpacked`] in even/odd order: half 0 holds
+    /// rows 0, 2, …, 30, half 1 rows 1, 3, …, 31 (lane `L` = row `2L` or `2L + 1`).
     ///
     /// # Safety
     /// AVX-512 F, VL, VNNI and VBMI available; columns `32·g .. 32·g + 32` lie inside the code area
     /// (for the 16-row-lane order, of both planes).
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
     unsafe fn q4_unpack_group(codes: *const u8, column_major: bool, g: usize) -> Unpacked {
-        let tables = &Q4_GATHER[usize::from(!column_major)];
-        // SAFETY: the tables are 64 bytes each.
-        let gather = unsafe {
-            [
-                _mm512_loadu_si512(tables[0].as_ptr().cast()),
-                _mm512_loadu_si512(tables[1].as_ptr().cast()),
-            ]
-        };
-        // Odd rows (odd lanes) take the high nibble: shift their lanes down by 4 bits.
-        let shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        // SAFETY: the table is 64 bytes.
+        let gather =
+            unsafe { _mm512_loadu_si512(Q4_GATHER[usize::from(!column_major)].as_ptr().cast()) };
         let low = _mm512_set1_epi8(0x0F);
         // Plain loops, not `array::from_fn` / `map`: a closure handed to those generic helpers is
         // compiled without this function's target features and was called out of line, per vector.
@@ -150,12 +142,47 @@ mod imp {
                     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(plane0), plane1)
                 }
             };
-            for (half, table) in halves.iter_mut().zip(gather) {
-                let rows = _mm512_permutexvar_epi8(table, bytes);
-                *half = _mm512_and_si512(_mm512_srlv_epi32(rows, shifts), low);
-            }
+            let pairs = _mm512_permutexvar_epi8(gather, bytes);
+            *halves = [
+                _mm512_and_si512(pairs, low),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(pairs), low),
+            ];
         }
         unpacked
+    }
+
+    /// Natural-order rows 0-15 and 16-31 as even rows and odd rows (the q4 [`Unpacked`] order).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    fn even_odd(natural: [__m512; 2]) -> [__m512; 2] {
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        [
+            _mm512_permutex2var_ps(natural[0], even, natural[1]),
+            _mm512_permutex2var_ps(natural[0], odd, natural[1]),
+        ]
+    }
+
+    /// Each row's 32 results in `out` from even/odd order (`[even rows | odd rows]`) back to natural
+    /// order: the inverse of [`even_odd`].
+    ///
+    /// # Safety
+    /// AVX-512 F available; `out.len() ≥ rows × 32`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn interleave_rows(out: &mut [f32], rows: usize) {
+        debug_assert!(out.len() >= rows * TILE_ROWS);
+        let first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        let second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+        for row in out.chunks_exact_mut(TILE_ROWS).take(rows) {
+            // SAFETY: the chunk holds 32 floats: 16 at 0 and 16 at 16.
+            unsafe {
+                let p = row.as_mut_ptr();
+                let (even, odd) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+                _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, first, odd));
+                _mm512_storeu_ps(p.add(16), _mm512_permutex2var_ps(even, second, odd));
+            }
+        }
     }
 
     /// Group `g` of an 8-bit tile as [`Unpacked`], codes offset by +128 (u8 for `vpdpbusd`).
@@ -252,7 +279,7 @@ mod imp {
             let (d, unpacked) = unsafe {
                 let tile = block.as_ptr().add(t * layout.tile_bytes);
                 (
-                    pair(q4_group_scales(layout, tile, g).0),
+                    even_odd(pair(q4_group_scales(layout, tile, g).0)),
                     q4_unpack_group(tile.add(layout.codes), layout.column_major, g),
                 )
             };
@@ -265,8 +292,12 @@ mod imp {
                 }
             }
         }
-        // SAFETY: the caller's contract; `out` holds m × 32 natural-order floats.
-        unsafe { add_min_terms(layout, block, act, rows, out) };
+        // SAFETY: `out` holds m × 32 floats (caller contract), even/odd-ordered per row; after
+        // the interleave, natural-ordered, as `add_min_terms` takes them.
+        unsafe {
+            interleave_rows(out, m);
+            add_min_terms(layout, block, act, rows, out)
+        };
     }
 
     /// Rows `rows` of `act` times one 32-row block of an 8-bit tiled matrix, for two or more rows:
@@ -608,7 +639,8 @@ mod imp {
         while row_start < rows.end {
             let row_chunk = row_start..(row_start + ROW_CHUNK).min(rows.end);
             let rows_here = row_chunk.len();
-            let mut totals = [[_mm512_setzero_ps(); 2]; ROW_CHUNK];
+            // Left uninitialized: the first group chunk writes every row's entry.
+            let mut totals = [MaybeUninit::<[__m512; 2]>::uninit(); ROW_CHUNK];
             let mut g0 = 0;
             while g0 < groups_total {
                 let g1 = (g0 + GROUP_CHUNK).min(groups_total);
@@ -632,7 +664,10 @@ mod imp {
                     for r in 0..ROWS_AT_ONCE {
                         let i = (quad + r).min(rows_here - 1);
                         let row = row_chunk.start + i;
-                        acc[r] = totals[i];
+                        if g0 > 0 {
+                            // SAFETY: the pass over the first group chunk wrote row i's entry.
+                            acc[r] = unsafe { totals[i].assume_init() };
+                        }
                         sums[r] = &act.sums[row * groups_total + g0..row * groups_total + g1];
                     }
                     for (j, m) in mins.iter().enumerate() {
@@ -642,12 +677,19 @@ mod imp {
                             acc[r][1] = _mm512_fmadd_ps(m[1], sum_x, acc[r][1]);
                         }
                     }
-                    let kept = ROWS_AT_ONCE.min(rows_here - quad);
-                    totals[quad..quad + kept].copy_from_slice(&acc[..kept]);
+                    // A fixed-count loop: a copy of the variable-length prefix was a `memcpy`
+                    // call (and a `vzeroupper`) per four rows.
+                    for (r, acc) in acc.iter().enumerate() {
+                        if quad + r < rows_here {
+                            totals[quad + r].write(*acc);
+                        }
+                    }
                 }
                 g0 = g1;
             }
             for (total, row) in totals.iter().zip(row_chunk.clone()) {
+                // SAFETY: groups_total > 0, so the first group chunk wrote every row's entry.
+                let total = unsafe { total.assume_init_ref() };
                 for (half, m) in total.iter().enumerate() {
                     // SAFETY: row - first < rows.len(): 32 floats of `out` belong to it; 16 are
                     // read and written at 16·half for half < 2.
