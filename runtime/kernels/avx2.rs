@@ -496,14 +496,14 @@ mod imp {
     // ---- software prefetch ---------------------------------------------------------------------------
 
     /// Groups to prefetch ahead: ~6 × 640 B covers DRAM latency at one core's M = 1 compute rate.
-    pub(in crate::kernels) const PREFETCH_AHEAD: usize = 6;
+    const PREFETCH_AHEAD: usize = 6;
 
     /// Lines holding group `ahead` of this block (or, past its end, of the next block, which
     /// follows contiguously). The hardware prefetcher alone stalls on the tile layout: per group it
     /// reads three separate places in the tile, and the padding past K is skipped.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::kernels) unsafe fn prefetch_group(
+    unsafe fn prefetch_group(
         block: &[u8],
         groups_total: usize,
         groups_per_tile: usize,
@@ -543,7 +543,7 @@ mod imp {
     }
 
     /// (offset, lines) of a 4-bit group's scales, mins and codes.
-    pub(in crate::kernels) fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
+    fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
         let (scales, mins) = match layout.scales {
             Q4Scales::Q4K => (g * 32, 256 + g * 32),
             _ => (g * 64, layout.mins + g * 64),
@@ -561,7 +561,7 @@ mod imp {
     }
 
     /// (offset, lines) of an 8-bit group's scales and codes.
-    pub(in crate::kernels) fn q8_group_lines(layout: Q8Layout, g: usize) -> [(usize, usize); 3] {
+    fn q8_group_lines(layout: Q8Layout, g: usize) -> [(usize, usize); 3] {
         if layout.column_major {
             [(g * 64, 1), (layout.codes + g * 1024, 16), (0, 0)]
         } else {
@@ -571,6 +571,71 @@ mod imp {
                 (layout.codes + layout.plane + g * 512, 8),
             ]
         }
+    }
+
+    /// Prefetch the lines of group `gg + PREFETCH_AHEAD` of a 4-bit row block (its scales, mins
+    /// and codes; into the next block past the end).
+    ///
+    /// # Safety
+    /// AVX2 available (a prefetch itself never faults).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::kernels) unsafe fn prefetch_q4_group(
+        layout: Q4Layout,
+        block: &[u8],
+        groups_total: usize,
+        gg: usize,
+    ) {
+        let ahead = gg + PREFETCH_AHEAD;
+        let (per_tile, tile_bytes) = (layout.groups_per_tile, layout.tile_bytes);
+        // SAFETY: AVX2 available (caller contract).
+        unsafe {
+            prefetch_group(
+                block,
+                groups_total,
+                per_tile,
+                tile_bytes,
+                |_, g| q4_group_lines(layout, g),
+                ahead,
+            );
+            if !layout.column_major {
+                // The 16-row-lane order's mins live apart from its scales.
+                prefetch_group(
+                    block,
+                    groups_total,
+                    per_tile,
+                    tile_bytes,
+                    |_, g| [(layout.mins + g * 64, 1), (0, 0), (0, 0)],
+                    ahead,
+                );
+            }
+        }
+    }
+
+    /// Prefetch the lines of group `gg + PREFETCH_AHEAD` of an 8-bit row block.
+    ///
+    /// # Safety
+    /// AVX2 available (a prefetch itself never faults).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::kernels) unsafe fn prefetch_q8_group(
+        layout: Q8Layout,
+        block: &[u8],
+        groups_total: usize,
+        gg: usize,
+    ) {
+        let per_tile = layout.tile_cols / GROUP;
+        // SAFETY: AVX2 available (caller contract).
+        unsafe {
+            prefetch_group(
+                block,
+                groups_total,
+                per_tile,
+                layout.tile_bytes,
+                |_, g| q8_group_lines(layout, g),
+                gg + PREFETCH_AHEAD,
+            )
+        };
     }
 
     // ---- 4-bit block kernel -----------------------------------------------------------------------
@@ -773,24 +838,7 @@ mod imp {
         let mut acc = [_mm256_setzero_ps(); 4];
         for (gg, &scale_x) in scales.iter().enumerate() {
             let (t, g) = tile_and_group(gg, layout.groups_per_tile);
-            prefetch_group(
-                block,
-                groups_total,
-                layout.groups_per_tile,
-                layout.tile_bytes,
-                |_, g| q4_group_lines(layout, g),
-                gg + PREFETCH_AHEAD,
-            );
-            if !COLUMN_MAJOR {
-                prefetch_group(
-                    block,
-                    groups_total,
-                    layout.groups_per_tile,
-                    layout.tile_bytes,
-                    |_, g| [(layout.mins + g * 64, 1), (0, 0), (0, 0)],
-                    gg + PREFETCH_AHEAD,
-                );
-            }
+            prefetch_q4_group(layout, block, groups_total, gg);
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
@@ -994,25 +1042,7 @@ mod imp {
         }
         for gg in 0..groups_total {
             let (t, g) = tile_and_group(gg, layout.groups_per_tile);
-            prefetch_group(
-                block,
-                groups_total,
-                layout.groups_per_tile,
-                layout.tile_bytes,
-                |_, g| q4_group_lines(layout, g),
-                gg + PREFETCH_AHEAD,
-            );
-            if !layout.column_major {
-                // The 16-row-lane order's mins live apart from its scales.
-                prefetch_group(
-                    block,
-                    groups_total,
-                    layout.groups_per_tile,
-                    layout.tile_bytes,
-                    |_, g| [(layout.mins + g * 64, 1), (0, 0), (0, 0)],
-                    gg + PREFETCH_AHEAD,
-                );
-            }
+            prefetch_q4_group(layout, block, groups_total, gg);
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };
@@ -1253,14 +1283,7 @@ mod imp {
         }
         for gg in 0..groups_total {
             let (t, g) = tile_and_group(gg, groups_per_tile);
-            prefetch_group(
-                block,
-                groups_total,
-                groups_per_tile,
-                layout.tile_bytes,
-                |_, g| q8_group_lines(layout, g),
-                gg + PREFETCH_AHEAD,
-            );
+            prefetch_q8_group(layout, block, groups_total, gg);
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             let codes = unsafe { tile.add(layout.codes) };

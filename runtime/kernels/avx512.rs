@@ -39,8 +39,8 @@ pub use imp::*;
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use crate::kernels::avx2::{
-        prefetch_group, q4_group_lines, q4_group_scales, q8_group_lines, q8_group_scales,
-        tile_and_group, Q4Layout, Q8Layout, PREFETCH_AHEAD,
+        prefetch_q4_group, prefetch_q8_group, q4_group_scales, q8_group_scales, tile_and_group,
+        Q4Layout, Q8Layout,
     };
     use crate::kernels::quant::QuantizedRows;
     use crate::tiles::{GROUP, TILE_ROWS};
@@ -252,28 +252,8 @@ mod imp {
         }
         for gg in 0..groups_total {
             let (t, g) = tile_and_group(gg, layout.groups_per_tile);
-            // SAFETY: AVX2 available; a prefetch never faults.
-            unsafe {
-                prefetch_group(
-                    block,
-                    groups_total,
-                    layout.groups_per_tile,
-                    layout.tile_bytes,
-                    |_, g| q4_group_lines(layout, g),
-                    gg + PREFETCH_AHEAD,
-                );
-                if !layout.column_major {
-                    // The 16-row-lane order's mins live apart from its scales.
-                    prefetch_group(
-                        block,
-                        groups_total,
-                        layout.groups_per_tile,
-                        layout.tile_bytes,
-                        |_, g| [(layout.mins + g * 64, 1), (0, 0), (0, 0)],
-                        gg + PREFETCH_AHEAD,
-                    );
-                }
-            }
+            // SAFETY: AVX2 available.
+            unsafe { prefetch_q4_group(layout, block, groups_total, gg) };
             // SAFETY: tile t exists (caller contract); the scale and code areas of group g are
             // inside it.
             let (d, unpacked) = unsafe {
@@ -323,17 +303,8 @@ mod imp {
         }
         for gg in 0..groups_total {
             let (t, g) = tile_and_group(gg, groups_per_tile);
-            // SAFETY: AVX2 available; a prefetch never faults.
-            unsafe {
-                prefetch_group(
-                    block,
-                    groups_total,
-                    groups_per_tile,
-                    layout.tile_bytes,
-                    |_, g| q8_group_lines(layout, g),
-                    gg + PREFETCH_AHEAD,
-                );
-            }
+            // SAFETY: AVX2 available.
+            unsafe { prefetch_q8_group(layout, block, groups_total, gg) };
             // SAFETY: tile t exists (caller contract); group g's scales and codes are inside it.
             let (d, unpacked) = unsafe {
                 let tile = block.as_ptr().add(t * layout.tile_bytes);
