@@ -231,8 +231,8 @@ mod imp {
     /// `avx2::q4_block`'s contract and results (natural order, min term included).
     ///
     /// # Safety
-    /// As `avx2::q4_block`, and AVX-512 F, VL, VNNI and VBMI available (`vnni_available()`).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    /// As `avx2::q4_block`, and AVX-512 F, BW, VL, VNNI and VBMI available (`vnni_available()`).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
     pub unsafe fn q4_rows(
         layout: Q4Layout,
         block: &[u8],
@@ -284,8 +284,8 @@ mod imp {
     /// `avx2::q8_block`'s contract and results.
     ///
     /// # Safety
-    /// As `avx2::q8_block`, and AVX-512 F, VL, VNNI and VBMI available (`vnni_available()`).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512vbmi")]
+    /// As `avx2::q8_block`, and AVX-512 F, BW, VL, VNNI and VBMI available (`vnni_available()`).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
     pub unsafe fn q8_rows(
         layout: Q8Layout,
         block: &[u8],
@@ -324,8 +324,9 @@ mod imp {
         }
     }
 
-    /// One unpacked group times every row in `rows`, accumulated into `out` (32 natural-order
-    /// floats per row): eight rows at a time in [`quads_8_rows`], the rest in [`quads_few_rows`].
+    /// One unpacked group times every row in `rows`, accumulated into `out` (32 floats per row, in
+    /// the row order of `unpacked` and `d`): eight rows at a time in [`quads_8_rows`], the rest one
+    /// by one in [`quads_one_row`].
     /// With `q8_offset` the codes are Q8 codes + 128 and each row's sums start at `−128 · Σx`.
     /// `FIRST` (group 0) overwrites the accumulators instead of adding to them.
     ///
