@@ -397,6 +397,22 @@ fn benches_reject_bad_sizes_by_name() {
         let (ok, _, err) = xdna(&["bench", "gemm", flag, bad, "--min-time", "0"]);
         assert!(!ok && err.contains(flag), "{flag} {bad}: {err}");
     }
+    // Copies within the count bound whose bytes exceed the memory bound (64 × 1000 layers ≈ 200 GB)
+    // are refused by name before anything is allocated.
+    let (ok, _, err) = xdna(&[
+        "bench",
+        "gemm",
+        "--copies",
+        "64",
+        "--layers",
+        "1000",
+        "--min-time",
+        "0",
+    ]);
+    assert!(
+        !ok && err.contains("--copies") && err.contains("GiB"),
+        "{err}"
+    );
     let (ok, _, err) = xdna(&["bench", "decode", "--probe-mib", "1000000000000"]);
     assert!(!ok && err.contains("--probe-mib"), "{err}");
     let (ok, _, err) = xdna(&["bench", "decode", "--decode-tokens", "0"]);

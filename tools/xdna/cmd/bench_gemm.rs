@@ -15,7 +15,7 @@
 
 use std::time::Instant;
 
-use xdna::kernels::host_layout::{pack_group_records, Packing};
+use xdna::kernels::host_layout::{self, pack_group_records, Packing};
 use xdna::kernels::pool::Pool;
 use xdna::kernels::{HostExecutor, WeightMatrix};
 use xdna::tiles::WeightFormat;
@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0)]
     min_time: f64,
     /// Layers to sweep (SmolLM2-135M has 30).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = LAYERS)]
     layers: usize,
     /// Rows of the lm_head to sweep (SmolLM2-135M has 49152). With `--layers 1 --head-rows 1024`
     /// the whole sweep (≈ 2.8 MB) stays in the last-level cache: the kernels' compute rate alone.
@@ -78,7 +78,8 @@ impl Layout {
     }
 }
 
-/// SmolLM2-135M: hidden 576, FFN 1536, 9 heads × 64, 3 KV heads, vocab 49152.
+/// SmolLM2-135M: 30 layers, hidden 576, FFN 1536, 9 heads × 64, 3 KV heads, vocab 49152.
+const LAYERS: usize = 30;
 const HIDDEN: usize = 576;
 const FFN: usize = 1536;
 const QKV: usize = (9 + 2 * 3) * 64;
@@ -103,6 +104,23 @@ impl Matrix {
             packing: self.packing,
         }
     }
+}
+
+/// Bytes [`synthetic`] stores for a `rows × cols` matrix of `format` in `layout`.
+fn stored_bytes(
+    name: &'static str,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    layout: Layout,
+) -> xdna::Result<usize> {
+    let records = layout == Layout::Host && host_layout::record_bytes(format).is_some();
+    if records {
+        host_layout::records_matrix_bytes(format, rows, cols)
+    } else {
+        format.matrix_bytes(rows, cols)
+    }
+    .map_err(|e| xdna::Error::Usage(format!("{name}: {e}")))
 }
 
 /// Random tile bytes with every scale/min replaced by a small valid value (so no NaN/denormal
@@ -206,6 +224,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     const MAX_M: usize = 4096;
     const MAX_LAYERS: usize = 1024;
     const MAX_COPIES: usize = 64;
+    const MAX_WORKING_SET: usize = 8 << 30;
     if args.m.is_empty() || args.m.iter().any(|&m| m == 0 || m > MAX_M) {
         return Err(xdna::Error::Usage(format!(
             "--m needs row counts between 1 and {MAX_M}"
@@ -228,14 +247,48 @@ pub fn run(args: Args) -> xdna::Result<()> {
             args.head_rows
         )));
     }
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-    let mut matrices = Vec::new();
     let layer = [
         ("qkv", QKV, HIDDEN),
         ("o", HIDDEN, HIDDEN),
         ("gate+up", 2 * FFN, HIDDEN),
         ("down", HIDDEN, FFN),
     ];
+    // Sized before anything is allocated, so that a working set no machine holds is refused by
+    // name instead of aborting on a failed allocation.
+    let mut planned = stored_bytes("lm_head", head_wfmt, args.head_rows, HIDDEN, args.layout)?;
+    for (name, rows, cols) in layer {
+        planned += args.layers * stored_bytes(name, wfmt, rows, cols, args.layout)?;
+    }
+    let llc = xdna::kernels::bandwidth::last_level_cache_bytes();
+    // A sweep at least the model's size is meant to stream from memory; a shrunken one, to stay
+    // in the cache.
+    let full_model = args.layers >= LAYERS && args.head_rows == VOCAB;
+    let copies = match args.copies {
+        Some(0) => return Err(xdna::Error::Usage("--copies needs at least 1".into())),
+        Some(n) if n > MAX_COPIES => {
+            return Err(xdna::Error::Usage(format!(
+                "--copies {n} exceeds {MAX_COPIES}"
+            )))
+        }
+        Some(n) => n,
+        // Capped at the memory bound below: a cache larger than that is not out-run here.
+        None if full_model => llc.map_or(1, |llc| {
+            (2 * llc)
+                .div_ceil(planned.max(1))
+                .clamp(1, (MAX_WORKING_SET / planned.max(1)).max(1))
+        }),
+        None => 1,
+    };
+    if copies * planned > MAX_WORKING_SET {
+        return Err(xdna::Error::Usage(format!(
+            "{copies} copies of {:.0} MB of weights exceed the {} GiB this bench allocates at most \
+             (lower --copies or --layers)",
+            planned as f64 / 1e6,
+            MAX_WORKING_SET >> 30
+        )));
+    }
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut matrices = Vec::new();
     for _ in 0..args.layers {
         for (name, rows, cols) in layer {
             matrices.push(synthetic(name, wfmt, rows, cols, args.layout, &mut seed)?);
@@ -250,19 +303,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         &mut seed,
     )?);
     let stored: usize = matrices.iter().map(|w| w.data.len()).sum();
-    let llc = xdna::kernels::bandwidth::last_level_cache_bytes();
-    let full_model = args.layers == 30 && args.head_rows == VOCAB;
-    let copies = match args.copies {
-        Some(0) => return Err(xdna::Error::Usage("--copies needs at least 1".into())),
-        Some(n) if n > MAX_COPIES => {
-            return Err(xdna::Error::Usage(format!(
-                "--copies {n} exceeds {MAX_COPIES}"
-            )))
-        }
-        Some(n) => n,
-        None if full_model => llc.map_or(1, |llc| (2 * llc).div_ceil(stored.max(1)).max(1)),
-        None => 1,
-    };
+    debug_assert_eq!(stored, planned);
     // Further copies are clones: the same bytes at other addresses, which is all a cache sees.
     let first_copy = matrices.clone();
     for _ in 1..copies {
