@@ -26,10 +26,10 @@
 //!
 //! # AVX-512 VNNI
 //!
-//! On CPUs with AVX-512 VNNI, VL and VBMI (Zen 4, Ice Lake and later; [`vnni_available`]) the
-//! multi-row calls ([`IntDot::Vnni`], two or more activation rows) go to the 512-bit kernels of
+//! On CPUs with AVX-512 F, BW, VL, VNNI and VBMI (Zen 4, Ice Lake and later; [`vnni_available`])
+//! the multi-row calls ([`IntDot::Vnni`], two or more activation rows) go to the 512-bit kernels of
 //! [`super::avx512`] instead: `vpdpbusd` forms 64 products into i32 per instruction, a quad of a
-//! group is two vectors in natural row order, and eight rows share each weight load. Their integer
+//! group is two vectors of 16 rows, and eight rows share each weight load. Their integer
 //! sums are exact and the float work after them is this module's, per output lane, so both paths
 //! give the same bits; the single-row kernel (memory-bound, AVX2) is the same for both.
 

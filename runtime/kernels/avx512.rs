@@ -47,8 +47,10 @@ mod imp {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    /// One group's codes as u8: `[quad][half]` holds columns `4·quad .. 4·quad + 4` of rows
-    /// `16·half .. 16·half + 16`, lane `L` = row `16·half + L`, byte `j` = column `4·quad + j`.
+    /// One group's codes as u8: `[quad][half]` holds columns `4·quad .. 4·quad + 4` of 16 of the
+    /// 32 rows, one row per lane, byte `j` = column `4·quad + j`. Q8: half `h`, lane `L` = row
+    /// `16h + L` (natural order); q4: half 0 the even rows, half 1 the odd ones (lane `L` = row
+    /// `2L + h`). The scales and results of a group follow the same order.
     type Unpacked = [[__m512i; 2]; 8];
 
     /// Byte-gather table for 4-bit codes: output byte `4L + j` takes the byte holding row pair `L`
@@ -396,7 +398,8 @@ mod imp {
         }
     }
 
-    /// `acc = fma(dot, d · d_x, acc)` for one row's 32 natural-order accumulators in `acc_mem`
+    /// `acc = fma(dot, d · d_x, acc)` for one row's 32 accumulators in `acc_mem` (in the order of
+    /// `d`)
     /// (from zero when `FIRST`): the single-row kernel's per-group update, 16 lanes at a time.
     ///
     /// # Safety
