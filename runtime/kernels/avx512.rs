@@ -398,9 +398,8 @@ mod imp {
         }
     }
 
-    /// `acc = fma(dot, d · d_x, acc)` for one row's 32 accumulators in `acc_mem` (in the order of
-    /// `d`)
-    /// (from zero when `FIRST`): the single-row kernel's per-group update, 16 lanes at a time.
+    /// `acc = fma(dot, d · d_x, acc)` for one row's 32 accumulators in `acc_mem`, in the order of
+    /// `d` (from zero when `FIRST`): the single-row kernel's per-group update, 16 lanes at a time.
     ///
     /// # Safety
     /// AVX-512 F available; `acc_mem.len() ≥ 32`.
