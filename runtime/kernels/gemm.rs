@@ -514,6 +514,7 @@ fn run_block(
     let mut row0 = 0;
     while row0 < m {
         let pass = (m - row0).min(ROWS_PER_PASS);
+        prefetch_output(y, row0..row0 + pass, y_stride, n0, rows_here);
         let out = &mut block_out[..pass * TILE_ROWS];
         compute_block(
             w,
@@ -554,6 +555,37 @@ fn run_block(
         }
         row0 += pass;
     }
+}
+
+/// Ask for the lines of `y` that rows `rows` of this block will write, for writing (`prefetchw`),
+/// before computing them. `y` was last touched by the other core or the caller's next op, so each
+/// line is a read-for-ownership; issued here they complete under the block's compute instead of
+/// stalling the copy and the next claim's atomic (which waits for the stores to drain): a 16-row
+/// sweep of SmolLM2's projections 4-5 % faster on 2 threads.
+fn prefetch_output(
+    y: OutPtr,
+    rows: std::ops::Range<usize>,
+    y_stride: usize,
+    n0: usize,
+    rows_here: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+        const LINE_FLOATS: usize = 16;
+        for row in rows {
+            // Every 16th float and the last: all the lines, aligned or not.
+            let last = rows_here.saturating_sub(1);
+            for column in (0..rows_here).step_by(LINE_FLOATS).chain([last]) {
+                let at = y.0.wrapping_add(row * y_stride + n0 + column);
+                // SAFETY: a prefetch is only a hint: it never faults (and the address is inside
+                // `y`, the block's own columns of row `row`).
+                unsafe { _mm_prefetch::<{ _MM_HINT_ET0 }>(at as *const i8) };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (y, rows, y_stride, n0, rows_here);
 }
 
 /// One block, activation rows `rows`: `out[(i - rows.start) * 32 + r]`.
