@@ -1351,8 +1351,10 @@ mod imp {
     // ---- activation quantization -------------------------------------------------------------------
 
     /// ggml's `quantize_row_q8_1` for one full group of 32: codes into `out`, returns (d, Σq).
-    /// Bit-identical to `quant::quantize_group` (same max, same division, same product, and
-    /// `cvtps_epi32` rounds ties to even like `round_ties_even`).
+    /// Bit-identical to `quant::quantize_group` for groups of finite values whose `1/d` is finite
+    /// (same max, same division, same product, and `cvtps_epi32` rounds ties to even like
+    /// `round_ties_even`); a NaN, an infinity or an overflowing `1/d` leaves a non-finite `d` or a
+    /// −128 code, and `quant::quantize_group_fast` redoes those groups with the scalar.
     ///
     /// # Safety
     /// AVX2 available; 32 floats readable at `values`, 32 bytes writable at `out`.

@@ -89,22 +89,10 @@ impl QuantizedRows {
                 // are disjoint from every other thread's.
                 let chunk_out = unsafe {
                     GroupsOut {
-                        codes: std::slice::from_raw_parts_mut(
-                            out.codes.add(first * cols),
-                            n * cols,
-                        ),
-                        scales: std::slice::from_raw_parts_mut(
-                            out.scales.add(first * groups),
-                            n * groups,
-                        ),
-                        sums: std::slice::from_raw_parts_mut(
-                            out.sums.add(first * groups),
-                            n * groups,
-                        ),
-                        code_sums: std::slice::from_raw_parts_mut(
-                            out.code_sums.add(first * groups),
-                            n * groups,
-                        ),
+                        codes: row_span(out.codes, first..first + n, cols),
+                        scales: row_span(out.scales, first..first + n, groups),
+                        sums: row_span(out.sums, first..first + n, groups),
+                        code_sums: row_span(out.code_sums, first..first + n, groups),
                     }
                 };
                 quantize_rows(&x[first * k..(first + n) * k], k, chunk_out);
@@ -120,6 +108,19 @@ struct RowsOut {
     scales: *mut f32,
     sums: *mut f32,
     code_sums: *mut i32,
+}
+
+/// Rows `rows` of a row-major buffer of `per_row` elements a row, at `base`.
+///
+/// # Safety
+/// The rows lie inside the buffer, and nothing else reads or writes them while the slice lives.
+unsafe fn row_span<'a, T>(
+    base: *mut T,
+    rows: std::ops::Range<usize>,
+    per_row: usize,
+) -> &'a mut [T] {
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut(base.add(rows.start * per_row), rows.len() * per_row) }
 }
 
 /// A run of consecutive groups' slices of the [`QuantizedRows`] buffers (`codes` 32 per group).
