@@ -274,7 +274,8 @@ const SCRATCH_MARGIN: usize = 32;
 /// `len` floats of `buf`, 64-byte aligned and with [`SCRATCH_MARGIN`] unused floats on each side:
 /// the kernels write the scratch once per group, and a cache line shared with a neighbouring
 /// allocation (another thread's output or activations, from the same allocator arena) would move
-/// between the cores on every write (measured: a 16-row 576 × 576 call's caller share 15 % slower).
+/// between the cores on every write (seen as a slower caller share in a per-thread timing of a
+/// 16-row 576 × 576 call).
 fn padded_scratch(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     const LINE_FLOATS: usize = 16;
     buf.resize(len + 2 * SCRATCH_MARGIN + LINE_FLOATS, 0.0);
@@ -561,7 +562,7 @@ fn run_block(
 /// before computing them. `y` was last touched by the other core or the caller's next op, so each
 /// line is a read-for-ownership; issued here they complete under the block's compute instead of
 /// stalling the copy and the next claim's atomic (which waits for the stores to drain): a 16-row
-/// sweep of SmolLM2's projections 4-5 % faster on 2 threads.
+/// sweep of SmolLM2's projections 4-5 % faster on 2 threads (docs/performance.md, 2026-12-01 22:11).
 fn prefetch_output(
     y: OutPtr,
     rows: std::ops::Range<usize>,
