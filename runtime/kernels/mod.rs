@@ -34,6 +34,7 @@ pub mod avx512;
 pub mod bandwidth;
 pub mod device_exec;
 pub mod elf;
+pub mod fastexp;
 pub mod gemm;
 pub mod host_layout;
 pub mod pool;

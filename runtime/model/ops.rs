@@ -95,7 +95,7 @@ fn swiglu_span(gate_up: &[f32], inter: usize, span: std::ops::Range<usize>, out:
         let g = &gate_up[r * 2 * inter + c..r * 2 * inter + inter];
         let u = &gate_up[r * 2 * inter + inter + c..(r + 1) * 2 * inter];
         let at = i - span.start;
-        super::fastexp::silu_mul(g, u, &mut out[at..at + end - i]);
+        crate::kernels::fastexp::silu_mul(g, u, &mut out[at..at + end - i]);
         i = end;
     }
 }
@@ -872,7 +872,7 @@ mod avx2 {
 /// position order).
 fn softmax_in_place(scores: &mut [f32]) {
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let sum = super::fastexp::exp_shifted_sum(scores, max);
+    let sum = crate::kernels::fastexp::exp_shifted_sum(scores, max);
     let inv = 1.0 / sum;
     for s in scores.iter_mut() {
         *s *= inv;
