@@ -29,6 +29,8 @@
 //! [`elf`] writes and reads kernel ELF files (`docs/kernel-elf.md`); [`set::KernelSet`] loads a
 //! directory of them and reports every missing shape at once.
 
+pub mod activation;
+pub mod attention;
 pub mod avx2;
 pub mod avx512;
 pub mod bandwidth;
@@ -53,6 +55,20 @@ pub use gemm::{execute, HostExecutor, WeightMatrix};
 pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};
 
 use crate::tiles::TileError;
+
+/// Deterministic values for the kernels' unit tests.
+#[cfg(test)]
+pub(crate) mod test_values {
+    /// Deterministic test values in [-0.5, 0.5) (xorshift64).
+    pub(crate) fn uniform_values(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        }
+    }
+}
 
 /// Why a kernel file was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
