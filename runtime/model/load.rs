@@ -334,7 +334,10 @@ impl Embedding for PackageEmbedding {
                 vocab: self.rows,
             });
         }
-        let decoded = decode_row_noalloc(self.format, self.data, self.rows, self.cols, r, out);
+        let decoded = tiles::decode_row(self.format, self.data, self.rows, self.cols, r, out)
+            .map_err(|e| ModelError::Shape {
+                what: format!("embedding row {r}: {e}"),
+            });
         release_fault_around(self.data, self.row_bytes(r));
         decoded
     }
@@ -357,62 +360,6 @@ fn release_fault_around(table: &[u8], span: &[u8]) {
     let (start, end) = (lo.max(base) - base, hi.min(base + table.len()) - base);
     if end > start {
         release_mapped_pages(&table[start..end]);
-    }
-}
-
-/// Decode one row of a tiled matrix without a scratch tile (q8 / q4_1 tiles); other formats go
-/// through `tiles::decode_row`.
-pub fn decode_row_noalloc(
-    format: WeightFormat,
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    row: usize,
-    out: &mut [f32],
-) -> Result<(), ModelError> {
-    let shape_err = |what: String| ModelError::Shape { what };
-    if out.len() != cols {
-        return Err(shape_err(format!(
-            "embedding row of {} values into {}",
-            cols,
-            out.len()
-        )));
-    }
-    let u16at = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
-    match format {
-        WeightFormat::Q8 { scale, order } | WeightFormat::Q41 { scale, order } => {
-            let tb = format.tile_bytes().unwrap_or(0);
-            let qt = format.padded_cols(cols) / tiles::TILE_COLS;
-            let need = format
-                .matrix_bytes(rows, cols)
-                .map_err(|e| shape_err(e.to_string()))?;
-            if data.len() != need {
-                return Err(shape_err(format!(
-                    "embedding bytes {} (expected {need})",
-                    data.len()
-                )));
-            }
-            let (p, r) = (row / tiles::TILE_ROWS, row % tiles::TILE_ROWS);
-            for (c, o) in out.iter_mut().enumerate() {
-                let (q, cc) = (c / tiles::TILE_COLS, c % tiles::TILE_COLS);
-                let base = (p * qt + q) * tb;
-                let cell = tiles::cell(cc / tiles::GROUP, r);
-                let d = tiles::scale_to_f32(scale, u16at(base + 2 * cell));
-                *o = if matches!(format, WeightFormat::Q8 { .. }) {
-                    let code =
-                        data[base + tiles::Q8_CODES + tiles::q8_code_pos(order, r, cc)] as i8;
-                    code as f32 * d
-                } else {
-                    let m = tiles::scale_to_f32(scale, u16at(base + tiles::Q41_MINS + 2 * cell));
-                    let (byte, high) = tiles::q4_code_pos(order, r, cc);
-                    let b = data[base + tiles::Q41_CODES + byte];
-                    (if high { b >> 4 } else { b & 15 }) as f32 * d + m
-                };
-            }
-            Ok(())
-        }
-        _ => tiles::decode_row(format, data, rows, cols, row, out)
-            .map_err(|e| shape_err(e.to_string())),
     }
 }
 
