@@ -24,6 +24,14 @@
 //! * Weights are read in their tile layout directly (`tiles.rs`, q4nx-container.md §2); nothing is
 //!   repacked, and column padding beyond the logical K is not read.
 //!
+//! # Attention, SwiGLU, `exp`
+//!
+//! [`attention`] (grouped-query attention over an f16 or f32 KV cache: AVX2+FMA kernels and the
+//! scalar reference), [`activation`] (SwiGLU over a batch of rows) and [`fastexp`] (the polynomial
+//! `exp` both build on) are the forward pass's other host kernels. They take shapes and slices, not
+//! model configurations, and split large work over the [`pool::Pool`]; a buffer its threads write
+//! in disjoint parts is shared as a [`pool::SharedMut`].
+//!
 //! # Kernel files
 //!
 //! [`elf`] writes and reads kernel ELF files (`docs/kernel-elf.md`); [`set::KernelSet`] loads a
