@@ -408,7 +408,9 @@ pub fn set_q8_cell(
 }
 
 /// Decode row `row` of a `[rows, cols]` matrix stored in `format` to f32 (`out.len() == cols`).
-/// Padded columns beyond `cols` are not returned.
+/// Padded columns beyond `cols` are not returned. Plain, q4_1 and Q8 rows are read in place (no
+/// allocation); the other tiled formats go through [`decode_tile`] into a scratch tile. Every
+/// value has [`decode_tile`]'s bits.
 pub fn decode_row(
     format: WeightFormat,
     data: &[u8],
@@ -441,6 +443,28 @@ pub fn decode_row(
             };
             for (c, o) in out.iter_mut().enumerate() {
                 *o = scale_to_f32(scale, read_u16(data, (row * cols + c) * 2));
+            }
+        }
+        // Straight from the row's scales, mins and codes, without a scratch tile (an embedding
+        // lookup per token); each value is `decode_tile`'s expression.
+        WeightFormat::Q8 { scale, order } | WeightFormat::Q41 { scale, order } => {
+            let tile_bytes = format.tile_bytes().unwrap_or(0);
+            let q_tiles = format.padded_cols(cols) / TILE_COLS;
+            let (p, r) = (row / TILE_ROWS, row % TILE_ROWS);
+            for (c, o) in out.iter_mut().enumerate() {
+                let (q, cc) = (c / TILE_COLS, c % TILE_COLS);
+                let base = (p * q_tiles + q) * tile_bytes;
+                let at = cell(cc / GROUP, r);
+                let d = scale_to_f32(scale, read_u16(data, base + 2 * at));
+                *o = if matches!(format, WeightFormat::Q8 { .. }) {
+                    let code = data[base + Q8_CODES + q8_code_pos(order, r, cc)] as i8;
+                    code as f32 * d
+                } else {
+                    let m = scale_to_f32(scale, read_u16(data, base + Q41_MINS + 2 * at));
+                    let (byte, high) = q4_code_pos(order, r, cc);
+                    let b = data[base + Q41_CODES + byte];
+                    (if high { b >> 4 } else { b & 15 }) as f32 * d + m
+                };
             }
         }
         _ => {
@@ -553,6 +577,46 @@ mod tests {
         assert_eq!(row[287], 0.0);
         assert!(decode_row(f, &data, rows, cols, 32, &mut row).is_err());
         assert!(decode_row(f, &data[1..], rows, cols, 0, &mut row).is_err());
+    }
+
+    #[test]
+    fn every_tiled_row_equals_its_row_of_the_decoded_tiles() {
+        // 64 rows × 300 columns: two row blocks, K padded (to 512, or 384 for the 128-column
+        // legacy tile), so rows end inside a tile.
+        let (rows, cols) = (64, 300);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        for f in WeightFormat::ALL {
+            let Some(tile_bytes) = f.tile_bytes() else {
+                continue;
+            };
+            let data: Vec<u8> = (0..f.matrix_bytes(rows, cols).unwrap())
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed >> 32) as u8
+                })
+                .collect();
+            let tcols = f.tile_cols();
+            let q_tiles = f.padded_cols(cols) / tcols;
+            let mut tile = vec![0f32; TILE_ROWS * tcols];
+            let mut row = vec![0f32; cols];
+            for r in [0, 5, 31, 32, 63] {
+                decode_row(f, &data, rows, cols, r, &mut row).unwrap();
+                for q in 0..q_tiles {
+                    let t = (r / TILE_ROWS) * q_tiles + q;
+                    decode_tile(f, &data[t * tile_bytes..(t + 1) * tile_bytes], &mut tile).unwrap();
+                    for c in (q * tcols..(q + 1) * tcols).take_while(|&c| c < cols) {
+                        let (got, want) = (row[c], tile[(r % TILE_ROWS) * tcols + c - q * tcols]);
+                        assert!(
+                            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                            "{} row {r} column {c}: {got} vs {want}",
+                            f.name()
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use xdna::weights::gguf::GgufFile;
 use xdna::weights::import::{import_gguf, tokenizer_json, ImportOptions};
 use xdna::weights::safetensors::{Declared, Dtype, Writer};
 use xdna::weights::tokenizer::{PreTokenizer, Tokenizer};
-use xdna::weights::Package;
+use xdna::weights::{MappedBytes, Package};
 
 fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("xdna-pkg-{}-{name}", std::process::id()));
@@ -371,6 +371,23 @@ fn flm_style_package_loads_unfused() {
     let mut e = vec![0f32; hidden];
     pkg.embedding_row(3, &mut e).unwrap();
     assert_eq!(e[0], ((3 * hidden) % 7) as f32 - 3.0);
+    // A matrix held in place: the same bytes, for as long as the holder lives; bytes outside the
+    // package's mapping are refused, naming the file.
+    let k_bytes = k.data.to_vec();
+    let k_range = k.data.as_ptr() as usize..k.data.as_ptr() as usize + k.data.len();
+    let pkg = std::sync::Arc::new(pkg);
+    let k = pkg
+        .matrix("model.layers.0.self_attn.k_proj.weight", 128, 256)
+        .unwrap();
+    let held = MappedBytes::new(&pkg, k.data).unwrap();
+    assert_eq!(held[..], k_bytes[..]);
+    assert_eq!(
+        held.as_ptr() as usize..held.as_ptr() as usize + held.len(),
+        k_range
+    );
+    let elsewhere = vec![0u8; 16];
+    let err = MappedBytes::new(&pkg, &elsewhere).unwrap_err().to_string();
+    assert!(err.contains("model.q4nx"), "{err}");
     assert_eq!(
         pkg.vector("model.layers.0.input_layernorm.weight").unwrap(),
         vec![1.0; hidden]

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 
 use super::avx2::{self, Q4Layout, Q4Scales, Q8Layout};
 use super::host_layout::{self, Packing};
-use super::pool::{ChunkCounter, Pool, ShareCounter};
+use super::pool::{ChunkCounter, Pool, ShareCounter, SharedMut};
 use super::quant::QuantizedRows;
 use super::KernelError;
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
@@ -287,14 +287,6 @@ fn padded_scratch(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     &mut buf[start..start + len]
 }
 
-/// Raw output pointer shared by the workers; each writes a disjoint set of columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: workers write disjoint (row block) column ranges of `y`, which outlives the pool job.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
-
 /// Fewest row blocks one thread claims at a time in a single-row (decode) GEMM. One row is
 /// memory-bound, and every claim starts a new stream whose first lines arrive cold; claims of at
 /// least 8 blocks (≈ 92 KB of q4_1 at K = 576) make a whole M = 1 sweep of SmolLM2 2-6 % faster
@@ -434,7 +426,8 @@ impl HostExecutor {
         }
         let fast = self.int_dot();
         let kernel = fast_kernel(w.format, w.packing);
-        let out = OutPtr(y.as_mut_ptr());
+        // Each row block's columns of every row are written by the one thread that claimed the block.
+        let out = SharedMut::new(y);
         let blocks = w.rows.div_ceil(TILE_ROWS);
         let run = |act: Option<&QuantizedRows>| {
             let pool = Pool::global();
@@ -507,7 +500,7 @@ fn run_block(
     block: usize,
     block_out: &mut [f32],
     scalar: &mut ScalarScratch,
-    y: OutPtr,
+    y: SharedMut<'_, f32>,
     y_stride: usize,
 ) {
     let n0 = block * TILE_ROWS;
@@ -533,7 +526,9 @@ fn run_block(
             // SAFETY: `fast` means AVX2 is available; `out` holds `pass` rows of 32 floats; row
             // (row0+i) < m of y has 32 floats from n0 + 32 ≤ N (see the copy below for why they
             // are inside y, disjoint between threads, and apart from `out`).
-            unsafe { avx2::copy_block_rows(out, y.0.add(row0 * y_stride + n0), y_stride) };
+            unsafe {
+                avx2::copy_block_rows(out, y.as_mut_ptr().add(row0 * y_stride + n0), y_stride)
+            };
             row0 += pass;
             continue;
         }
@@ -542,7 +537,7 @@ fn run_block(
             // (m-1)·stride + N ≤ y.len() (checked in gemm_strided); blocks are disjoint, so no
             // two threads write it, and `src` (thread scratch) does not overlap `y`.
             unsafe {
-                let dst = y.0.add((row0 + i) * y_stride + n0);
+                let dst = y.as_mut_ptr().add((row0 + i) * y_stride + n0);
                 if rows_here == TILE_ROWS {
                     // A full block row: a fixed-size copy (inlined vector moves, no memcpy call).
                     std::ptr::write_unaligned(
@@ -564,7 +559,7 @@ fn run_block(
 /// stalling the copy and the next claim's atomic (which waits for the stores to drain): a 16-row
 /// sweep of SmolLM2's projections 4-5 % faster on 2 threads (docs/performance.md, 2026-12-01 22:11).
 fn prefetch_output(
-    y: OutPtr,
+    y: SharedMut<'_, f32>,
     rows: std::ops::Range<usize>,
     y_stride: usize,
     n0: usize,
@@ -578,7 +573,7 @@ fn prefetch_output(
             // Every 16th float and the last: all the lines, aligned or not.
             let last = rows_here.saturating_sub(1);
             for column in (0..rows_here).step_by(LINE_FLOATS).chain([last]) {
-                let at = y.0.wrapping_add(row * y_stride + n0 + column);
+                let at = y.as_mut_ptr().wrapping_add(row * y_stride + n0 + column);
                 // SAFETY: a prefetch is only a hint: it never faults (and the address is inside
                 // `y`, the block's own columns of row `row`).
                 unsafe { _mm_prefetch::<{ _MM_HINT_ET0 }>(at as *const i8) };

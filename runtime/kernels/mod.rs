@@ -24,16 +24,27 @@
 //! * Weights are read in their tile layout directly (`tiles.rs`, q4nx-container.md §2); nothing is
 //!   repacked, and column padding beyond the logical K is not read.
 //!
+//! # Attention, SwiGLU, `exp`
+//!
+//! [`attention`] (grouped-query attention over an f16 or f32 KV cache: AVX2+FMA kernels and the
+//! scalar reference), [`activation`] (SwiGLU over a batch of rows) and [`fastexp`] (the polynomial
+//! `exp` both build on) are the forward pass's other host kernels. They take shapes and slices, not
+//! model configurations, and split large work over the [`pool::Pool`]; a buffer its threads write
+//! in disjoint parts is shared as a [`pool::SharedMut`].
+//!
 //! # Kernel files
 //!
 //! [`elf`] writes and reads kernel ELF files (`docs/kernel-elf.md`); [`set::KernelSet`] loads a
 //! directory of them and reports every missing shape at once.
 
+pub mod activation;
+pub mod attention;
 pub mod avx2;
 pub mod avx512;
 pub mod bandwidth;
 pub mod device_exec;
 pub mod elf;
+pub mod fastexp;
 pub mod gemm;
 pub mod host_layout;
 pub mod pool;
@@ -52,6 +63,20 @@ pub use gemm::{execute, HostExecutor, WeightMatrix};
 pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};
 
 use crate::tiles::TileError;
+
+/// Deterministic values for the kernels' unit tests.
+#[cfg(test)]
+pub(crate) mod test_values {
+    /// Deterministic test values in [-0.5, 0.5) (xorshift64).
+    pub(crate) fn uniform_values(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        }
+    }
+}
 
 /// Why a kernel file was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -363,6 +363,84 @@ impl ShareCounter {
     }
 }
 
+/// A buffer that the threads of one pool job write in disjoint parts (a GEMM's output columns of
+/// every row, an attention's heads or columns, a quantizer's rows): the one place where a mutable
+/// buffer is shared with the pool, as a pointer and a length.
+///
+/// [`SharedMut::new`] borrows the buffer mutably for `'a`, so nothing else touches it while the
+/// handle lives. Every access through the handle is `unsafe`, with one contract: the elements a
+/// thread reads or writes through it are claimed by that thread alone (from a [`ChunkCounter`] or
+/// [`ShareCounter`], or a partition fixed before the job), so no two threads touch one element
+/// at the same time; the pool job ends before the handle does.
+pub struct SharedMut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _buffer: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<T> Clone for SharedMut<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<'_, T> {}
+
+// SAFETY: the handle is a `&'a mut [T]` split between threads; the contract of its accessors keeps
+// the threads' elements disjoint, so sending it or sharing it is sending `&mut` to disjoint parts,
+// which needs `T: Send` (and `T: Sync` for the read-only views).
+unsafe impl<T: Send + Sync> Send for SharedMut<'_, T> {}
+// SAFETY: as above.
+unsafe impl<T: Send + Sync> Sync for SharedMut<'_, T> {}
+
+impl<'a, T> SharedMut<'a, T> {
+    /// Share `buffer` with the pool threads for `'a`.
+    pub fn new(buffer: &'a mut [T]) -> Self {
+        SharedMut {
+            ptr: buffer.as_mut_ptr(),
+            len: buffer.len(),
+            _buffer: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Is the buffer empty?
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffer's first element, for kernels that write strided parts through raw pointers
+    /// (those writes are under the type's contract).
+    pub fn as_mut_ptr(&self) -> *mut T {
+        self.ptr
+    }
+
+    /// Elements `range`, to write.
+    ///
+    /// # Safety
+    /// The type's contract: no other thread reads or writes any of `range` while the slice lives.
+    pub unsafe fn slice_mut(&self, range: std::ops::Range<usize>) -> &'a mut [T] {
+        assert!(range.start <= range.end && range.end <= self.len);
+        // SAFETY: inside the buffer (asserted), which is borrowed for 'a; exclusive by the
+        // caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    }
+
+    /// Elements `range`, to read.
+    ///
+    /// # Safety
+    /// The type's contract: no thread writes any of `range` while the slice lives.
+    pub unsafe fn slice(&self, range: std::ops::Range<usize>) -> &'a [T] {
+        assert!(range.start <= range.end && range.end <= self.len);
+        // SAFETY: inside the buffer (asserted), which is borrowed for 'a; not written meanwhile by
+        // the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(range.start), range.len()) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -434,6 +512,26 @@ mod tests {
         let counter = ShareCounter::new(10, 3, 2);
         let ranges: Vec<_> = std::iter::from_fn(|| counter.claim(1)).collect();
         assert_eq!(ranges, [3..5, 5..6, 6..8, 8..10, 0..2, 2..3]);
+    }
+
+    #[test]
+    fn shared_buffer_parts_claimed_by_one_thread_each_are_all_written() {
+        let pool = Pool::new(3);
+        let mut buffer = vec![0usize; 1000];
+        let shared = SharedMut::new(&mut buffer);
+        let counter = ChunkCounter::new(100, pool.threads(), 4);
+        pool.run(&|_, _| {
+            while let Some(range) = counter.claim() {
+                for part in range {
+                    // SAFETY: part `part` (ten elements) is claimed by this thread alone.
+                    let own = unsafe { shared.slice_mut(10 * part..10 * part + 10) };
+                    for (i, v) in own.iter_mut().enumerate() {
+                        *v = 10 * part + i;
+                    }
+                }
+            }
+        });
+        assert!(buffer.iter().enumerate().all(|(i, &v)| v == i));
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! divisions, horizontal sum) overlaps across groups instead of running one group at a time. It
 //! has the same bits as the reference for every input.
 
-use super::pool::{ChunkCounter, Pool};
+use super::pool::{ChunkCounter, Pool, SharedMut};
 use crate::tiles::GROUP;
 
 /// Quantize over the pool from this many values on (and 2 rows, to have something to share).
@@ -74,10 +74,10 @@ impl QuantizedRows {
             return;
         }
         let out = RowsOut {
-            codes: self.codes.as_mut_ptr(),
-            scales: self.scales.as_mut_ptr(),
-            sums: self.sums.as_mut_ptr(),
-            code_sums: self.code_sums.as_mut_ptr(),
+            codes: SharedMut::new(&mut self.codes),
+            scales: SharedMut::new(&mut self.scales),
+            sums: SharedMut::new(&mut self.sums),
+            code_sums: SharedMut::new(&mut self.code_sums),
         };
         let counter = ChunkCounter::new(rows, pool.threads(), 2);
         pool.run(&|_, _| {
@@ -104,24 +104,24 @@ impl QuantizedRows {
 
 /// The output buffers of [`QuantizedRows::quantize`], shared with the pool threads, which write
 /// disjoint rows.
-struct RowsOut {
-    codes: *mut i8,
-    scales: *mut f32,
-    sums: *mut f32,
-    code_sums: *mut i32,
+struct RowsOut<'a> {
+    codes: SharedMut<'a, i8>,
+    scales: SharedMut<'a, f32>,
+    sums: SharedMut<'a, f32>,
+    code_sums: SharedMut<'a, i32>,
 }
 
-/// Rows `rows` of a row-major buffer of `per_row` elements a row, at `base`.
+/// Rows `rows` of a shared row-major buffer of `per_row` elements a row.
 ///
 /// # Safety
-/// The rows lie inside the buffer, and nothing else reads or writes them while the slice lives.
+/// Nothing else reads or writes those rows while the slice lives ([`SharedMut`]'s contract).
 unsafe fn row_span<'a, T>(
-    base: *mut T,
+    buffer: SharedMut<'a, T>,
     rows: std::ops::Range<usize>,
     per_row: usize,
 ) -> &'a mut [T] {
     // SAFETY: the caller's contract.
-    unsafe { std::slice::from_raw_parts_mut(base.add(rows.start * per_row), rows.len() * per_row) }
+    unsafe { buffer.slice_mut(rows.start * per_row..rows.end * per_row) }
 }
 
 /// A run of consecutive groups' slices of the [`QuantizedRows`] buffers (`codes` 32 per group).
@@ -131,10 +131,6 @@ struct GroupsOut<'a> {
     sums: &'a mut [f32],
     code_sums: &'a mut [i32],
 }
-
-// SAFETY: the pointers are only dereferenced for rows a thread has claimed exactly once (see the
-// pool job in `quantize`), while the buffers they point into outlive the job.
-unsafe impl Sync for RowsOut {}
 
 /// Rows of `k` values (`src`, row-major) into `out`, which holds those rows' groups.
 fn quantize_rows(src: &[f32], k: usize, out: GroupsOut<'_>) {

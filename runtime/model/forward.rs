@@ -11,6 +11,7 @@ use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
 use super::gdn::{self, GdnScratch, GdnState, GdnWeights};
 use super::ops;
 use super::ModelError;
+use crate::kernels::{activation, attention};
 use half::f16;
 
 /// Most rows of a verify pass (`m16` family).
@@ -470,14 +471,14 @@ impl KvCache {
     /// Store `src` at values `at..at + src.len()` of layer `l`.
     fn store(&mut self, l: usize, at: usize, src: &[f32]) {
         match self {
-            KvCache::F16(v) => ops::store_kv_row(src, &mut v[l][at..at + src.len()]),
+            KvCache::F16(v) => attention::store_kv_row(src, &mut v[l][at..at + src.len()]),
             KvCache::F32(v) => v[l][at..at + src.len()].copy_from_slice(src),
         }
     }
 }
 
 /// A cache element type the forward can attend over: how to find its layers in a [`KvCache`].
-trait CachedValue: ops::KvValue {
+trait CachedValue: attention::KvValue {
     /// Layer `l` of `cache` (empty when `cache` holds the other type; batches are checked to
     /// match the model's type first).
     fn layer(cache: &KvCache, l: usize) -> &[Self];
@@ -1442,10 +1443,10 @@ impl Model {
                         // Every row's heads in one pool dispatch (rows of different sequences read
                         // their own caches).
                         let pass = LayerAttention {
-                            shape: ops::AttentionShape {
+                            shape: attention::AttentionShape {
                                 heads: c.heads,
                                 kv_heads: c.kv_heads,
-                                hd,
+                                head_dim: hd,
                             },
                             segments,
                             layer: l,
@@ -1559,7 +1560,7 @@ impl Model {
                 family,
                 &mut self.stats.projection_time,
             )?;
-            ops::swiglu(&s.gate_up[..m * 2 * inter], inter, &mut s.act[..m * inter]);
+            activation::swiglu(&s.gate_up[..m * 2 * inter], inter, &mut s.act[..m * inter]);
             timed_gemm(
                 down,
                 &s.act[..m * inter],
@@ -1644,7 +1645,7 @@ impl Model {
 
 /// One layer's attention for every row of a pass, each row over its own sequence's cache.
 struct LayerAttention<'p, 's, 'a, 'b> {
-    shape: ops::AttentionShape,
+    shape: attention::AttentionShape,
     segments: &'s [Segment<'a, 'b>],
     layer: usize,
     rows: usize,
@@ -1659,17 +1660,17 @@ impl LayerAttention<'_, '_, '_, '_> {
     /// Every row's heads in one pool dispatch, over caches of element type `T` (the model's: the
     /// batch was checked to match it).
     fn run<T: CachedValue>(&self, scores: &mut [f32], out: &mut [f32]) {
-        let qd = self.shape.heads * self.shape.hd;
+        let qd = self.shape.heads * self.shape.head_dim;
         let row = |i: usize| {
             let seq = &*self.segments[self.row_segment[i]].seq;
-            ops::AttentionRow {
+            attention::AttentionRow {
                 q: &self.q[i * self.q_stride..i * self.q_stride + qd],
                 k_cache: T::layer(&seq.k_cache, self.layer),
                 v_cache: T::layer(&seq.v_cache, self.layer),
                 last: self.row_position[i],
             }
         };
-        ops::attend_rows(self.shape, self.rows, &row, scores, out);
+        attention::attend_rows(self.shape, self.rows, &row, scores, out);
     }
 }
 

@@ -23,7 +23,7 @@ use crate::kernels::{
     WeightPath,
 };
 use crate::tiles::{self, WeightFormat};
-use crate::weights::{MatrixView, Package};
+use crate::weights::{MappedBytes, MatrixView, Package};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -71,10 +71,10 @@ impl Default for LoadOptions {
     }
 }
 
-/// Stored bytes of one matrix: borrowed from the package mapping, or owned (fused at load).
+/// Stored bytes of one matrix: read in place from the package mapping, or owned (fused or
+/// re-laid at load).
 enum Bytes {
-    /// Points into `pkg`'s read-only mapping, which lives as long as the `Arc` held next to it.
-    Mapped(&'static [u8]),
+    Mapped(MappedBytes),
     Owned(Vec<u8>),
 }
 
@@ -88,7 +88,6 @@ enum Store {
 
 /// A projection executed by the kernels layer.
 pub struct KernelProjection {
-    _pkg: Arc<Package>,
     store: Store,
     exec: Arc<Executor>,
     format: WeightFormat,
@@ -104,7 +103,7 @@ impl KernelProjection {
     fn matrix(&self) -> Result<WeightMatrix<'_>, ModelError> {
         let data: &[u8] =
             match &self.store {
-                Store::Host(Bytes::Mapped(b)) => b,
+                Store::Host(Bytes::Mapped(b)) => &b[..],
                 Store::Host(Bytes::Owned(v)) => v,
                 Store::Device(_) => return Err(ModelError::State {
                     what:
@@ -132,7 +131,7 @@ impl KernelProjection {
             return Ok(());
         }
         let (data, mapped): (&[u8], bool) = match bytes {
-            Bytes::Mapped(b) => (b, true),
+            Bytes::Mapped(b) => (&b[..], true),
             Bytes::Owned(v) => (v, false),
         };
         let Some(record) = host_layout::record_bytes(self.format) else {
@@ -186,7 +185,7 @@ fn release_mapped_pages(data: &[u8]) {
     let end = (data.as_ptr() as usize + data.len()) / PAGE * PAGE;
     if end > start {
         // SAFETY: [start, end) lies inside `data`, which points into the package's read-only,
-        // file-backed memory map (see `mapped`); nothing ever writes it, so MADV_DONTNEED only
+        // file-backed memory map (a `MappedBytes`); nothing ever writes it, so MADV_DONTNEED only
         // unmaps clean page-cache pages and later reads fault the same bytes back in. No Rust
         // reference is invalidated.
         let _ =
@@ -225,15 +224,6 @@ impl Projection for KernelProjection {
     }
 }
 
-/// Borrow `data` (inside `pkg`'s mapping) for as long as `pkg` lives.
-pub(super) fn mapped(pkg: &Arc<Package>, data: &[u8]) -> &'static [u8] {
-    let _ = pkg;
-    // SAFETY: `data` points into the package's read-only memory map, which is neither moved nor
-    // unmapped while the `Package` lives; every holder of the returned slice (a KernelProjection or
-    // PackageEmbedding) also holds an `Arc<Package>`, so the mapping outlives the slice.
-    unsafe { std::slice::from_raw_parts(data.as_ptr(), data.len()) }
-}
-
 pub(super) fn projection(
     opts: &LoadOptions,
     exec: &Arc<Executor>,
@@ -249,7 +239,7 @@ pub(super) fn projection(
     let rows: usize = rows_each.iter().sum();
     let format = views[0].1.format;
     let bytes = if views.len() == 1 {
-        Bytes::Mapped(mapped(pkg, views[0].1.data))
+        Bytes::Mapped(MappedBytes::new(pkg, views[0].1.data)?)
     } else {
         // Row blocks of 32 concatenate: tile grids are raster order by row block.
         let mut v = Vec::new();
@@ -269,7 +259,6 @@ pub(super) fn projection(
         Bytes::Owned(v)
     };
     let mut p = KernelProjection {
-        _pkg: pkg.clone(),
         store: Store::Host(bytes),
         exec: exec.clone(),
         format,
@@ -295,8 +284,7 @@ pub(super) fn projection(
 /// without the release a few dozen distinct tokens would leave megabytes of the table resident, a
 /// second copy of a tied lm_head already held as records or device buffers.
 pub struct PackageEmbedding {
-    _pkg: Arc<Package>,
-    data: &'static [u8],
+    data: MappedBytes,
     format: WeightFormat,
     rows: usize,
     cols: usize,
@@ -304,18 +292,20 @@ pub struct PackageEmbedding {
 
 impl PackageEmbedding {
     /// The embedding matrix `view` of `pkg` (a slice of its mapping).
-    pub(super) fn new(pkg: &Arc<Package>, view: MatrixView<'_>) -> PackageEmbedding {
-        PackageEmbedding {
-            _pkg: pkg.clone(),
-            data: mapped(pkg, view.data),
+    pub(super) fn new(
+        pkg: &Arc<Package>,
+        view: MatrixView<'_>,
+    ) -> Result<PackageEmbedding, ModelError> {
+        Ok(PackageEmbedding {
+            data: MappedBytes::new(pkg, view.data)?,
             format: view.format,
             rows: view.rows,
             cols: view.cols,
-        }
+        })
     }
 
     /// The bytes holding `row`: its row block of tiles, or the plain row.
-    fn row_bytes(&self, row: usize) -> &'static [u8] {
+    fn row_bytes(&self, row: usize) -> &[u8] {
         let (blocks, block) = match self.format.tile_bytes() {
             Some(_) => (self.rows / tiles::TILE_ROWS, row / tiles::TILE_ROWS),
             None => (self.rows, row),
@@ -334,8 +324,11 @@ impl Embedding for PackageEmbedding {
                 vocab: self.rows,
             });
         }
-        let decoded = decode_row_noalloc(self.format, self.data, self.rows, self.cols, r, out);
-        release_fault_around(self.data, self.row_bytes(r));
+        let decoded = tiles::decode_row(self.format, &self.data, self.rows, self.cols, r, out)
+            .map_err(|e| ModelError::Shape {
+                what: format!("embedding row {r}: {e}"),
+            });
+        release_fault_around(&self.data, self.row_bytes(r));
         decoded
     }
 }
@@ -357,62 +350,6 @@ fn release_fault_around(table: &[u8], span: &[u8]) {
     let (start, end) = (lo.max(base) - base, hi.min(base + table.len()) - base);
     if end > start {
         release_mapped_pages(&table[start..end]);
-    }
-}
-
-/// Decode one row of a tiled matrix without a scratch tile (q8 / q4_1 tiles); other formats go
-/// through `tiles::decode_row`.
-pub fn decode_row_noalloc(
-    format: WeightFormat,
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    row: usize,
-    out: &mut [f32],
-) -> Result<(), ModelError> {
-    let shape_err = |what: String| ModelError::Shape { what };
-    if out.len() != cols {
-        return Err(shape_err(format!(
-            "embedding row of {} values into {}",
-            cols,
-            out.len()
-        )));
-    }
-    let u16at = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
-    match format {
-        WeightFormat::Q8 { scale, order } | WeightFormat::Q41 { scale, order } => {
-            let tb = format.tile_bytes().unwrap_or(0);
-            let qt = format.padded_cols(cols) / tiles::TILE_COLS;
-            let need = format
-                .matrix_bytes(rows, cols)
-                .map_err(|e| shape_err(e.to_string()))?;
-            if data.len() != need {
-                return Err(shape_err(format!(
-                    "embedding bytes {} (expected {need})",
-                    data.len()
-                )));
-            }
-            let (p, r) = (row / tiles::TILE_ROWS, row % tiles::TILE_ROWS);
-            for (c, o) in out.iter_mut().enumerate() {
-                let (q, cc) = (c / tiles::TILE_COLS, c % tiles::TILE_COLS);
-                let base = (p * qt + q) * tb;
-                let cell = tiles::cell(cc / tiles::GROUP, r);
-                let d = tiles::scale_to_f32(scale, u16at(base + 2 * cell));
-                *o = if matches!(format, WeightFormat::Q8 { .. }) {
-                    let code =
-                        data[base + tiles::Q8_CODES + tiles::q8_code_pos(order, r, cc)] as i8;
-                    code as f32 * d
-                } else {
-                    let m = tiles::scale_to_f32(scale, u16at(base + tiles::Q41_MINS + 2 * cell));
-                    let (byte, high) = tiles::q4_code_pos(order, r, cc);
-                    let b = data[base + tiles::Q41_CODES + byte];
-                    (if high { b >> 4 } else { b & 15 }) as f32 * d + m
-                };
-            }
-            Ok(())
-        }
-        _ => tiles::decode_row(format, data, rows, cols, row, out)
-            .map_err(|e| shape_err(e.to_string())),
     }
 }
 
@@ -771,7 +708,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
         }));
     }
     let emb_name = pkg.embedding_name();
-    let embed = PackageEmbedding::new(pkg, pkg.matrix(emb_name, c.vocab, c.hidden)?);
+    let embed = PackageEmbedding::new(pkg, pkg.matrix(emb_name, c.vocab, c.hidden)?)?;
     let lm_head = projection(
         opts,
         &exec,

@@ -168,7 +168,7 @@ pub fn load(
             }
         }
     }
-    let embed = PackageEmbedding::new(pkg, pkg.matrix(pkg.embedding_name(), c.vocab, h)?);
+    let embed = PackageEmbedding::new(pkg, pkg.matrix(pkg.embedding_name(), c.vocab, h)?)?;
     let lm_head = projection(opts, exec, pkg, &[pkg.lm_head_name()], &[c.vocab], h)?;
     if let Some(dir) = kernel_dir(pkg, opts) {
         let set = KernelSet::load(&dir)?;

@@ -3,7 +3,6 @@
 //! streaming detokenization. See `docs/model.md`.
 
 pub mod config;
-pub mod fastexp;
 pub mod forward;
 pub mod gdn;
 pub mod gguf_config;

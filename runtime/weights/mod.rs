@@ -11,6 +11,8 @@
 //!   writer ([`safetensors::Writer`]); tile grids, nibble-order detection.
 //! - [`package`]: a model package ([`Package`]): config.json, model.q4nx, tokenizer files, or a
 //!   `.gguf` file read directly.
+//! - [`mapped`]: [`MappedBytes`], a matrix's bytes read in place from a package's mapping, which
+//!   they keep alive.
 //! - [`import`]: `xdna pack import`: GGUF → package (fused QKV / gate-up, f16-scale q4_1 tiles).
 //! - [`import_qwen35`]: the import's plan for Qwen3.5 (`qwen35`) hybrid GGUFs: llama.cpp's
 //!   converter transforms undone into the Hugging Face layout the hybrid loader reads.
@@ -36,11 +38,13 @@ pub mod default_model;
 pub mod gguf;
 pub mod import;
 pub mod import_qwen35;
+pub mod mapped;
 pub mod package;
 pub mod safetensors;
 pub mod tokenizer;
 
 pub use default_model::default_model;
+pub use mapped::MappedBytes;
 pub use package::{MatrixView, ModelConfig, Package, TensorRole};
 pub use tokenizer::{DecodeStream, Tokenizer};
 

@@ -337,6 +337,10 @@ impl SafeTensors {
     pub fn file_len(&self) -> usize {
         self.map.len()
     }
+    /// The whole file, as mapped (every tensor's bytes are a slice of it).
+    pub fn file_bytes(&self) -> &[u8] {
+        &self.map
+    }
     /// Scale type of the tiles (from `xdna.scale_type`, default bf16).
     pub fn scale_type(&self) -> ScaleType {
         self.scale
