@@ -2,7 +2,7 @@
 //! (`step_batch_all` / `commit_verify_rows`), the reference forward used by tests, sampling, and
 //! streaming detokenization. See `docs/model.md`.
 
-pub mod config;
+pub use crate::weights::config;
 pub mod fastexp;
 pub mod forward;
 pub mod gdn;

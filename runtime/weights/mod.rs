@@ -32,6 +32,7 @@
 //! # let _ = (qkv, norm, ids); Ok(()) }
 //! ```
 
+pub mod config;
 pub mod default_model;
 pub mod gguf;
 pub mod import;

@@ -4,7 +4,7 @@
 //! Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q_norm / k_norm). Every missing or ill-typed field is
 //! a typed error naming the field and the file it was read from.
 
-use super::ModelError;
+use crate::model::ModelError;
 use serde_json::Value;
 
 /// How rotary frequencies are scaled for long contexts.
