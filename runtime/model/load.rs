@@ -15,12 +15,12 @@
 //! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
 use super::config::ModelConfig;
-use super::forward::{Embedding, Family, Layer, LayerWeights, ModelWeights, Projection};
+use super::forward::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::host_layout::{self, append_group_records, Packing};
 use crate::kernels::{
-    self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, WeightMatrix,
-    WeightPath,
+    self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, RowFamily,
+    WeightMatrix, WeightPath,
 };
 use crate::tiles::{self, WeightFormat};
 use crate::weights::{MatrixView, Package};
@@ -207,7 +207,13 @@ impl Projection for KernelProjection {
     fn tiled_format(&self) -> Option<WeightFormat> {
         self.format.tile_bytes().map(|_| self.format)
     }
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], _family: Family) -> Result<(), ModelError> {
+    fn gemm(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        _family: RowFamily,
+    ) -> Result<(), ModelError> {
         // The executor picks the row family itself (≤ 16 rows m16, else m128 passes).
         match (&self.store, &*self.exec) {
             (Store::Host(_), _) if self.exact => {

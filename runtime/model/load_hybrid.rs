@@ -18,11 +18,11 @@
 //! load ([`FlmLayout`]; docs/formats.md "Qwen3.5 layouts" gives the sources).
 
 use super::config::{LayerKind, ModelConfig};
-use super::forward::{Family, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
+use super::forward::{Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
 use super::gdn::GdnWeights;
 use super::load::{kernel_dir, projection, LoadOptions, PackageEmbedding};
 use super::ModelError;
-use crate::kernels::{Executor, KernelKey, KernelNeed, KernelSet};
+use crate::kernels::{Executor, KernelKey, KernelNeed, KernelSet, RowFamily};
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
 use crate::weights::safetensors::{Declared, Dtype, Writer};
 use crate::weights::Package;
@@ -508,7 +508,13 @@ impl Projection for StackedProjection {
     fn weight_bytes(&self) -> usize {
         self.parts.iter().map(|p| p.weight_bytes()).sum()
     }
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError> {
+    fn gemm(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        family: RowFamily,
+    ) -> Result<(), ModelError> {
         let total = self.rows();
         let mut offset = 0;
         for p in &self.parts {
@@ -567,7 +573,13 @@ impl Projection for PermutedProjection {
     fn tiled_format(&self) -> Option<WeightFormat> {
         self.inner.tiled_format()
     }
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError> {
+    fn gemm(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        family: RowFamily,
+    ) -> Result<(), ModelError> {
         let k = self.inner.cols();
         let permuted_x;
         let x = match &self.cols {
@@ -616,7 +628,7 @@ fn layer_projections(l: &Layer) -> Vec<(&dyn Projection, &'static str)> {
 }
 
 fn gemm_needs(f: WeightFormat, k: usize, n: usize, what: &str) -> Vec<KernelNeed> {
-    [16u32, 128]
+    RowFamily::ALL
         .into_iter()
         .map(|family| KernelNeed {
             key: KernelKey::gemm(f, family, k, n),
@@ -639,7 +651,7 @@ pub fn synthetic_kernel_keys(c: &ModelConfig, f: WeightFormat) -> Vec<KernelKey>
     }
     shapes.push((h, c.qkv_rows()));
     shapes.push((c.q_dim(), h));
-    let mut keys: Vec<KernelKey> = [16u32, 128]
+    let mut keys: Vec<KernelKey> = RowFamily::ALL
         .into_iter()
         .flat_map(|fam| {
             shapes

@@ -17,10 +17,12 @@ pub mod replay_check;
 pub mod sample;
 pub mod text;
 
+/// The kernels layer's row families (`m16` verify passes, `m128` prefill chunks).
+pub use crate::kernels::RowFamily;
 pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use forward::{
-    BatchOutput, CommitFault, Family, KvSlice, Layer, LayerStateView, Model, ModelWeights,
-    PassStats, ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
+    BatchOutput, CommitFault, KvSlice, Layer, LayerStateView, Model, ModelWeights, PassStats,
+    ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
 };
 
 /// Errors of the model layer.

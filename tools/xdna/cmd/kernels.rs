@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use clap::Subcommand;
 use xdna::kernels::elf::{self, KernelDesc};
 use xdna::kernels::set::{distinct_keys, parse_shape_list, ModelShapes};
-use xdna::kernels::{KernelError, KernelKey, KernelSet};
+use xdna::kernels::{KernelError, KernelKey, KernelSet, RowFamily};
 use xdna::tiles::WeightFormat;
 
 #[derive(clap::Args)]
@@ -194,10 +194,9 @@ fn list(dir: &Path) -> xdna::Result<()> {
 fn wrap(args: WrapArgs) -> xdna::Result<()> {
     let wfmt = WeightFormat::from_name(&args.wfmt)
         .map_err(|e| xdna::Error::Usage(format!("--wfmt: {e}")))?;
-    if args.family != 16 && args.family != 128 {
-        return Err(xdna::Error::Usage("--family must be 16 or 128".into()));
-    }
-    let mut desc = KernelDesc::gemm(wfmt, args.family, args.k, args.n);
+    let family = RowFamily::from_rows(args.family)
+        .ok_or_else(|| xdna::Error::Usage("--family must be 16 or 128".into()))?;
+    let mut desc = KernelDesc::gemm(wfmt, family, args.k, args.n);
     desc.op = args.op;
     let input = std::fs::read(&args.input).map_err(|e| xdna::Error::io(&args.input, e))?;
     let wrapped =
