@@ -49,7 +49,7 @@ pub use device_exec::{
 };
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
 pub use gemm::{execute, HostExecutor, WeightMatrix};
-pub use set::{KernelKey, KernelNeed, KernelSet, RowFamily};
+pub use set::{family_needs, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNeed};
 
 use crate::tiles::TileError;
 

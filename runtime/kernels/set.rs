@@ -308,89 +308,50 @@ pub fn parse_shape_list(path: &Path, text: &str) -> Result<Vec<KernelKey>, Kerne
     Ok(keys)
 }
 
-/// The shapes a llama-style model needs, from its `config.json`.
+/// A kernel shape a model runs in every row family: operation, weight format, K, N, and what runs
+/// it (for the error message). Whoever knows the model (the loader, the import, `xdna kernels
+/// build`) lists these; the kernel set only sees shapes.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ModelShapes {
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab: usize,
-    pub layers: usize,
-    pub tied_embeddings: bool,
+pub struct ShapeNeed {
+    pub op: String,
+    pub format: WeightFormat,
+    pub k: usize,
+    pub n: usize,
+    /// E.g. `blk.0 qkv`.
+    pub what: String,
 }
 
-impl ModelShapes {
-    /// Read the fields from a parsed `config.json`.
-    pub fn from_config(config: &serde_json::Value, path: &Path) -> Result<Self, KernelError> {
-        let field = |name: &str| -> Result<usize, KernelError> {
-            config
-                .get(name)
-                .and_then(|v| v.as_u64())
-                .map(|v| v as usize)
-                .ok_or_else(|| KernelError::ShapeList {
-                    path: path.to_path_buf(),
-                    line: 0,
-                    reason: format!("config.json has no integer {name:?}"),
-                })
-        };
-        let hidden = field("hidden_size")?;
-        let heads = field("num_attention_heads")?;
-        let kv_heads = field("num_key_value_heads").unwrap_or(heads);
-        let head_dim = config
-            .get("head_dim")
-            .and_then(|v| v.as_u64())
-            .map(|v| v as usize)
-            .unwrap_or(hidden / heads.max(1));
-        Ok(ModelShapes {
-            hidden,
-            intermediate: field("intermediate_size")?,
-            heads,
-            kv_heads,
-            head_dim,
-            vocab: field("vocab_size")?,
-            layers: field("num_hidden_layers").unwrap_or(1),
-            tied_embeddings: config
-                .get("tie_word_embeddings")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
-        })
+impl ShapeNeed {
+    /// A GEMM of `[N, K]` weights in `format`.
+    pub fn gemm(format: WeightFormat, k: usize, n: usize, what: impl Into<String>) -> ShapeNeed {
+        ShapeNeed {
+            op: "gemm".into(),
+            format,
+            k,
+            n,
+            what: what.into(),
+        }
     }
+}
 
-    /// Every GEMM the forward pass runs, per layer and family: fused QKV, O, fused gate+up, down,
-    /// and lm_head (in `head_wfmt`).
-    pub fn needs(&self, wfmt: WeightFormat, head_wfmt: WeightFormat) -> Vec<KernelNeed> {
-        let qkv = (self.heads + 2 * self.kv_heads) * self.head_dim;
-        let attn = self.heads * self.head_dim;
-        let mut needs = Vec::new();
-        for family in RowFamily::ALL {
-            let rows = format!("rows ≤ {family}");
-            for layer in 0..self.layers {
-                for (what, k, n) in [
-                    ("qkv", self.hidden, qkv),
-                    ("o", attn, self.hidden),
-                    ("gate+up", self.hidden, 2 * self.intermediate),
-                    ("down", self.intermediate, self.hidden),
-                ] {
-                    needs.push(KernelNeed {
-                        key: KernelKey::gemm(wfmt, family, k, n),
-                        what: format!("blk.{layer} {what}, {rows}"),
-                    });
-                }
-            }
-            let head = if self.tied_embeddings {
-                "lm_head (tied token_embd)"
-            } else {
-                "lm_head"
-            };
+/// The kernels `shapes` need: each shape in every row family (`what` gains `, rows ≤ 16`).
+pub fn family_needs(shapes: &[ShapeNeed]) -> Vec<KernelNeed> {
+    let mut needs = Vec::with_capacity(RowFamily::ALL.len() * shapes.len());
+    for family in RowFamily::ALL {
+        for shape in shapes {
             needs.push(KernelNeed {
-                key: KernelKey::gemm(head_wfmt, family, self.hidden, self.vocab),
-                what: format!("{head}, {rows}"),
+                key: KernelKey {
+                    op: shape.op.clone(),
+                    wfmt: shape.format.name(),
+                    family,
+                    k: shape.k as u32,
+                    n: shape.n as u32,
+                },
+                what: format!("{}, rows ≤ {family}", shape.what),
             });
         }
-        needs
     }
+    needs
 }
 
 /// The distinct kernel keys of a list of needs, sorted.

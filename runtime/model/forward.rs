@@ -7,11 +7,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
 use super::gdn::{self, GdnScratch, GdnState, GdnWeights};
 use super::ops;
 use super::ModelError;
 use crate::kernels::RowFamily;
+use crate::weights::{LayerKind, LinearAttnConfig, ModelConfig};
 use half::f16;
 
 /// Most rows of a verify pass (`m16` family).

@@ -14,7 +14,6 @@
 //! shape the model needs must be present; the error names every missing file. The xdna backend
 //! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
-use super::config::ModelConfig;
 use super::forward::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::host_layout::{self, append_group_records, Packing};
@@ -23,7 +22,7 @@ use crate::kernels::{
     WeightMatrix, WeightPath,
 };
 use crate::tiles::{self, WeightFormat};
-use crate::weights::{MatrixView, Package};
+use crate::weights::{MatrixView, ModelConfig, Package};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -443,12 +442,6 @@ pub fn open_package(path: &Path) -> Result<Arc<Package>, ModelError> {
     Ok(Arc::new(Package::open(path)?))
 }
 
-/// The validated config of a package.
-pub fn package_config(pkg: &Package) -> Result<ModelConfig, ModelError> {
-    let file = pkg.dir().join("config.json");
-    ModelConfig::from_json(&pkg.config().raw, &file.display().to_string())
-}
-
 /// What the device received at load (for the one-line summary).
 #[derive(Default)]
 struct UploadTally {
@@ -617,7 +610,7 @@ fn release_freed_heap() {
 }
 
 fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, ModelError> {
-    let c = package_config(pkg)?;
+    let c = pkg.config().clone();
     // Hybrid (Gated DeltaNet / gated attention) packages: runtime/model/load_hybrid.rs, on the
     // host executors (their GDN shapes have no device kernels yet).
     if c.has_recurrent() || c.attn_output_gate {
@@ -644,11 +637,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
     let (set, needs) = match kernel_dir(pkg, opts) {
         Some(dir) => {
             let set = KernelSet::load(&dir)?;
-            let shapes = kernels::set::ModelShapes::from_config(
-                &pkg.config().raw,
-                &pkg.dir().join("config.json"),
-            )?;
-            let needs = shapes.needs(wfmt, head_fmt);
+            let needs = kernels::family_needs(&c.kernel_shapes(wfmt, head_fmt));
             set.require(&needs)?;
             tracing::info!(
                 "kernel set {}: {} kernels, all shapes present",

@@ -17,15 +17,14 @@
 //! planar full-attention `q_proj` and their value-head orders are mapped to the layout above at
 //! load ([`FlmLayout`]; docs/formats.md "Qwen3.5 layouts" gives the sources).
 
-use super::config::{LayerKind, ModelConfig};
 use super::forward::{Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
 use super::gdn::GdnWeights;
 use super::load::{kernel_dir, projection, LoadOptions, PackageEmbedding};
 use super::ModelError;
-use crate::kernels::{Executor, KernelKey, KernelNeed, KernelSet, RowFamily};
+use crate::kernels::{self, Executor, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNeed};
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
 use crate::weights::safetensors::{Declared, Dtype, Writer};
-use crate::weights::Package;
+use crate::weights::{LayerKind, ModelConfig, Package};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -628,13 +627,7 @@ fn layer_projections(l: &Layer) -> Vec<(&dyn Projection, &'static str)> {
 }
 
 fn gemm_needs(f: WeightFormat, k: usize, n: usize, what: &str) -> Vec<KernelNeed> {
-    RowFamily::ALL
-        .into_iter()
-        .map(|family| KernelNeed {
-            key: KernelKey::gemm(f, family, k, n),
-            what: format!("{what}, rows ≤ {family}"),
-        })
-        .collect()
+    kernels::family_needs(&[ShapeNeed::gemm(f, k, n, what)])
 }
 
 /// The tiled GEMM shapes (`K`, `N`) of a hybrid config whose matrices are written by
@@ -884,7 +877,7 @@ pub const SYNTH_FORMAT: WeightFormat = WeightFormat::Q8 {
 pub fn write_synthetic(dir: &Path, o: &SynthOptions) -> Result<ModelConfig, ModelError> {
     let cfg_json = synthetic_config(o);
     let cfg_path = dir.join("config.json");
-    let c = ModelConfig::from_json(&cfg_json, &cfg_path.display().to_string())?;
+    let c = ModelConfig::from_json(&cfg_json, &cfg_path)?;
     if o.vocab < 257 {
         return Err(ModelError::Config {
             file: cfg_path.display().to_string(),
