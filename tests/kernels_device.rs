@@ -12,7 +12,7 @@ use xdna::device::{DeviceError, XdnaDevice};
 use xdna::kernels::elf::{self, KernelDesc};
 use xdna::kernels::{
     shim_txn, DeviceExecOptions, DeviceExecutor, Executor, HostExecutor, KernelError, KernelKey,
-    KernelSet, WeightMatrix, WeightPath, WeightPathPref,
+    KernelSet, RowFamily, WeightMatrix, WeightPath, WeightPathPref,
 };
 use xdna::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
 
@@ -88,7 +88,7 @@ fn temp_dir(tag: &str) -> PathBuf {
 /// Host-built (descriptor-only) kernels for both families of each (format, K, N).
 fn descriptor_set(dir: &Path, shapes: &[(WeightFormat, usize, usize)]) -> KernelSet {
     for &(f, k, n) in shapes {
-        for family in [16, 128] {
+        for family in RowFamily::ALL {
             elf::write_kernel(dir, &KernelDesc::gemm(f, family, k as u32, n as u32)).unwrap();
         }
     }
@@ -171,7 +171,10 @@ fn child_identical_outputs() {
         let mut y = vec![0f32; 3 * 32];
         match e.gemm(&w, &acts(3, 256, 5), 3, &mut y) {
             Err(KernelError::Missing(names)) => {
-                assert_eq!(names, vec![KernelKey::gemm(Q41, 16, 256, 32).file_name()])
+                assert_eq!(
+                    names,
+                    vec![KernelKey::gemm(Q41, RowFamily::M16, 256, 32).file_name()]
+                )
             }
             other => panic!("no kernel for K=256 N=32 in the set, got {other:?}"),
         }
@@ -212,7 +215,7 @@ fn child_context_lru() {
     let set = descriptor_set(&dir, &[(Q41, k, 32), (Q41, k, 64), (Q41, k, 96)]);
     let exec = open_exec(&set, allow());
     assert_eq!(exec.max_resident(), 2, "XDNA_SHIM_CONTEXT_LIMIT=2");
-    let key = |n: usize| KernelKey::gemm(Q41, 16, k, n);
+    let key = |n: usize| KernelKey::gemm(Q41, RowFamily::M16, k, n);
     let run = |n: usize| {
         let (h, d) = both(&exec, Q41, n, k, 1, n as u64);
         assert_eq!(h, d, "n={n}");
@@ -255,7 +258,7 @@ fn child_refuse_descriptor_only() {
     let w = WeightMatrix::new(Q8, 32, 256, &wd).unwrap();
     let mut y = vec![0f32; 32];
     let err = exec.gemm(&w, &acts(1, 256, 1), 1, &mut y).unwrap_err();
-    let file = KernelKey::gemm(Q8, 16, 256, 32).file_name();
+    let file = KernelKey::gemm(Q8, RowFamily::M16, 256, 32).file_name();
     match &err {
         KernelError::NoControlCode { path } => assert!(path.ends_with(&file), "{path:?}"),
         other => panic!("expected NoControlCode, got {other:?}"),
@@ -281,7 +284,7 @@ fn descriptor_only_kernel_is_refused_on_real_hardware() {
 
 /// A wrapped synthetic toolchain kernel (shim-TXN control code + .rela.dyn) for each family.
 fn full_elf_set(dir: &Path, f: WeightFormat, k: usize, n: usize) -> KernelSet {
-    for family in [16, 128] {
+    for family in RowFamily::ALL {
         let desc = KernelDesc::gemm(f, family, k as u32, n as u32);
         let raw = shim_txn::synthetic_txn_elf(&desc, &[0, 0x40, 0x1000]);
         let wrapped = elf::wrap_elf(&raw, &desc).unwrap();
@@ -366,7 +369,7 @@ fn child_exec_failure() {
             path,
             source: DeviceError::CommandFailed { state, .. },
         }) => {
-            assert!(path.ends_with(KernelKey::gemm(Q8, 16, k, n).file_name()));
+            assert!(path.ends_with(KernelKey::gemm(Q8, RowFamily::M16, k, n).file_name()));
             assert_eq!(format!("{state:?}").to_uppercase(), "ERROR");
         }
         other => panic!("exec #2 is forced to ERROR, got {other:?}"),
@@ -437,7 +440,7 @@ fn child_executor_error_names_the_kernel() {
     }
     use xdna::device::{Bo, BoKind, HwContext};
     let dev = XdnaDevice::open(NODE).expect("open");
-    let desc = KernelDesc::gemm(Q8, 16, 256, 32);
+    let desc = KernelDesc::gemm(Q8, RowFamily::M16, 256, 32);
     let image = Bo::with_data(&dev, BoKind::Dev, &elf::build_kernel_elf(&desc)).unwrap();
     let mut ctx = HwContext::with_image(&dev, 4, &image).unwrap();
     let wd = weights(Q8, 32, 256, 1);

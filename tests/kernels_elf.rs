@@ -3,9 +3,13 @@
 use std::path::{Path, PathBuf};
 
 use xdna::kernels::elf::{self, build_kernel_elf, read_kernel, wrap_elf, KernelDesc};
-use xdna::kernels::set::{parse_shape_list, ModelShapes};
-use xdna::kernels::{family_for_rows, ElfReason, KernelError, KernelKey, KernelNeed, KernelSet};
+use xdna::kernels::set::parse_shape_list;
+use xdna::kernels::{
+    family_needs, ElfReason, KernelError, KernelKey, KernelNeed, KernelSet, RowFamily,
+};
 use xdna::tiles::{ScaleType, TileOrder, WeightFormat};
+
+use RowFamily::{M128, M16};
 
 const Q41H: WeightFormat = WeightFormat::Q41 {
     scale: ScaleType::F16,
@@ -21,7 +25,7 @@ fn scratch_dir(name: &str) -> PathBuf {
 }
 
 fn sample() -> KernelDesc {
-    KernelDesc::gemm(Q41H, 16, 576, 960)
+    KernelDesc::gemm(Q41H, M16, 576, 960)
 }
 
 #[test]
@@ -42,7 +46,7 @@ fn output_is_deterministic() {
     let a = build_kernel_elf(&sample());
     let b = build_kernel_elf(&sample());
     assert_eq!(a, b);
-    let other = build_kernel_elf(&KernelDesc::gemm(Q41H, 128, 576, 960));
+    let other = build_kernel_elf(&KernelDesc::gemm(Q41H, M128, 576, 960));
     assert_ne!(a, other);
     assert_eq!(&a[..4], b"\x7fELF");
     assert_eq!(a[7], elf::OSABI_AIE2P);
@@ -210,29 +214,37 @@ fn wrap_keeps_the_toolchain_sections_and_sets_the_flag() {
 
 #[test]
 fn family_selection() {
-    assert_eq!(family_for_rows(1), 16);
-    assert_eq!(family_for_rows(16), 16);
-    assert_eq!(family_for_rows(17), 128);
-    assert_eq!(family_for_rows(128), 128);
-    assert_eq!(family_for_rows(129), 128); // run as chunks of 128
-    let passes = |rows| xdna::kernels::row_passes(rows).collect::<Vec<_>>();
+    assert_eq!(RowFamily::for_rows(1), M16);
+    assert_eq!(RowFamily::for_rows(16), M16);
+    assert_eq!(RowFamily::for_rows(17), M128);
+    assert_eq!(RowFamily::for_rows(128), M128);
+    assert_eq!(RowFamily::for_rows(129), M128); // run as chunks of 128
+    let passes = |rows| RowFamily::passes(rows).collect::<Vec<_>>();
     assert_eq!(passes(0), vec![]);
-    assert_eq!(passes(16), vec![(16, 0..16)]);
-    assert_eq!(passes(17), vec![(128, 0..17)]);
-    assert_eq!(passes(129), vec![(128, 0..128), (128, 128..129)]);
+    assert_eq!(passes(16), vec![(M16, 0..16)]);
+    assert_eq!(passes(17), vec![(M128, 0..17)]);
+    assert_eq!(passes(129), vec![(M128, 0..128), (M128, 128..129)]);
     assert_eq!(
         passes(300),
-        vec![(128, 0..128), (128, 128..256), (128, 256..300)]
+        vec![(M128, 0..128), (M128, 128..256), (M128, 256..300)]
     );
+    // The numbers file formats store, and the names file names carry.
+    assert_eq!((M16.rows_u32(), M128.rows_u32()), (16, 128));
+    assert_eq!((M16.name(), M128.name()), ("m16", "m128"));
+    assert_eq!(RowFamily::from_rows(128), Some(M128));
+    assert_eq!(RowFamily::from_rows(32), None);
 }
 
-fn smollm() -> ModelShapes {
+/// SmolLM2-135M's kernel needs, from its description.
+fn smollm_needs(body: WeightFormat, head: WeightFormat) -> Vec<KernelNeed> {
     let config = serde_json::json!({
         "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
         "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152,
         "tie_word_embeddings": true
     });
-    ModelShapes::from_config(&config, Path::new("config.json")).expect("config")
+    let description =
+        xdna::weights::ModelConfig::from_json(&config, "config.json").expect("config");
+    family_needs(&description.kernel_shapes(body, head))
 }
 
 #[test]
@@ -242,12 +254,12 @@ fn missing_kernels_are_all_listed() {
         scale: ScaleType::F16,
         order: TileOrder::ColumnMajor,
     };
-    let needs = smollm().needs(Q41H, q8h);
+    let needs = smollm_needs(Q41H, q8h);
     // Provide only the m16 QKV kernel.
-    elf::write_kernel(&dir, &KernelDesc::gemm(Q41H, 16, 576, 960)).expect("write");
+    elf::write_kernel(&dir, &KernelDesc::gemm(Q41H, M16, 576, 960)).expect("write");
     let set = KernelSet::load(&dir).expect("load");
     assert_eq!(set.len(), 1);
-    assert!(set.get(&KernelKey::gemm(Q41H, 16, 576, 960)).is_some());
+    assert!(set.get(&KernelKey::gemm(Q41H, M16, 576, 960)).is_some());
     let err = set.require(&needs).expect_err("missing");
     let KernelError::Missing(lines) = &err else {
         panic!("expected Missing, got {err:?}");
@@ -317,11 +329,11 @@ fn shape_lists_parse_and_reject_bad_lines() {
     assert_eq!(
         keys,
         vec![
-            KernelKey::gemm(Q41H, 16, 576, 960),
+            KernelKey::gemm(Q41H, M16, 576, 960),
             KernelKey {
                 op: "gemm".into(),
                 wfmt: "q8h",
-                family: 128,
+                family: M128,
                 k: 576,
                 n: 49152,
             }
@@ -340,7 +352,7 @@ fn shape_lists_parse_and_reject_bad_lines() {
         }
     }
     let need = KernelNeed {
-        key: KernelKey::gemm(Q41H, 16, 576, 960),
+        key: KernelKey::gemm(Q41H, M16, 576, 960),
         what: "blk.0 qkv, rows ≤ 16".into(),
     };
     assert_eq!(need.key.file_name(), "gemm_q41h_m16_k576_n960.elf");

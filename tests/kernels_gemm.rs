@@ -416,7 +416,8 @@ fn execute_runs_a_descriptor_over_byte_buffers() {
     let mut rng = Rng(9);
     let data = encode(format, &rng.vec(n * k, 1.0), n, k);
     let x = rng.vec(m * k, 1.0);
-    let desc = xdna::kernels::KernelDesc::gemm(format, 16, k as u32, n as u32);
+    let desc =
+        xdna::kernels::KernelDesc::gemm(format, xdna::kernels::RowFamily::M16, k as u32, n as u32);
     let x_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut y_bytes = vec![0u8; 4 * m * n + 1];
     // Unaligned output on purpose (offset 1): still correct.

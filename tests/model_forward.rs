@@ -458,7 +458,7 @@ fn early_exit_view_is_the_head_over_the_tap_of_its_last_layer() {
             .collect();
         let mut logits = vec![0f32; w.config.vocab];
         w.lm_head
-            .gemm(&normed, 1, &mut logits, xdna::model::Family::M16)
+            .gemm(&normed, 1, &mut logits, xdna::model::RowFamily::M16)
             .unwrap();
         let (d, _) = max_diff(out.logits(i), &logits);
         assert!(d < 1e-2, "row {i}: early exit vs head(tap) differ by {d}");

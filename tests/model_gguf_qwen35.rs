@@ -18,7 +18,7 @@ use std::sync::Arc;
 use xdna::model::load::{load, open_package, LoadOptions};
 use xdna::model::load_hybrid::{write_synthetic, SynthOptions};
 use xdna::model::replay_check::{self, ReplayCheckOptions};
-use xdna::model::{LayerKind, Model, ModelConfig, ReplayMode};
+use xdna::model::{LayerKind, Model, ReplayMode};
 use xdna::tiles::{self, WeightFormat};
 use xdna::weights::import::{import_gguf, ImportOptions};
 use xdna::weights::safetensors::{Declared, Dtype, Writer};
@@ -222,7 +222,7 @@ impl Default for Plan {
 /// GGUF holds, back in HF order and names, norms and A_log as HF stores them).
 fn write_gguf(src: &Path, out: &Path, plan: &Plan) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let pkg = open_package(src).unwrap();
-    let c = ModelConfig::from_json(&pkg.config().raw, "config.json").unwrap();
+    let c = pkg.config().clone();
     let d = c.linear.clone().unwrap();
     let (h, ffn) = (c.hidden, c.intermediate);
     let (hk, hv, dk, dv, kk) = (

@@ -40,7 +40,7 @@ fn default_model_imports_once_from_a_cached_gguf() {
         mtime
     );
     let pkg = Package::open(&dir).unwrap();
-    assert_eq!(pkg.config().num_hidden_layers, 30);
+    assert_eq!(pkg.config().layers, 30);
     // The kernel set, by hand from SmolLM2's shapes (hidden 576, 9 + 2×3 heads of 64, ffn 1536,
     // vocab 49152): fused QKV N 960, O N 576, fused gate+up N 3072, down K 1536, lm_head (the
     // tied q8 embedding) N 49152; f16-scale tiles; families 16 and 128.

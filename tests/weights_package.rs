@@ -53,25 +53,28 @@ fn smollm2_import_matches_the_gguf() {
     let c = pkg.config();
     assert_eq!(
         (
-            c.hidden_size,
-            c.intermediate_size,
-            c.num_hidden_layers,
-            c.num_attention_heads,
-            c.num_key_value_heads,
+            c.hidden,
+            c.intermediate,
+            c.layers,
+            c.heads,
+            c.kv_heads,
             c.head_dim,
-            c.vocab_size
+            c.vocab
         ),
         (576, 1536, 30, 9, 3, 64, 49152)
     );
     assert_eq!(c.rope_theta, 100000.0);
+    let raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(
-        c.raw["rms_norm_eps"].as_f64(),
+        raw["rms_norm_eps"].as_f64(),
         Some(1e-5),
         "written as HF writes it"
     );
+    assert_eq!(c.rms_eps, 1e-5);
     assert_eq!(c.max_position_embeddings, 8192);
     assert!(c.tie_word_embeddings);
-    assert_eq!(c.raw["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(raw["architectures"][0], "LlamaForCausalLM");
     assert!(pkg.fused());
     assert_eq!(pkg.eos_token_ids(), &[2]);
     assert_eq!(pkg.bos_token_id(), Some(1));

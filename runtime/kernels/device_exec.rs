@@ -27,7 +27,7 @@
 //!   (address = BO end − length), so a grown, reused BO still hands the kernel exactly `m` rows.
 //! * Flushes: SYNC_BO to-device for the weights (once, at upload), the activations and the patched
 //!   control code before each submit; from-device for the outputs after completion.
-//! * Rows are split by [`row_passes`]: ≤ 16 rows one m16 pass, else m128 passes of ≤ 128 rows.
+//! * Rows are split by [`RowFamily::passes`]: ≤ 16 rows one m16 pass, else m128 passes of ≤ 128 rows.
 //! * **Uploaded handles.** A caller that owns long-lived weights (the model) uploads each matrix
 //!   once with [`DeviceExecutor::upload`] and runs it with [`DeviceExecutor::gemm_uploaded`]; the
 //!   host copy is then no longer read (the model drops or releases it), so a loaded model holds its
@@ -43,7 +43,7 @@ use parking_lot::Mutex;
 
 use super::elf::{self, ArgRole, KernelDesc};
 use super::gemm::{HostExecutor, WeightMatrix};
-use super::set::{row_passes, KernelKey, KernelSet};
+use super::set::{KernelKey, KernelSet, RowFamily};
 use super::shim_txn::{self, ArgReloc, DDR_OFFSET};
 use super::KernelError;
 use crate::device::{
@@ -323,7 +323,7 @@ impl DeviceExecutor {
     }
 
     /// `y[m×N] = x[m×K] · Wᵀ`, as [`HostExecutor::gemm`]: the kernel is the set's
-    /// `gemm_<wfmt>_m<family>_k<K>_n<N>.elf` for each pass of [`row_passes`] (≤ 16 rows: one m16
+    /// `gemm_<wfmt>_m<family>_k<K>_n<N>.elf` for each pass of [`RowFamily::passes`] (≤ 16 rows: one m16
     /// pass; more: m128 passes of up to 128 rows).
     pub fn gemm(
         &self,
@@ -385,7 +385,7 @@ impl DeviceExecutor {
         y: &mut [f32],
     ) -> Result<(), KernelError> {
         check_io(k, n, x, m, y)?;
-        for (family, rows) in row_passes(m) {
+        for (family, rows) in RowFamily::passes(m) {
             let key = KernelKey::gemm(format, family, k, n);
             self.run(
                 &key,

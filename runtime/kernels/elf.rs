@@ -11,6 +11,7 @@
 
 use std::path::Path;
 
+use super::set::RowFamily;
 use super::{ElfReason, KernelError};
 use crate::tiles::WeightFormat;
 
@@ -74,8 +75,8 @@ pub struct KernelDesc {
     pub op: String,
     /// Weight storage format.
     pub wfmt: WeightFormat,
-    /// Row family: 16 (decode / verify) or 128 (prefill chunk).
-    pub family: u32,
+    /// Row family: `m16` (decode / verify) or `m128` (prefill chunk); stored as its row count.
+    pub family: RowFamily,
     /// Logical input features.
     pub k: u32,
     /// Output features.
@@ -90,7 +91,7 @@ pub struct KernelDesc {
 
 impl KernelDesc {
     /// A host-built GEMM descriptor with the standard arguments `w`, `x`, `y`.
-    pub fn gemm(wfmt: WeightFormat, family: u32, k: u32, n: u32) -> KernelDesc {
+    pub fn gemm(wfmt: WeightFormat, family: RowFamily, k: u32, n: u32) -> KernelDesc {
         KernelDesc {
             op: "gemm".to_string(),
             wfmt,
@@ -133,7 +134,7 @@ impl KernelDesc {
         } else {
             0
         };
-        for v in [flags, self.family, self.k, self.n] {
+        for v in [flags, self.family.rows_u32(), self.k, self.n] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         put_str(&mut out, &self.op);
@@ -195,11 +196,9 @@ impl KernelDesc {
                 role,
             });
         }
-        if family != 16 && family != 128 {
-            return Err(ElfReason::BadDescriptor(format!(
-                "row family {family} (need 16 or 128)"
-            )));
-        }
+        let family = RowFamily::from_rows(family).ok_or_else(|| {
+            ElfReason::BadDescriptor(format!("row family {family} (need 16 or 128)"))
+        })?;
         if op.is_empty() || !op.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
             return Err(ElfReason::BadDescriptor(format!("op name {op:?}")));
         }
@@ -216,9 +215,9 @@ impl KernelDesc {
     }
 }
 
-/// `<op>_<wfmt>_m<family>_k<K>_n<N>.elf`.
-pub fn kernel_file_name(op: &str, wfmt: WeightFormat, family: u32, k: u32, n: u32) -> String {
-    format!("{op}_{}_m{family}_k{k}_n{n}.elf", wfmt.name())
+/// `<op>_<wfmt>_m<rows>_k<K>_n<N>.elf`.
+pub fn kernel_file_name(op: &str, wfmt: WeightFormat, family: RowFamily, k: u32, n: u32) -> String {
+    format!("{op}_{}_{}_k{k}_n{n}.elf", wfmt.name(), family.name())
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {

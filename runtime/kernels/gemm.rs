@@ -747,10 +747,10 @@ pub fn execute(
         });
     }
     let m = x.len() / row_bytes;
-    if m > desc.family as usize {
+    if m > desc.family.max_rows() {
         return Err(KernelError::Shape {
             what: "activation rows (≤ row family)",
-            expected: desc.family as usize,
+            expected: desc.family.max_rows(),
             got: m,
         });
     }

@@ -60,7 +60,7 @@ pub use device_exec::{
 };
 pub use elf::{ArgDirection, ArgRole, KernelArg, KernelDesc};
 pub use gemm::{execute, HostExecutor, WeightMatrix};
-pub use set::{family_for_rows, row_passes, KernelKey, KernelNeed, KernelSet};
+pub use set::{family_needs, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNeed};
 
 use crate::tiles::TileError;
 

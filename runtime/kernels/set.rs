@@ -7,19 +7,86 @@ use super::elf::{self, KernelDesc};
 use super::{ElfReason, KernelError};
 use crate::tiles::WeightFormat;
 
+/// The row family of a kernel: how many activation rows one pass of it takes at most. A pass of
+/// ≤ 16 rows (decode, a verify pass) runs on `m16` kernels; longer ones (prefill) run as chunks of
+/// ≤ 128 rows on `m128` kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RowFamily {
+    M16,
+    M128,
+}
+
+impl RowFamily {
+    /// Every family, smallest first.
+    pub const ALL: [RowFamily; 2] = [RowFamily::M16, RowFamily::M128];
+
+    /// Most rows of one pass of this family.
+    pub const fn max_rows(self) -> usize {
+        match self {
+            RowFamily::M16 => 16,
+            RowFamily::M128 => 128,
+        }
+    }
+
+    /// The row count as kernel files and shape lists store it (16 or 128).
+    pub const fn rows_u32(self) -> u32 {
+        self.max_rows() as u32
+    }
+
+    /// The family whose row count is `rows` (16 or 128), as a file stores it.
+    pub fn from_rows(rows: u32) -> Option<RowFamily> {
+        RowFamily::ALL.into_iter().find(|f| f.rows_u32() == rows)
+    }
+
+    /// The family serving a pass of `rows` activation rows: `m16` for ≤ 16 rows, else `m128`
+    /// (passes of more than 128 rows run as chunks of 128, see [`RowFamily::passes`]).
+    pub fn for_rows(rows: usize) -> RowFamily {
+        if rows <= RowFamily::M16.max_rows() {
+            RowFamily::M16
+        } else {
+            RowFamily::M128
+        }
+    }
+
+    /// How `rows` activation rows run: ≤ 16 rows as one `m16` pass, otherwise `m128` passes of up
+    /// to 128 rows each (the last may be shorter). Yields (family, row range).
+    pub fn passes(rows: usize) -> impl Iterator<Item = (RowFamily, std::ops::Range<usize>)> {
+        let family = RowFamily::for_rows(rows);
+        let chunk = family.max_rows();
+        (0..rows)
+            .step_by(chunk)
+            .map(move |start| (family, start..(start + chunk).min(rows)))
+    }
+
+    /// `m16` or `m128`, as kernel file names spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RowFamily::M16 => "m16",
+            RowFamily::M128 => "m128",
+        }
+    }
+}
+
+/// The row count (`16`, `128`), as shape lists and messages (`rows ≤ 16`) write it.
+impl std::fmt::Display for RowFamily {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.max_rows())
+    }
+}
+
 /// Identity of a kernel: operation, weight format, row family, K, N.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KernelKey {
     pub op: String,
     pub wfmt: &'static str,
-    pub family: u32,
+    pub family: RowFamily,
     pub k: u32,
     pub n: u32,
 }
 
 impl KernelKey {
     /// A GEMM key.
-    pub fn gemm(wfmt: WeightFormat, family: u32, k: usize, n: usize) -> KernelKey {
+    pub fn gemm(wfmt: WeightFormat, family: RowFamily, k: usize, n: usize) -> KernelKey {
         KernelKey {
             op: "gemm".into(),
             wfmt: wfmt.name(),
@@ -57,26 +124,6 @@ impl KernelKey {
         desc.op = self.op.clone();
         desc
     }
-}
-
-/// The row family serving a pass of `rows` activation rows: 16 for ≤ 16 rows, else 128 (passes of
-/// more than 128 rows run as chunks of 128).
-pub fn family_for_rows(rows: usize) -> u32 {
-    if rows <= 16 {
-        16
-    } else {
-        128
-    }
-}
-
-/// How `rows` activation rows run: ≤ 16 rows as one `m16` pass, otherwise `m128` passes of up to
-/// 128 rows each (the last may be shorter). Yields (family, row range).
-pub fn row_passes(rows: usize) -> impl Iterator<Item = (u32, std::ops::Range<usize>)> {
-    let family = family_for_rows(rows);
-    let chunk = if family == 16 { 16 } else { 128 };
-    (0..rows)
-        .step_by(chunk)
-        .map(move |start| (family, start..(start + chunk).min(rows)))
 }
 
 /// A kernel the model needs, and what needs it (for the error message).
@@ -233,13 +280,12 @@ pub fn parse_shape_list(path: &Path, text: &str) -> Result<Vec<KernelKey>, Kerne
             return Err(bad(format!("bad op name {op:?}")));
         }
         let format = WeightFormat::from_name(wfmt).map_err(|e| bad(e.to_string()))?;
-        let family: u32 = family
+        let rows: u32 = family
             .trim_start_matches('m')
             .parse()
             .map_err(|_| bad(format!("bad family {family:?}")))?;
-        if family != 16 && family != 128 {
-            return Err(bad(format!("family {family} (need 16 or 128)")));
-        }
+        let family = RowFamily::from_rows(rows)
+            .ok_or_else(|| bad(format!("family {rows} (need 16 or 128)")))?;
         let number = |s: &str, what: &str| -> Result<u32, KernelError> {
             s.parse::<u32>()
                 .ok()
@@ -262,89 +308,50 @@ pub fn parse_shape_list(path: &Path, text: &str) -> Result<Vec<KernelKey>, Kerne
     Ok(keys)
 }
 
-/// The shapes a llama-style model needs, from its `config.json`.
+/// A kernel shape a model runs in every row family: operation, weight format, K, N, and what runs
+/// it (for the error message). Whoever knows the model (the loader, the import, `xdna kernels
+/// build`) lists these; the kernel set only sees shapes.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ModelShapes {
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab: usize,
-    pub layers: usize,
-    pub tied_embeddings: bool,
+pub struct ShapeNeed {
+    pub op: String,
+    pub format: WeightFormat,
+    pub k: usize,
+    pub n: usize,
+    /// E.g. `blk.0 qkv`.
+    pub what: String,
 }
 
-impl ModelShapes {
-    /// Read the fields from a parsed `config.json`.
-    pub fn from_config(config: &serde_json::Value, path: &Path) -> Result<Self, KernelError> {
-        let field = |name: &str| -> Result<usize, KernelError> {
-            config
-                .get(name)
-                .and_then(|v| v.as_u64())
-                .map(|v| v as usize)
-                .ok_or_else(|| KernelError::ShapeList {
-                    path: path.to_path_buf(),
-                    line: 0,
-                    reason: format!("config.json has no integer {name:?}"),
-                })
-        };
-        let hidden = field("hidden_size")?;
-        let heads = field("num_attention_heads")?;
-        let kv_heads = field("num_key_value_heads").unwrap_or(heads);
-        let head_dim = config
-            .get("head_dim")
-            .and_then(|v| v.as_u64())
-            .map(|v| v as usize)
-            .unwrap_or(hidden / heads.max(1));
-        Ok(ModelShapes {
-            hidden,
-            intermediate: field("intermediate_size")?,
-            heads,
-            kv_heads,
-            head_dim,
-            vocab: field("vocab_size")?,
-            layers: field("num_hidden_layers").unwrap_or(1),
-            tied_embeddings: config
-                .get("tie_word_embeddings")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
-        })
+impl ShapeNeed {
+    /// A GEMM of `[N, K]` weights in `format`.
+    pub fn gemm(format: WeightFormat, k: usize, n: usize, what: impl Into<String>) -> ShapeNeed {
+        ShapeNeed {
+            op: "gemm".into(),
+            format,
+            k,
+            n,
+            what: what.into(),
+        }
     }
+}
 
-    /// Every GEMM the forward pass runs, per layer and family: fused QKV, O, fused gate+up, down,
-    /// and lm_head (in `head_wfmt`).
-    pub fn needs(&self, wfmt: WeightFormat, head_wfmt: WeightFormat) -> Vec<KernelNeed> {
-        let qkv = (self.heads + 2 * self.kv_heads) * self.head_dim;
-        let attn = self.heads * self.head_dim;
-        let mut needs = Vec::new();
-        for family in [16u32, 128] {
-            let rows = format!("rows ≤ {family}");
-            for layer in 0..self.layers {
-                for (what, k, n) in [
-                    ("qkv", self.hidden, qkv),
-                    ("o", attn, self.hidden),
-                    ("gate+up", self.hidden, 2 * self.intermediate),
-                    ("down", self.intermediate, self.hidden),
-                ] {
-                    needs.push(KernelNeed {
-                        key: KernelKey::gemm(wfmt, family, k, n),
-                        what: format!("blk.{layer} {what}, {rows}"),
-                    });
-                }
-            }
-            let head = if self.tied_embeddings {
-                "lm_head (tied token_embd)"
-            } else {
-                "lm_head"
-            };
+/// The kernels `shapes` need: each shape in every row family (`what` gains `, rows ≤ 16`).
+pub fn family_needs(shapes: &[ShapeNeed]) -> Vec<KernelNeed> {
+    let mut needs = Vec::with_capacity(RowFamily::ALL.len() * shapes.len());
+    for family in RowFamily::ALL {
+        for shape in shapes {
             needs.push(KernelNeed {
-                key: KernelKey::gemm(head_wfmt, family, self.hidden, self.vocab),
-                what: format!("{head}, {rows}"),
+                key: KernelKey {
+                    op: shape.op.clone(),
+                    wfmt: shape.format.name(),
+                    family,
+                    k: shape.k as u32,
+                    n: shape.n as u32,
+                },
+                what: format!("{}, rows ≤ {family}", shape.what),
             });
         }
-        needs
     }
+    needs
 }
 
 /// The distinct kernel keys of a list of needs, sorted.

@@ -355,7 +355,7 @@ mod tests {
             scale: ScaleType::F16,
             order: TileOrder::ColumnMajor,
         };
-        KernelDesc::gemm(f, 16, 256, 64)
+        KernelDesc::gemm(f, crate::kernels::RowFamily::M16, 256, 64)
     }
 
     #[test]

@@ -7,40 +7,17 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
 use super::gdn::{self, GdnScratch, GdnState, GdnWeights};
 use super::ops;
 use super::ModelError;
-use crate::kernels::{activation, attention};
+use crate::kernels::{activation, attention, RowFamily};
+use crate::weights::{LayerKind, LinearAttnConfig, ModelConfig};
 use half::f16;
 
 /// Most rows of a verify pass (`m16` family).
-pub const MAX_VERIFY_ROWS: usize = 16;
+pub const MAX_VERIFY_ROWS: usize = RowFamily::M16.max_rows();
 /// Most rows of one prefill chunk (`m128` family).
-pub const MAX_PREFILL_ROWS: usize = 128;
-
-/// Row family of a batched pass: which per-shape kernels run it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    M16,
-    M128,
-}
-
-impl Family {
-    pub fn for_rows(m: usize) -> Family {
-        if m <= MAX_VERIFY_ROWS {
-            Family::M16
-        } else {
-            Family::M128
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::M16 => "m16",
-            Family::M128 => "m128",
-        }
-    }
-}
+pub const MAX_PREFILL_ROWS: usize = RowFamily::M128.max_rows();
 
 /// A weight matrix `[N = rows, K = cols]` that multiplies activations: `y[m×N] = x[m×K] · Wᵀ`.
 pub trait Projection: Send + Sync {
@@ -48,7 +25,8 @@ pub trait Projection: Send + Sync {
     fn cols(&self) -> usize;
     /// Bytes of weights read by one pass over the matrix.
     fn weight_bytes(&self) -> usize;
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError>;
+    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: RowFamily)
+        -> Result<(), ModelError>;
     /// The tile format when the matrix runs on a per-shape kernel (for kernel-set checks).
     fn tiled_format(&self) -> Option<crate::tiles::WeightFormat> {
         None
@@ -336,7 +314,7 @@ fn timed_gemm(
     x: &[f32],
     m: usize,
     y: &mut [f32],
-    family: Family,
+    family: RowFamily,
     spent: &mut Duration,
 ) -> Result<(), ModelError> {
     let start = Instant::now();
@@ -1188,7 +1166,7 @@ impl Model {
         let mut sink = Sink::SegmentLast { f: on_last_logits };
         match self.forward_rows(
             &mut segments,
-            Family::for_rows(rows),
+            RowFamily::for_rows(rows),
             0,
             &mut sink,
             false,
@@ -1228,7 +1206,7 @@ impl Model {
         }
         self.out.rows = rows;
         let taps_on = !taps.is_empty();
-        match self.forward_rows(segments, Family::M16, 0, &mut Sink::Batch, taps_on, true) {
+        match self.forward_rows(segments, RowFamily::M16, 0, &mut Sink::Batch, taps_on, true) {
             Ok(()) => {
                 for seg in segments.iter_mut() {
                     seg.seq.pending = Pending::Pass {
@@ -1299,7 +1277,7 @@ impl Model {
             }];
             if let Err(e) = self.forward_rows(
                 &mut segment,
-                Family::for_rows(chunk.len()),
+                RowFamily::for_rows(chunk.len()),
                 first,
                 &mut sink,
                 false,
@@ -1331,7 +1309,7 @@ impl Model {
     fn forward_rows(
         &mut self,
         segments: &mut [Segment<'_, '_>],
-        family: Family,
+        family: RowFamily,
         first_logit_row: usize,
         sink: &mut Sink<'_>,
         taps: bool,
@@ -1372,11 +1350,11 @@ impl Model {
             s.scores.resize(longest, 0.0);
         }
         match family {
-            Family::M16 => {
+            RowFamily::M16 => {
                 self.stats.m16_passes += 1;
                 self.stats.m16_rows += m as u64;
             }
-            Family::M128 => {
+            RowFamily::M128 => {
                 self.stats.m128_passes += 1;
                 self.stats.m128_rows += m as u64;
             }
@@ -1600,7 +1578,7 @@ impl Model {
                     &s.head_in[..n * hidden],
                     n,
                     &mut self.out.logits[..n * vocab],
-                    Family::for_rows(n),
+                    RowFamily::for_rows(n),
                     &mut self.stats.projection_time,
                 )?;
                 for j in 0..n {
@@ -1622,7 +1600,7 @@ impl Model {
                 eps,
                 &mut s.head_in[..n * hidden],
             );
-            let fam = Family::for_rows(n);
+            let fam = RowFamily::for_rows(n);
             timed_gemm(
                 &*self.w.lm_head,
                 &s.head_in[..n * hidden],

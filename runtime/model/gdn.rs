@@ -14,8 +14,8 @@
 //! those inputs ([`step`] with no output) and runs the very same code: a replay reproduces the
 //! pass's state bit for bit.
 
-use super::config::LinearAttnConfig;
 use super::forward::Projection;
+use crate::weights::LinearAttnConfig;
 
 /// Weights of one Gated DeltaNet layer (Qwen3.5 layout).
 pub struct GdnWeights {

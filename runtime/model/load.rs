@@ -14,16 +14,15 @@
 //! shape the model needs must be present; the error names every missing file. The xdna backend
 //! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
-use super::config::ModelConfig;
-use super::forward::{Embedding, Family, Layer, LayerWeights, ModelWeights, Projection};
+use super::forward::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::host_layout::{self, append_group_records, Packing};
 use crate::kernels::{
-    self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, WeightMatrix,
-    WeightPath,
+    self, DeviceExecutor, DeviceWeights, Executor, HostExecutor, KernelSet, RowFamily,
+    WeightMatrix, WeightPath,
 };
 use crate::tiles::{self, WeightFormat};
-use crate::weights::{MappedBytes, MatrixView, Package};
+use crate::weights::{MappedBytes, MatrixView, ModelConfig, Package};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -206,7 +205,13 @@ impl Projection for KernelProjection {
     fn tiled_format(&self) -> Option<WeightFormat> {
         self.format.tile_bytes().map(|_| self.format)
     }
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], _family: Family) -> Result<(), ModelError> {
+    fn gemm(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        _family: RowFamily,
+    ) -> Result<(), ModelError> {
         // The executor picks the row family itself (≤ 16 rows m16, else m128 passes).
         match (&self.store, &*self.exec) {
             (Store::Host(_), _) if self.exact => {
@@ -372,12 +377,6 @@ pub(super) fn kernel_dir(pkg: &Package, opts: &LoadOptions) -> Option<PathBuf> {
 /// Open a package directory or GGUF file.
 pub fn open_package(path: &Path) -> Result<Arc<Package>, ModelError> {
     Ok(Arc::new(Package::open(path)?))
-}
-
-/// The validated config of a package.
-pub fn package_config(pkg: &Package) -> Result<ModelConfig, ModelError> {
-    let file = pkg.dir().join("config.json");
-    ModelConfig::from_json(&pkg.config().raw, &file.display().to_string())
 }
 
 /// What the device received at load (for the one-line summary).
@@ -548,7 +547,7 @@ fn release_freed_heap() {
 }
 
 fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, ModelError> {
-    let c = package_config(pkg)?;
+    let c = pkg.config().clone();
     // Hybrid (Gated DeltaNet / gated attention) packages: runtime/model/load_hybrid.rs, on the
     // host executors (their GDN shapes have no device kernels yet).
     if c.has_recurrent() || c.attn_output_gate {
@@ -575,11 +574,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
     let (set, needs) = match kernel_dir(pkg, opts) {
         Some(dir) => {
             let set = KernelSet::load(&dir)?;
-            let shapes = kernels::set::ModelShapes::from_config(
-                &pkg.config().raw,
-                &pkg.dir().join("config.json"),
-            )?;
-            let needs = shapes.needs(wfmt, head_fmt);
+            let needs = kernels::family_needs(&c.kernel_shapes(wfmt, head_fmt));
             set.require(&needs)?;
             tracing::info!(
                 "kernel set {}: {} kernels, all shapes present",

@@ -17,15 +17,14 @@
 //! planar full-attention `q_proj` and their value-head orders are mapped to the layout above at
 //! load ([`FlmLayout`]; docs/formats.md "Qwen3.5 layouts" gives the sources).
 
-use super::config::{LayerKind, ModelConfig};
-use super::forward::{Family, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
+use super::forward::{Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
 use super::gdn::GdnWeights;
 use super::load::{kernel_dir, projection, LoadOptions, PackageEmbedding};
 use super::ModelError;
-use crate::kernels::{Executor, KernelKey, KernelNeed, KernelSet};
+use crate::kernels::{self, Executor, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNeed};
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
 use crate::weights::safetensors::{Declared, Dtype, Writer};
-use crate::weights::Package;
+use crate::weights::{LayerKind, ModelConfig, Package};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -508,7 +507,13 @@ impl Projection for StackedProjection {
     fn weight_bytes(&self) -> usize {
         self.parts.iter().map(|p| p.weight_bytes()).sum()
     }
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError> {
+    fn gemm(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        family: RowFamily,
+    ) -> Result<(), ModelError> {
         let total = self.rows();
         let mut offset = 0;
         for p in &self.parts {
@@ -567,7 +572,13 @@ impl Projection for PermutedProjection {
     fn tiled_format(&self) -> Option<WeightFormat> {
         self.inner.tiled_format()
     }
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: Family) -> Result<(), ModelError> {
+    fn gemm(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        family: RowFamily,
+    ) -> Result<(), ModelError> {
         let k = self.inner.cols();
         let permuted_x;
         let x = match &self.cols {
@@ -616,13 +627,7 @@ fn layer_projections(l: &Layer) -> Vec<(&dyn Projection, &'static str)> {
 }
 
 fn gemm_needs(f: WeightFormat, k: usize, n: usize, what: &str) -> Vec<KernelNeed> {
-    [16u32, 128]
-        .into_iter()
-        .map(|family| KernelNeed {
-            key: KernelKey::gemm(f, family, k, n),
-            what: format!("{what}, rows ≤ {family}"),
-        })
-        .collect()
+    kernels::family_needs(&[ShapeNeed::gemm(f, k, n, what)])
 }
 
 /// The tiled GEMM shapes (`K`, `N`) of a hybrid config whose matrices are written by
@@ -639,7 +644,7 @@ pub fn synthetic_kernel_keys(c: &ModelConfig, f: WeightFormat) -> Vec<KernelKey>
     }
     shapes.push((h, c.qkv_rows()));
     shapes.push((c.q_dim(), h));
-    let mut keys: Vec<KernelKey> = [16u32, 128]
+    let mut keys: Vec<KernelKey> = RowFamily::ALL
         .into_iter()
         .flat_map(|fam| {
             shapes
@@ -872,7 +877,7 @@ pub const SYNTH_FORMAT: WeightFormat = WeightFormat::Q8 {
 pub fn write_synthetic(dir: &Path, o: &SynthOptions) -> Result<ModelConfig, ModelError> {
     let cfg_json = synthetic_config(o);
     let cfg_path = dir.join("config.json");
-    let c = ModelConfig::from_json(&cfg_json, &cfg_path.display().to_string())?;
+    let c = ModelConfig::from_json(&cfg_json, &cfg_path)?;
     if o.vocab < 257 {
         return Err(ModelError::Config {
             file: cfg_path.display().to_string(),

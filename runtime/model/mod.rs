@@ -1,11 +1,9 @@
-//! The model layer: configuration, the fast forward pass with its KV cache and the verify contract
+//! The model layer: the fast forward pass with its KV cache and the verify contract
 //! (`step_batch_all` / `commit_verify_rows`), the reference forward used by tests, sampling, and
 //! streaming detokenization. See `docs/model.md`.
 
-pub mod config;
 pub mod forward;
 pub mod gdn;
-pub mod gguf_config;
 pub mod gguf_lite;
 pub mod load;
 pub mod load_hybrid;
@@ -16,10 +14,13 @@ pub mod replay_check;
 pub mod sample;
 pub mod text;
 
-pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
+/// The kernels layer's row families (`m16` verify passes, `m128` prefill chunks).
+pub use crate::kernels::RowFamily;
+/// The model description the weights layer parses (config.json or GGUF metadata).
+pub use crate::weights::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use forward::{
-    BatchOutput, CommitFault, Family, KvSlice, Layer, LayerStateView, Model, ModelWeights,
-    PassStats, ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
+    BatchOutput, CommitFault, KvSlice, Layer, LayerStateView, Model, ModelWeights, PassStats,
+    ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
 };
 
 /// Errors of the model layer.

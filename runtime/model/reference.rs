@@ -7,10 +7,10 @@
 //! (the fast path rotates `(j, j + d/2)` on un-interleaved rows); Qwen GGUFs are not permuted and
 //! use the half-split ("NeoX") rotation.
 
-use super::config::ModelConfig;
-use super::gguf_config;
 use super::gguf_lite::GgufLite;
 use super::ModelError;
+use crate::weights::gguf::GgufFile;
+use crate::weights::{LayerKind, ModelConfig};
 use std::path::Path;
 
 struct RefLayer {
@@ -207,7 +207,7 @@ impl Reference {
     /// Load a llama-family GGUF.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let g = GgufLite::open(path)?;
-        let config = gguf_config::config(&g)?;
+        let config = ModelConfig::from_gguf(&GgufFile::open(path)?)?;
         let arch = g
             .meta_str("general.architecture")
             .unwrap_or("llama")
@@ -508,8 +508,7 @@ fn sigmoid64(x: f64) -> f64 {
 
 impl HybridReference {
     pub fn load(pkg: &crate::weights::Package) -> Result<Self, ModelError> {
-        let file = pkg.dir().join("config.json").display().to_string();
-        let c = ModelConfig::from_json(&pkg.config().raw, &file)?;
+        let c = pkg.config().clone();
         let m = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>, ModelError> {
             pkg.matrix(name, rows, cols)?
                 .decode_f32()
@@ -527,7 +526,7 @@ impl HybridReference {
         for i in 0..c.layers {
             let n = |s: &str| format!("model.layers.{i}.{s}");
             let mixer = match c.layer_kind(i) {
-                super::config::LayerKind::Attention => HybridRefMixer::Attention {
+                LayerKind::Attention => HybridRefMixer::Attention {
                     wq: m(&n("self_attn.q_proj.weight"), c.q_rows(), h)?,
                     wk: m(&n("self_attn.k_proj.weight"), c.kv_dim(), h)?,
                     wv: m(&n("self_attn.v_proj.weight"), c.kv_dim(), h)?,
@@ -543,7 +542,7 @@ impl HybridReference {
                         None
                     },
                 },
-                super::config::LayerKind::Linear => {
+                LayerKind::Linear => {
                     let d = c.linear.as_ref().ok_or_else(|| ModelError::Shape {
                         what: "linear layer without linear_* config".into(),
                     })?;

@@ -156,8 +156,8 @@ pub fn run(w: Arc<ModelWeights>, o: &ReplayCheckOptions) -> Result<ReplayReport,
         .map(|l| LayerDiff {
             layer: l,
             kind: match w.config.layer_kind(l) {
-                super::config::LayerKind::Attention => "attention",
-                super::config::LayerKind::Linear => "linear_attention",
+                super::LayerKind::Attention => "attention",
+                super::LayerKind::Linear => "linear_attention",
             },
             ..LayerDiff::default()
         })

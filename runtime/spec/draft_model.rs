@@ -24,7 +24,7 @@ pub trait DraftModel {
 
     /// Rows one [`feed`](Self::feed) call accepts at most (prefill chunk size).
     fn max_feed_rows(&self) -> usize {
-        16
+        crate::model::MAX_VERIFY_ROWS
     }
 
     /// Runs `tokens` at positions `P..P+len` and keeps them (`P += len`); returns the logits of the

@@ -71,7 +71,7 @@ impl super::DraftModel for ModelDraft {
     }
 
     fn max_feed_rows(&self) -> usize {
-        128
+        crate::model::MAX_PREFILL_ROWS
     }
 
     fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], ModelError> {

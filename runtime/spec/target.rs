@@ -4,7 +4,7 @@ use super::SpecError;
 
 /// Rows of one verify pass at most: the pending token plus up to [`MAX_DRAFTS`] drafts (the `m16`
 /// kernel family; a 17-row pass is refused by the model).
-pub const MAX_VERIFY_ROWS: usize = 16;
+pub use crate::model::MAX_VERIFY_ROWS;
 
 /// Drafts per round at most.
 pub const MAX_DRAFTS: usize = MAX_VERIFY_ROWS - 1;

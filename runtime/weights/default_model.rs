@@ -199,13 +199,10 @@ pub fn ensure_kernel_set(dir: &Path) -> Result<PathBuf, WeightsError> {
         Some(n) => weights.format_of(n)?,
         None => head,
     };
-    let config_path = dir.join("config.json");
     let kernel_err = |e: crate::kernels::KernelError| {
         WeightsError::invalid(&out, format!("writing the package's kernel set: {e}"))
     };
-    let shapes =
-        set::ModelShapes::from_config(&pkg.config().raw, &config_path).map_err(kernel_err)?;
-    let keys = set::distinct_keys(&shapes.needs(body, head));
+    let keys = set::distinct_keys(&set::family_needs(&pkg.config().kernel_shapes(body, head)));
     let tmp = dir.join(format!(".kernels.tmp.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let written = (|| -> Result<(), WeightsError> {

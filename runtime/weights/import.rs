@@ -15,6 +15,7 @@
 //!
 //! Memory stays bounded: one row block of one matrix (plus the mmapped GGUF) at a time.
 
+use super::config::ModelConfig;
 use super::gguf::{GgmlType, GgufFile, GgufTensor};
 use super::safetensors::{Declared, Dtype, Writer};
 use super::tokenizer::{PreTokenizer, Tokenizer};
@@ -105,78 +106,6 @@ impl Planned {
     }
 }
 
-/// Llama hyper-parameters read from GGUF metadata.
-#[derive(Clone, Debug)]
-pub struct LlamaParams {
-    pub arch: String,
-    pub hidden: usize,
-    pub ffn: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab: usize,
-    pub eps: f64,
-    pub rope_theta: f64,
-    pub context: usize,
-    pub tied: bool,
-}
-
-/// An f32 metadata value as the f64 with the same shortest decimal form (1e-5, not
-/// 9.999999747378752e-6), as HF configs write it.
-pub(super) fn shortest(v: f64) -> f64 {
-    format!("{}", v as f32).parse().unwrap_or(v)
-}
-
-fn hp(f: &GgufFile) -> Result<LlamaParams, WeightsError> {
-    let arch = f
-        .architecture()
-        .ok_or_else(|| {
-            WeightsError::invalid(f.path(), "metadata \"general.architecture\" missing")
-        })?
-        .to_string();
-    if arch != "llama" {
-        return Err(unsupported_architecture(f, &arch));
-    }
-    let k = |s: &str| format!("{arch}.{s}");
-    let hidden = f.require_u64(&k("embedding_length"))? as usize;
-    let heads = f.require_u64(&k("attention.head_count"))? as usize;
-    if heads == 0 || hidden == 0 {
-        return Err(WeightsError::invalid(
-            f.path(),
-            "zero embedding_length or head_count",
-        ));
-    }
-    let kv_heads = f
-        .get_u64(&k("attention.head_count_kv"))
-        .unwrap_or(heads as u64) as usize;
-    let head_dim = f
-        .get_u64(&k("attention.key_length"))
-        .unwrap_or((hidden / heads) as u64) as usize;
-    let embd = f.require_tensor("token_embd.weight")?;
-    let vocab = embd.shape.get(1).copied().unwrap_or(0) as usize;
-    Ok(LlamaParams {
-        hidden,
-        ffn: f.require_u64(&k("feed_forward_length"))? as usize,
-        layers: f.require_u64(&k("block_count"))? as usize,
-        heads,
-        kv_heads,
-        head_dim,
-        vocab,
-        eps: f
-            .get_f64(&k("attention.layer_norm_rms_epsilon"))
-            .map(shortest)
-            .unwrap_or(1e-5),
-        rope_theta: f
-            .get_f64(&k("rope.freq_base"))
-            .map(shortest)
-            .unwrap_or(10000.0),
-        context: f.get_u64(&k("context_length")).unwrap_or(2048) as usize,
-        tied: f.tensor("output.weight").is_none(),
-        arch,
-    })
-}
-
 /// The error for a GGUF architecture the import does not read.
 pub(super) fn unsupported_architecture(f: &GgufFile, arch: &str) -> WeightsError {
     let why = match arch {
@@ -193,26 +122,28 @@ pub(super) fn unsupported_architecture(f: &GgufFile, arch: &str) -> WeightsError
     )
 }
 
-/// What a planned import is: the architecture's parameters (for `config.json`).
-pub enum Source {
-    Llama(LlamaParams),
-    Qwen35(super::import_qwen35::Qwen35Params),
-}
-
-/// The plan of any supported GGUF: `qwen35` hybrids, else llama.
-pub fn plan_any(f: &GgufFile, scale: ScaleType) -> Result<(Source, Vec<Planned>), WeightsError> {
+/// The plan of any supported GGUF (`qwen35` hybrids, else llama) and the model description it
+/// was planned from.
+pub fn plan_any(
+    f: &GgufFile,
+    scale: ScaleType,
+) -> Result<(ModelConfig, Vec<Planned>), WeightsError> {
     if f.architecture() == Some(super::import_qwen35::ARCH) {
-        let (p, v) = super::import_qwen35::plan(f, scale)?;
-        Ok((Source::Qwen35(p), v))
+        super::import_qwen35::plan(f, scale)
     } else {
-        let (p, v) = plan(f, scale)?;
-        Ok((Source::Llama(p), v))
+        plan(f, scale)
     }
 }
 
 /// The list of output tensors for a llama GGUF, in file order (vectors first).
-pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>), WeightsError> {
-    let p = hp(f)?;
+pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(ModelConfig, Vec<Planned>), WeightsError> {
+    let arch = f.architecture().ok_or_else(|| {
+        WeightsError::invalid(f.path(), "metadata \"general.architecture\" missing")
+    })?;
+    if arch != "llama" {
+        return Err(unsupported_architecture(f, arch));
+    }
+    let p = ModelConfig::from_gguf(f)?;
     let q41 = WeightFormat::Q41 {
         scale,
         order: TileOrder::ColumnMajor,
@@ -341,7 +272,7 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(LlamaParams, Vec<Planned>
         "model.embed_tokens.weight",
         vec![("token_embd.weight".into(), None)],
     )?);
-    if !p.tied {
+    if !p.tie_word_embeddings {
         v.push(matrix(
             "lm_head.weight",
             vec![("output.weight".into(), None)],
@@ -489,7 +420,7 @@ fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
 pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), WeightsError> {
     let f = GgufFile::open(gguf)?;
     let tokenizer = Tokenizer::from_gguf(&f)?;
-    let (source, planned) = plan_any(&f, opts.scale)?;
+    let (mut description, planned) = plan_any(&f, opts.scale)?;
     std::fs::create_dir_all(out).map_err(|e| WeightsError::io(out, e))?;
 
     // Header declarations and metadata.
@@ -630,26 +561,18 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
     w.finish()?;
     bar.finish_and_clear();
 
-    let config = match &source {
-        Source::Llama(p) => config_json(&f, p, opts.scale, &tokenizer),
-        Source::Qwen35(p) => super::import_qwen35::config_json(&f, p, opts.scale, &tokenizer),
-    };
-    write_json(&out.join("config.json"), &config)?;
+    // The vocabulary covers every tokenizer id, should the embedding have fewer rows.
+    description.vocab = description.vocab.max(tokenizer.vocab_size());
+    write_json(
+        &out.join("config.json"),
+        &config_json(&f, &description, opts.scale),
+    )?;
     write_json(&out.join("tokenizer.json"), &tokenizer_json(&tokenizer))?;
     write_json(
         &out.join("tokenizer_config.json"),
         &tokenizer_config_json(&f, &tokenizer),
     )?;
     Ok(())
-}
-
-/// Whether a package `config.json` describes a hybrid (Gated DeltaNet) model: those run on the
-/// host backend and get no device kernel set.
-pub fn is_hybrid_config(raw: &serde_json::Value) -> bool {
-    matches!(
-        raw.get("model_type").and_then(|v| v.as_str()),
-        Some("qwen3_5" | "qwen3_5_text" | "qwen3_next")
-    )
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), WeightsError> {
@@ -660,54 +583,26 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), WeightsError> {
     std::fs::rename(&tmp, path).map_err(|e| WeightsError::io(path, e))
 }
 
-fn config_json(
-    f: &GgufFile,
-    p: &LlamaParams,
-    scale: ScaleType,
-    tok: &Tokenizer,
-) -> serde_json::Value {
-    let mut c = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": p.hidden,
-        "intermediate_size": p.ffn,
-        "num_hidden_layers": p.layers,
-        "num_attention_heads": p.heads,
-        "num_key_value_heads": p.kv_heads,
-        "head_dim": p.head_dim,
-        "vocab_size": p.vocab.max(tok.vocab_size()),
-        "rms_norm_eps": p.eps,
-        "rope_theta": p.rope_theta,
-        "max_position_embeddings": p.context,
-        "tie_word_embeddings": p.tied,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "xdna": {
-            "fused": true,
-            "scale_type": match scale { ScaleType::F16 => "f16", ScaleType::Bf16 => "bf16" },
-            "tile_order": "column_major",
-            "norm_dtype": "F32",
-            "source": f.path().file_name().map(|s| s.to_string_lossy().into_owned()),
-        },
+/// The package's `config.json`: the description as Hugging Face names it, plus how this import
+/// stored the weights (`xdna`: fused matrices, tile scale type and order, norm dtype, source).
+fn config_json(f: &GgufFile, description: &ModelConfig, scale: ScaleType) -> serde_json::Value {
+    let mut c = description.to_json();
+    c["torch_dtype"] = "bfloat16".into();
+    let storage = serde_json::json!({
+        // The llama plan fuses QKV and gate+up; the qwen35 plan keeps them separate.
+        "fused": !description.is_hybrid(),
+        "scale_type": match scale { ScaleType::F16 => "f16", ScaleType::Bf16 => "bf16" },
+        "tile_order": "column_major",
+        "norm_dtype": "F32",
+        "source": f.path().file_name().map(|s| s.to_string_lossy().into_owned()),
     });
-    let arch = &p.arch;
-    if let Some(kind) = f.get_str(&format!("{arch}.rope.scaling.type")) {
-        if kind != "none" {
-            let mut rs = serde_json::json!({ "rope_type": kind, "type": kind });
-            if let Some(fac) = f.get_f64(&format!("{arch}.rope.scaling.factor")) {
-                rs["factor"] = fac.into();
+    match c.get_mut("xdna").and_then(serde_json::Value::as_object_mut) {
+        Some(xdna) => {
+            if let serde_json::Value::Object(fields) = storage {
+                xdna.extend(fields);
             }
-            if let Some(o) = f.get_u64(&format!("{arch}.rope.scaling.original_context_length")) {
-                rs["original_max_position_embeddings"] = o.into();
-            }
-            c["rope_scaling"] = rs;
         }
-    }
-    if let Some(b) = f.get_u64("tokenizer.ggml.bos_token_id") {
-        c["bos_token_id"] = b.into();
-    }
-    if let Some(e) = f.get_u64("tokenizer.ggml.eos_token_id") {
-        c["eos_token_id"] = e.into();
+        None => c["xdna"] = storage,
     }
     c
 }
@@ -991,7 +886,7 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
         .join("packages")
         .join(format!("{stem}-{:x}-{mtime:x}", meta.len()));
     let dir = import_once(gguf, &dir, ImportOptions::default())?;
-    if super::Package::open_dir(&dir).is_ok_and(|p| is_hybrid_config(&p.config().raw)) {
+    if super::Package::open_dir(&dir).is_ok_and(|p| p.config().is_hybrid()) {
         // Hybrid models run on the host backend only (docs/model.md); no device kernel set.
         return Ok(dir);
     }

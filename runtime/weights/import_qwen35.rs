@@ -23,80 +23,36 @@
 //! F32 / F16 / BF16 tensors, and quantized ones tiles cannot hold, become plain f32. MTP blocks
 //! (`nextn_predict_layers`) are not read; mixture-of-experts (`qwen35moe`) is not supported.
 
+use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
 use super::gguf::{GgmlType, GgufFile};
 use super::import::{Part, Planned};
-use super::tokenizer::Tokenizer;
 use super::WeightsError;
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
 
 /// llama.cpp's `general.architecture` of dense Qwen3.5 (`MODEL_ARCH.QWEN35`).
 pub const ARCH: &str = "qwen35";
 
-/// Hyper-parameters of a `qwen35` GGUF.
-#[derive(Clone, Debug)]
-pub struct Qwen35Params {
-    pub hidden: usize,
-    pub ffn: usize,
-    /// Decoder layers (`block_count` − `nextn_predict_layers`).
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    /// Dimensions of each head that RoPE rotates (`rope.dimension_count`).
-    pub rotary_dim: usize,
-    pub vocab: usize,
-    pub eps: f64,
-    pub rope_theta: f64,
-    pub context: usize,
-    pub tied: bool,
-    /// Every `full_attention_interval`-th layer (1-based) is full attention, as llama.cpp marks it.
-    pub full_attention_interval: usize,
-    /// `ssm.group_count`.
-    pub key_heads: usize,
-    /// `ssm.time_step_rank`.
-    pub value_heads: usize,
-    /// `ssm.state_size`.
-    pub key_head_dim: usize,
-    /// `ssm.inner_size` / value heads.
-    pub value_head_dim: usize,
-    /// `ssm.conv_kernel`.
-    pub conv_kernel: usize,
+/// GGUF index of Hugging Face index `idx` on a value-head axis of `unit`-wide heads.
+fn v_src(d: &LinearAttnConfig, idx: usize, unit: usize) -> usize {
+    hf_to_gguf(idx, d.key_heads, d.value_heads, unit)
 }
 
-impl Qwen35Params {
-    /// Whether layer `i` is a Gated DeltaNet layer (llama.cpp: `(i + 1) % interval != 0`).
-    pub fn is_linear(&self, i: usize) -> bool {
-        !(i + 1).is_multiple_of(self.full_attention_interval)
-    }
-    fn key_dim(&self) -> usize {
-        self.key_heads * self.key_head_dim
-    }
-    fn value_dim(&self) -> usize {
-        self.value_heads * self.value_head_dim
-    }
-    fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-    /// GGUF index of Hugging Face index `idx` on a value-head axis of `unit`-wide heads.
-    fn v_src(&self, idx: usize, unit: usize) -> usize {
-        hf_to_gguf(idx, self.key_heads, self.value_heads, unit)
-    }
-    /// GGUF row of each Hugging Face row of `in_proj_qkv` (= conv channel): q, k as they are.
-    fn qkv_rows(&self) -> Vec<usize> {
-        let qk = 2 * self.key_dim();
-        (0..self.conv_dim())
-            .map(|r| {
-                if r < qk {
-                    r
-                } else {
-                    qk + self.v_src(r - qk, self.value_head_dim)
-                }
-            })
-            .collect()
-    }
-    fn value_map(&self, unit: usize, len: usize) -> Vec<usize> {
-        (0..len).map(|i| self.v_src(i, unit)).collect()
-    }
+/// GGUF row of each Hugging Face row of `in_proj_qkv` (= conv channel): q, k as they are.
+fn qkv_rows(d: &LinearAttnConfig) -> Vec<usize> {
+    let qk = 2 * d.key_dim();
+    (0..d.conv_dim())
+        .map(|r| {
+            if r < qk {
+                r
+            } else {
+                qk + v_src(d, r - qk, d.value_head_dim)
+            }
+        })
+        .collect()
+}
+
+fn value_map(d: &LinearAttnConfig, unit: usize, len: usize) -> Vec<usize> {
+    (0..len).map(|i| v_src(d, i, unit)).collect()
 }
 
 /// llama.cpp `_reorder_v_heads` as an index map: the GGUF index holding Hugging Face index `idx`
@@ -110,103 +66,6 @@ pub fn hf_to_gguf(idx: usize, hk: usize, hv: usize, unit: usize) -> usize {
     let (head, e) = (idx / unit, idx % unit);
     let (k, j) = (head / r, head % r);
     (j * hk + k) * unit + e
-}
-
-fn params(f: &GgufFile) -> Result<Qwen35Params, WeightsError> {
-    let k = |s: &str| format!("{ARCH}.{s}");
-    let req = |s: &str| -> Result<usize, WeightsError> { Ok(f.require_u64(&k(s))? as usize) };
-    let bad = |key: &str, what: String| WeightsError::invalid(f.path(), format!("{key}: {what}"));
-    if f.get_u64(&k("expert_count")).is_some_and(|n| n > 0) {
-        return Err(bad(
-            &k("expert_count"),
-            "mixture-of-experts layers are not supported".into(),
-        ));
-    }
-    if let Some(kind) = f.get_str(&k("rope.scaling.type")) {
-        if kind != "none" {
-            return Err(bad(
-                &k("rope.scaling.type"),
-                format!("{kind:?}: rope scaling is not supported for qwen35"),
-            ));
-        }
-    }
-    let hidden = req("embedding_length")?;
-    let heads = req("attention.head_count")?;
-    if hidden == 0 || heads == 0 {
-        return Err(bad(
-            &k("embedding_length"),
-            "zero embedding_length or head_count".into(),
-        ));
-    }
-    let kv_heads = f
-        .get_u64(&k("attention.head_count_kv"))
-        .unwrap_or(heads as u64) as usize;
-    let head_dim = f
-        .get_u64(&k("attention.key_length"))
-        .unwrap_or((hidden / heads) as u64) as usize;
-    if let Some(v) = f.get_u64(&k("attention.value_length")) {
-        if v as usize != head_dim {
-            return Err(bad(
-                &k("attention.value_length"),
-                format!("{v} ≠ key_length {head_dim} (llama.cpp requires them equal)"),
-            ));
-        }
-    }
-    let blocks = req("block_count")?;
-    let nextn = f.get_u64(&k("nextn_predict_layers")).unwrap_or(0) as usize;
-    let layers = blocks
-        .checked_sub(nextn)
-        .filter(|&l| l > 0)
-        .ok_or_else(|| {
-            bad(
-                &k("block_count"),
-                format!("{blocks} blocks with {nextn} MTP layers leave no decoder layer"),
-            )
-        })?;
-    let interval = f.get_u64(&k("full_attention_interval")).unwrap_or(4).max(1) as usize;
-    let value_heads = req("ssm.time_step_rank")?;
-    let key_heads = req("ssm.group_count")?;
-    let inner = req("ssm.inner_size")?;
-    if key_heads == 0 || value_heads == 0 || value_heads % key_heads != 0 {
-        return Err(bad(
-            &k("ssm.time_step_rank"),
-            format!("{value_heads} value heads are not a multiple of {key_heads} key heads"),
-        ));
-    }
-    if inner == 0 || inner % value_heads != 0 {
-        return Err(bad(
-            &k("ssm.inner_size"),
-            format!("{inner} does not split into {value_heads} value heads"),
-        ));
-    }
-    let embd = f.require_tensor("token_embd.weight")?;
-    Ok(Qwen35Params {
-        hidden,
-        ffn: req("feed_forward_length")?,
-        layers,
-        heads,
-        kv_heads,
-        head_dim,
-        rotary_dim: f
-            .get_u64(&k("rope.dimension_count"))
-            .unwrap_or(head_dim as u64) as usize,
-        vocab: embd.shape.get(1).copied().unwrap_or(0) as usize,
-        // Required by llama.cpp's qwen35 loader too.
-        eps: super::import::shortest(f.require_f64(&k("attention.layer_norm_rms_epsilon"))?),
-        // llama.cpp's default when absent.
-        rope_theta: f
-            .get_f64(&k("rope.freq_base"))
-            .map(super::import::shortest)
-            .unwrap_or(10_000.0),
-        context: f.get_u64(&k("context_length")).unwrap_or(4096) as usize,
-        tied: f.tensor("output.weight").is_none(),
-        full_attention_interval: interval,
-        key_heads,
-        value_heads,
-        key_head_dim: req("ssm.state_size")?,
-        value_head_dim: inner / value_heads,
-        conv_kernel: req("ssm.conv_kernel")?,
-    })
 }
 
 /// `Some(map)` unless it is the identity.
@@ -353,20 +212,26 @@ impl Planner<'_> {
 }
 
 /// The output tensors of a `qwen35` GGUF: Hugging Face names and order (see the module docs).
-pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(Qwen35Params, Vec<Planned>), WeightsError> {
-    let p = params(f)?;
+pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(ModelConfig, Vec<Planned>), WeightsError> {
+    let p = ModelConfig::from_gguf(f)?;
+    let d = p.linear.clone().ok_or_else(|| {
+        WeightsError::invalid(
+            f.path(),
+            "a qwen35 description without Gated DeltaNet dimensions",
+        )
+    })?;
     let pl = Planner { f, scale };
-    let (h, ffn) = (p.hidden, p.ffn);
+    let (h, ffn) = (p.hidden, p.intermediate);
     let (cd, vd, hv, dv, kk) = (
-        p.conv_dim(),
-        p.value_dim(),
-        p.value_heads,
-        p.value_head_dim,
-        p.conv_kernel,
+        d.conv_dim(),
+        d.value_dim(),
+        d.value_heads,
+        d.value_head_dim,
+        d.conv_kernel,
     );
-    let qkv_rows = non_identity(p.qkv_rows());
-    let channel_map = non_identity(p.value_map(dv, vd));
-    let head_map = non_identity(p.value_map(1, hv));
+    let qkv_rows = non_identity(qkv_rows(&d));
+    let channel_map = non_identity(value_map(&d, dv, vd));
+    let head_map = non_identity(value_map(&d, 1, hv));
     let mut v = Vec::new();
     v.push(pl.vector("model.norm.weight", "output_norm.weight", h, None)?);
     v.push(pl.matrix(
@@ -377,7 +242,7 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(Qwen35Params, Vec<Planned
         None,
         None,
     )?);
-    if !p.tied {
+    if !p.tie_word_embeddings {
         v.push(pl.matrix("lm_head.weight", "output.weight", p.vocab, h, None, None)?);
     }
     for i in 0..p.layers {
@@ -395,7 +260,7 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(Qwen35Params, Vec<Planned
             h,
             None,
         )?);
-        if p.is_linear(i) {
+        if p.layer_kind(i) == LayerKind::Linear {
             let la = |s: &str| n(&format!("linear_attn.{s}"));
             v.push(pl.matrix(
                 &la("in_proj_qkv.weight"),
@@ -538,63 +403,4 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(Qwen35Params, Vec<Planned
         )?);
     }
     Ok((p, v))
-}
-
-/// The package's Hugging Face `config.json` (`model_type` `qwen3_5`), with
-/// `xdna.norms_include_one` (the GGUF's norms already hold `1 + w`).
-pub fn config_json(
-    f: &GgufFile,
-    p: &Qwen35Params,
-    scale: ScaleType,
-    tok: &Tokenizer,
-) -> serde_json::Value {
-    let types: Vec<&str> = (0..p.layers)
-        .map(|i| {
-            if p.is_linear(i) {
-                "linear_attention"
-            } else {
-                "full_attention"
-            }
-        })
-        .collect();
-    let mut c = serde_json::json!({
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5",
-        "hidden_size": p.hidden,
-        "intermediate_size": p.ffn,
-        "num_hidden_layers": p.layers,
-        "num_attention_heads": p.heads,
-        "num_key_value_heads": p.kv_heads,
-        "head_dim": p.head_dim,
-        "vocab_size": p.vocab.max(tok.vocab_size()),
-        "rms_norm_eps": p.eps,
-        "rope_theta": p.rope_theta,
-        "partial_rotary_factor": p.rotary_dim as f64 / p.head_dim.max(1) as f64,
-        "max_position_embeddings": p.context,
-        "tie_word_embeddings": p.tied,
-        "hidden_act": "silu",
-        "attn_output_gate": true,
-        "layer_types": types,
-        "full_attention_interval": p.full_attention_interval,
-        "linear_num_key_heads": p.key_heads,
-        "linear_num_value_heads": p.value_heads,
-        "linear_key_head_dim": p.key_head_dim,
-        "linear_value_head_dim": p.value_head_dim,
-        "linear_conv_kernel_dim": p.conv_kernel,
-        "xdna": {
-            "fused": false,
-            "scale_type": match scale { ScaleType::F16 => "f16", ScaleType::Bf16 => "bf16" },
-            "tile_order": "column_major",
-            "norm_dtype": "F32",
-            "norms_include_one": true,
-            "source": f.path().file_name().map(|s| s.to_string_lossy().into_owned()),
-        },
-    });
-    if let Some(b) = f.get_u64("tokenizer.ggml.bos_token_id") {
-        c["bos_token_id"] = b.into();
-    }
-    if let Some(e) = f.get_u64("tokenizer.ggml.eos_token_id") {
-        c["eos_token_id"] = e.into();
-    }
-    c
 }

@@ -5,6 +5,8 @@
 //! that names the file and the field or tensor concerned.
 //!
 //! # Modules
+//! - [`config`]: the model description ([`ModelConfig`]), parsed once from `config.json` or GGUF
+//!   metadata; model, kernels, import and tools read it.
 //! - [`gguf`]: GGUF v2/v3 reader ([`gguf::GgufFile`]), metadata values, tensor views, and the
 //!   scalar ggml dequantizers (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K → f32).
 //! - [`safetensors`]: safetensors / Q4NX reader ([`safetensors::SafeTensors`]) and a streaming
@@ -25,15 +27,15 @@
 //! use xdna::weights::Package;
 //! let pkg = Package::open("model-dir-or-file.gguf")?;
 //! let cfg = pkg.config();
-//! let qkv = pkg.matrix("model.layers.0.self_attn.qkv_proj.weight",
-//!                      cfg.q_rows() + 2 * cfg.kv_rows(), cfg.hidden_size)?;
+//! let qkv = pkg.matrix("model.layers.0.self_attn.qkv_proj.weight", cfg.qkv_rows(), cfg.hidden)?;
 //! let norm = pkg.vector("model.layers.0.input_layernorm.weight")?;
-//! let mut emb = vec![0f32; cfg.hidden_size];
+//! let mut emb = vec![0f32; cfg.hidden];
 //! pkg.embedding_row(1, &mut emb)?;
 //! let ids = pkg.tokenizer().encode("Hello", true);
 //! # let _ = (qkv, norm, ids); Ok(()) }
 //! ```
 
+pub mod config;
 pub mod default_model;
 pub mod gguf;
 pub mod import;
@@ -43,9 +45,10 @@ pub mod package;
 pub mod safetensors;
 pub mod tokenizer;
 
+pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use default_model::default_model;
 pub use mapped::MappedBytes;
-pub use package::{MatrixView, ModelConfig, Package, TensorRole};
+pub use package::{MatrixView, Package, TensorRole};
 pub use tokenizer::{DecodeStream, Tokenizer};
 
 use std::path::{Path, PathBuf};
@@ -63,6 +66,14 @@ pub enum WeightsError {
     /// The file's contents break a rule of its format; `what` names the field or tensor.
     #[error("{path}: {what}")]
     Invalid { path: PathBuf, what: String },
+    /// A field of the model description (`config.json` or GGUF metadata) is missing, ill-typed
+    /// or unsupported.
+    #[error("{path}: field {field:?}: {problem}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        problem: String,
+    },
     /// A tensor the caller asked for is not in the file.
     #[error("{path}: no tensor named {name:?}")]
     MissingTensor { path: PathBuf, name: String },

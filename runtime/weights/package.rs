@@ -9,97 +9,12 @@
 //! `model.layers.{i}.mlp.gate_up_proj.weight` = gate rows, then up); FastFlowLM packages hold
 //! separate `q_proj/k_proj/v_proj` and `gate_proj/up_proj`. [`Package::fused`] says which.
 
+use super::config::ModelConfig;
 use super::safetensors::{Dtype, SafeTensors};
 use super::tokenizer::Tokenizer;
 use super::WeightsError;
 use crate::tiles::{self, WeightFormat};
 use std::path::{Path, PathBuf};
-
-/// Common typed fields of `config.json` (HF names), plus the raw JSON.
-#[derive(Clone, Debug)]
-pub struct ModelConfig {
-    pub raw: serde_json::Value,
-    pub model_type: String,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    pub head_dim: usize,
-    pub vocab_size: usize,
-    pub rms_norm_eps: f32,
-    pub rope_theta: f32,
-    pub max_position_embeddings: usize,
-    pub tie_word_embeddings: bool,
-    /// `rope_scaling` object, if any.
-    pub rope_scaling: Option<serde_json::Value>,
-}
-
-impl ModelConfig {
-    /// Parse the fields every Llama-like model needs; errors name the file and the field.
-    pub fn from_json(path: &Path, raw: serde_json::Value) -> Result<ModelConfig, WeightsError> {
-        let need = |k: &str| -> Result<usize, WeightsError> {
-            raw.get(k)
-                .and_then(|v| v.as_u64())
-                .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| {
-                    WeightsError::invalid(
-                        path,
-                        format!("field {k:?} missing or not an unsigned integer"),
-                    )
-                })
-        };
-        let hidden_size = need("hidden_size")?;
-        let num_attention_heads = need("num_attention_heads")?;
-        if num_attention_heads == 0 {
-            return Err(WeightsError::invalid(path, "num_attention_heads is 0"));
-        }
-        let head_dim = match raw.get("head_dim").and_then(|v| v.as_u64()) {
-            Some(h) => h as usize,
-            None => hidden_size / num_attention_heads,
-        };
-        let num_key_value_heads = raw
-            .get("num_key_value_heads")
-            .and_then(|v| v.as_u64())
-            .map(|v| v as usize)
-            .unwrap_or(num_attention_heads);
-        let float = |k: &str, d: f64| raw.get(k).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
-        Ok(ModelConfig {
-            model_type: raw
-                .get("model_type")
-                .and_then(|v| v.as_str())
-                .unwrap_or("")
-                .to_string(),
-            hidden_size,
-            intermediate_size: need("intermediate_size")?,
-            num_hidden_layers: need("num_hidden_layers")?,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            vocab_size: need("vocab_size")?,
-            rms_norm_eps: float("rms_norm_eps", 1e-5),
-            rope_theta: float("rope_theta", 10000.0),
-            max_position_embeddings: raw
-                .get("max_position_embeddings")
-                .and_then(|v| v.as_u64())
-                .unwrap_or(2048) as usize,
-            tie_word_embeddings: raw
-                .get("tie_word_embeddings")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
-            rope_scaling: raw.get("rope_scaling").filter(|v| !v.is_null()).cloned(),
-            raw,
-        })
-    }
-    /// Rows of the q projection (`heads × head_dim`).
-    pub fn q_rows(&self) -> usize {
-        self.num_attention_heads * self.head_dim
-    }
-    /// Rows of the k (or v) projection (`kv_heads × head_dim`).
-    pub fn kv_rows(&self) -> usize {
-        self.num_key_value_heads * self.head_dim
-    }
-}
 
 /// A zero-copy view of one weight matrix `[rows, cols]` (rows = out features, cols = K).
 #[derive(Clone, Copy, Debug)]
@@ -281,7 +196,7 @@ impl Package {
     /// Open a package directory.
     pub fn open_dir(dir: &Path) -> Result<Package, WeightsError> {
         let config_path = dir.join("config.json");
-        let config = ModelConfig::from_json(&config_path, read_json(&config_path)?)?;
+        let config = ModelConfig::from_file(&config_path)?;
         let weights = SafeTensors::open(dir.join("model.q4nx"))?;
         let tokenizer = Tokenizer::from_json_file(&dir.join("tokenizer.json"))?;
         let tc_path = dir.join("tokenizer_config.json");
@@ -310,7 +225,7 @@ impl Package {
             }
         }
         if eos.is_empty() {
-            eos = ids_field(config.raw.get("eos_token_id"));
+            eos = config.eos_token_ids.clone();
         }
         let bos = ids_field(tokenizer_config.get("bos_token_id"))
             .first()
@@ -321,7 +236,7 @@ impl Package {
                     .and_then(token_field)
                     .and_then(|s| tokenizer.token_id(s))
             })
-            .or_else(|| ids_field(config.raw.get("bos_token_id")).first().copied());
+            .or(config.bos_token_id);
         let add_bos = tokenizer_config
             .get("add_bos_token")
             .and_then(|v| v.as_bool())
@@ -513,21 +428,21 @@ impl Package {
         match (self.weights.recorded_shape(name), self.weights.tensor(name)) {
             (Some((r, _)), _) => r,
             (None, Some(t)) if t.shape.len() == 2 && t.dtype != Dtype::I8 => t.shape[0],
-            _ => self.config.vocab_size,
+            _ => self.config.vocab,
         }
     }
 
     /// The output projection `[vocab, hidden]`: `lm_head.weight`, or the embedding when tied.
     pub fn lm_head(&self) -> Result<MatrixView<'_>, WeightsError> {
         let name = self.lm_head_name();
-        self.matrix(name, self.vocab_rows(name), self.config.hidden_size)
+        self.matrix(name, self.vocab_rows(name), self.config.hidden)
     }
 
     /// Decode the embedding row of `token` into `out` (`out.len() == hidden_size`).
     pub fn embedding_row(&self, token: u32, out: &mut [f32]) -> Result<(), WeightsError> {
         let name = self.embedding_name();
         let vocab = self.vocab_rows(name);
-        let m = self.matrix(name, vocab, self.config.hidden_size)?;
+        let m = self.matrix(name, vocab, self.config.hidden)?;
         if token as usize >= vocab {
             return Err(WeightsError::tensor(
                 self.weights.path(),

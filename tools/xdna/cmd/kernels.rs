@@ -4,9 +4,10 @@ use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 use xdna::kernels::elf::{self, KernelDesc};
-use xdna::kernels::set::{distinct_keys, parse_shape_list, ModelShapes};
-use xdna::kernels::{KernelError, KernelKey, KernelSet};
+use xdna::kernels::set::{distinct_keys, parse_shape_list};
+use xdna::kernels::{family_needs, KernelError, KernelKey, KernelSet, RowFamily};
 use xdna::tiles::WeightFormat;
+use xdna::weights::ModelConfig;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -100,16 +101,11 @@ pub fn package_keys(
     wfmts: &[WeightFormat],
     head_wfmts: &[WeightFormat],
 ) -> xdna::Result<Vec<KernelKey>> {
-    let config_path = package.join("config.json");
-    let text =
-        std::fs::read_to_string(&config_path).map_err(|e| xdna::Error::io(&config_path, e))?;
-    let config: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| xdna::Error::Usage(format!("{}: not JSON: {e}", config_path.display())))?;
-    let shapes = ModelShapes::from_config(&config, &config_path)?;
+    let config = ModelConfig::from_file(&package.join("config.json"))?;
     let mut needs = Vec::new();
     for &wfmt in wfmts {
         for &head in head_wfmts {
-            needs.extend(shapes.needs(wfmt, head));
+            needs.extend(family_needs(&config.kernel_shapes(wfmt, head)));
         }
     }
     Ok(distinct_keys(&needs))
@@ -194,10 +190,9 @@ fn list(dir: &Path) -> xdna::Result<()> {
 fn wrap(args: WrapArgs) -> xdna::Result<()> {
     let wfmt = WeightFormat::from_name(&args.wfmt)
         .map_err(|e| xdna::Error::Usage(format!("--wfmt: {e}")))?;
-    if args.family != 16 && args.family != 128 {
-        return Err(xdna::Error::Usage("--family must be 16 or 128".into()));
-    }
-    let mut desc = KernelDesc::gemm(wfmt, args.family, args.k, args.n);
+    let family = RowFamily::from_rows(args.family)
+        .ok_or_else(|| xdna::Error::Usage("--family must be 16 or 128".into()))?;
+    let mut desc = KernelDesc::gemm(wfmt, family, args.k, args.n);
     desc.op = args.op;
     let input = std::fs::read(&args.input).map_err(|e| xdna::Error::io(&args.input, e))?;
     let wrapped =

@@ -168,12 +168,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 },
             )?;
             let pkg = Package::open_dir(&output)?;
-            if import::is_hybrid_config(&pkg.config().raw) {
+            if pkg.config().is_hybrid() {
                 // Hybrid (Gated DeltaNet) models run on the host backend only: no kernel set.
                 eprintln!(
                     "wrote {} (hybrid {} layers; host backend only, no kernel set)",
                     output.display(),
-                    pkg.config().num_hidden_layers
+                    pkg.config().layers
                 );
                 return Ok(());
             }
@@ -293,13 +293,13 @@ fn info(path: &std::path::Path) -> xdna::Result<()> {
             "{}: {} layers {} hidden {} ffn {} heads {}/{} head_dim {} vocab {} rope_theta {} ctx {} tied {} fused {}",
             path.display(),
             c.model_type,
-            c.num_hidden_layers,
-            c.hidden_size,
-            c.intermediate_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
+            c.layers,
+            c.hidden,
+            c.intermediate,
+            c.heads,
+            c.kv_heads,
             c.head_dim,
-            c.vocab_size,
+            c.vocab,
             c.rope_theta,
             c.max_position_embeddings,
             c.tie_word_embeddings,

@@ -1,0 +1,335 @@
+//! The model description: `config.json` in the forms real `transformers` 4 and 5 write it
+//! (fixtures in `tests/data/hf_configs/`, commands in its README), written back by `to_json`, and
+//! read from GGUF metadata, where it must equal the description of the `config.json` that
+//! `xdna pack import` writes from the same file. Errors name the file and the field.
+
+#[path = "support/gguf_writer.rs"]
+mod gguf_writer;
+#[path = "support/smollm2.rs"]
+mod smollm2;
+
+use gguf_writer::*;
+use std::path::{Path, PathBuf};
+use xdna::weights::gguf::GgufFile;
+use xdna::weights::import::{import_gguf, ImportOptions};
+use xdna::weights::{LayerKind, ModelConfig, Package, RopeScaling};
+
+fn fixture_path(version: &str, name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/hf_configs")
+        .join(version)
+        .join(name)
+}
+
+fn fixture(version: &str, name: &str) -> ModelConfig {
+    let path = fixture_path(version, name);
+    ModelConfig::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xdna-config-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+/// The transformers 4 and transformers 5 files of `name` give one description.
+fn both_forms(name: &str) -> ModelConfig {
+    let (v4, v5) = (
+        fixture("transformers4", name),
+        fixture("transformers5", name),
+    );
+    assert_eq!(v4, v5, "{name}: transformers 4 and 5 forms differ");
+    v5
+}
+
+#[test]
+fn llama3_rope_parameters_equal_rope_theta_and_rope_scaling() {
+    let c = both_forms("llama3.json");
+    assert_eq!(c.model_type, "llama");
+    assert_eq!(c.rope_theta, 500000.0);
+    assert_eq!(
+        c.rope_scaling,
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        }
+    );
+    assert_eq!(
+        (c.hidden, c.heads, c.kv_heads, c.head_dim, c.rotary_dim),
+        (256, 4, 2, 64, 64)
+    );
+    assert_eq!((c.rms_eps, c.max_position_embeddings), (1e-6, 131072));
+    assert_eq!(
+        (c.bos_token_id, c.eos_token_ids.as_slice()),
+        (Some(1), &[2][..])
+    );
+    assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
+    // The scaling reaches the rotary frequencies: the lowest one is divided by the factor.
+    let raw = 1.0 / 500000f64.powf(62.0 / 64.0);
+    assert_eq!(c.rope_inv_freq()[31], raw / 8.0);
+}
+
+#[test]
+fn qwen3_keeps_its_rope_theta_in_the_transformers_5_form() {
+    let c = both_forms("qwen3.json");
+    assert_eq!(c.model_type, "qwen3");
+    assert_eq!(c.rope_theta, 1_000_000.0);
+    assert_eq!(c.rope_scaling, RopeScaling::None);
+    assert!(c.qk_norm && !c.qkv_bias && c.tie_word_embeddings);
+    assert_eq!((c.head_dim, c.rotary_dim, c.rms_eps), (64, 64, 1e-6));
+    assert_eq!(c.layer_kinds, vec![LayerKind::Attention; 2]);
+    assert_eq!((c.bos_token_id, c.eos_token_ids.len()), (None, 0));
+}
+
+#[test]
+fn qwen2_has_qkv_bias_and_its_rope_theta() {
+    let c = both_forms("qwen2.json");
+    assert_eq!(c.rope_theta, 1_000_000.0);
+    assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
+    assert_eq!(c.head_dim, 64);
+}
+
+#[test]
+fn hybrid_rope_parameters_carry_the_partial_rotary_factor() {
+    let next = both_forms("qwen3_next.json");
+    assert!(next.is_hybrid() && next.attn_output_gate && next.zero_centered_norms);
+    assert_eq!(
+        (next.head_dim, next.rotary_dim, next.rope_theta),
+        (64, 16, 10000.0)
+    );
+    use LayerKind::{Attention, Linear};
+    assert_eq!(next.layer_kinds, vec![Linear, Linear, Linear, Attention]);
+    let lin = next.linear.as_ref().expect("linear dims");
+    assert_eq!(
+        (
+            lin.key_heads,
+            lin.value_heads,
+            lin.key_head_dim,
+            lin.value_head_dim,
+            lin.conv_kernel
+        ),
+        (2, 4, 32, 32, 4)
+    );
+    // Qwen3.5's text config (transformers 5 only) describes the same model under its own name.
+    let mut q35 = fixture("transformers5", "qwen3_5_text.json");
+    assert_eq!(q35.model_type, "qwen3_5_text");
+    q35.model_type = next.model_type.clone();
+    assert_eq!(q35, next);
+}
+
+#[test]
+fn to_json_reads_back_to_the_same_description() {
+    for (version, name) in [
+        ("transformers4", "llama3.json"),
+        ("transformers5", "llama3.json"),
+        ("transformers5", "qwen3.json"),
+        ("transformers5", "qwen2.json"),
+        ("transformers5", "qwen3_next.json"),
+        ("transformers5", "qwen3_5_text.json"),
+    ] {
+        let c = fixture(version, name);
+        let back = ModelConfig::from_json(&c.to_json(), "written.json").expect(name);
+        assert_eq!(back, c, "{version}/{name}");
+    }
+}
+
+#[test]
+fn errors_name_the_file_and_the_field() {
+    let path = fixture_path("transformers5", "llama3.json");
+    let text = std::fs::read_to_string(&path).expect("fixture");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let err = |v: &serde_json::Value| {
+        ModelConfig::from_json(v, "models/x/config.json")
+            .expect_err("must be refused")
+            .to_string()
+    };
+    let mut missing = v.clone();
+    missing["rope_parameters"]
+        .as_object_mut()
+        .expect("object")
+        .remove("factor");
+    let e = err(&missing);
+    assert!(
+        e.contains("models/x/config.json") && e.contains("\"rope_parameters.factor\""),
+        "{e}"
+    );
+    assert!(e.contains("missing"), "{e}");
+    let mut ill_typed = v.clone();
+    ill_typed["rope_parameters"]["rope_theta"] = serde_json::json!("big");
+    let e = err(&ill_typed);
+    assert!(
+        e.contains("\"rope_parameters.rope_theta\"") && e.contains("a number"),
+        "{e}"
+    );
+    let mut yarn = v.clone();
+    yarn["rope_parameters"]["rope_type"] = serde_json::json!("yarn");
+    let e = err(&yarn);
+    assert!(
+        e.contains("\"rope_parameters.rope_type\"") && e.contains("yarn"),
+        "{e}"
+    );
+    let mut kv = v.clone();
+    kv["num_key_value_heads"] = serde_json::json!(3);
+    let e = err(&kv);
+    assert!(e.contains("\"num_key_value_heads\""), "{e}");
+    let mut eos = v.clone();
+    eos["eos_token_id"] = serde_json::json!("</s>");
+    let e = err(&eos);
+    assert!(e.contains("\"eos_token_id\""), "{e}");
+    let mut kind = v;
+    kind["model_type"] = serde_json::json!("gpt2");
+    let e = err(&kind);
+    assert!(e.contains("\"model_type\"") && e.contains("gpt2"), "{e}");
+    // A file that is not there, or not JSON: named.
+    let gone = Path::new("/nonexistent/config.json");
+    let e = ModelConfig::from_file(gone)
+        .expect_err("absent")
+        .to_string();
+    assert!(e.contains("/nonexistent/config.json"), "{e}");
+}
+
+/// A llama GGUF with metadata only (and the embedding whose rows give the vocabulary).
+fn tiny_llama_gguf(edit: impl FnOnce(&mut GgufWriter)) -> GgufWriter {
+    let mut w = GgufWriter::new();
+    w.str("general.architecture", "llama");
+    w.u32("llama.embedding_length", 64);
+    w.u32("llama.feed_forward_length", 128);
+    w.u32("llama.block_count", 2);
+    w.u32("llama.attention.head_count", 4);
+    w.u32("llama.attention.head_count_kv", 2);
+    w.f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
+    w.f32("llama.rope.freq_base", 500000.0);
+    w.u32("llama.context_length", 4096);
+    w.u32("tokenizer.ggml.bos_token_id", 1);
+    w.u32("tokenizer.ggml.eos_token_id", 2);
+    edit(&mut w);
+    w.tensor(
+        "token_embd.weight",
+        &[64, 300],
+        GGML_F32,
+        &vec![0u8; 64 * 300 * 4],
+    );
+    w
+}
+
+fn gguf_description(name: &str, w: &GgufWriter) -> Result<ModelConfig, String> {
+    let path = scratch(name).join("model.gguf");
+    std::fs::write(&path, w.bytes()).expect("write gguf");
+    let f = GgufFile::open(&path).map_err(|e| e.to_string())?;
+    ModelConfig::from_gguf(&f).map_err(|e| e.to_string())
+}
+
+#[test]
+fn gguf_metadata_gives_the_description() {
+    let c = gguf_description("gguf_ok", &tiny_llama_gguf(|_| {})).expect("description");
+    assert_eq!(c.model_type, "llama");
+    assert_eq!(
+        (
+            c.hidden,
+            c.intermediate,
+            c.layers,
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            c.vocab
+        ),
+        (64, 128, 2, 4, 2, 16, 300)
+    );
+    // f32 metadata is taken as the decimal it was written from.
+    assert_eq!((c.rms_eps, c.rope_theta), (1e-5, 500000.0));
+    assert_eq!(c.max_position_embeddings, 4096);
+    assert!(c.tie_word_embeddings);
+    assert_eq!(
+        (c.bos_token_id, c.eos_token_ids.as_slice()),
+        (Some(1), &[2][..])
+    );
+    // qwen3 keys: the same shape, with per-head q/k norms.
+    let mut qwen3 = GgufWriter::new();
+    qwen3.str("general.architecture", "qwen3");
+    for (key, v) in [
+        ("embedding_length", 64),
+        ("feed_forward_length", 128),
+        ("block_count", 2),
+        ("attention.head_count", 4),
+    ] {
+        qwen3.u32(&format!("qwen3.{key}"), v);
+    }
+    qwen3.tensor(
+        "token_embd.weight",
+        &[64, 300],
+        GGML_F32,
+        &vec![0u8; 64 * 300 * 4],
+    );
+    let q = gguf_description("gguf_qwen3", &qwen3).expect("qwen3");
+    assert!(q.qk_norm && !q.qkv_bias && q.kv_heads == 4);
+}
+
+#[test]
+fn gguf_errors_name_the_file_and_the_key() {
+    let e = gguf_description(
+        "gguf_kv",
+        &tiny_llama_gguf(|w| w.u32("llama.attention.head_count_kv", 3)),
+    )
+    .expect_err("3 KV heads for 4 heads");
+    assert!(
+        e.contains("model.gguf") && e.contains("\"llama.attention.head_count_kv\""),
+        "{e}"
+    );
+    let e = gguf_description(
+        "gguf_rope",
+        &tiny_llama_gguf(|w| w.str("llama.rope.scaling.type", "yarn")),
+    )
+    .expect_err("yarn");
+    assert!(
+        e.contains("\"llama.rope.scaling.type\"") && e.contains("yarn"),
+        "{e}"
+    );
+    let mut no_arch = GgufWriter::new();
+    no_arch.u32("llama.embedding_length", 64);
+    let e = gguf_description("gguf_arch", &no_arch).expect_err("no architecture");
+    assert!(e.contains("general.architecture"), "{e}");
+}
+
+/// The default model: its GGUF metadata and the `config.json` that `xdna pack import` writes
+/// from it describe the same model, bit for bit.
+#[test]
+fn smollm2_gguf_metadata_equals_its_imported_config_json() {
+    let Some(gguf) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    let from_gguf = ModelConfig::from_gguf(&GgufFile::open(&gguf).expect("gguf")).expect("desc");
+    let dir = scratch("smollm2_import");
+    import_gguf(
+        &gguf,
+        &dir,
+        ImportOptions {
+            progress: false,
+            ..ImportOptions::default()
+        },
+    )
+    .expect("import");
+    let from_json = ModelConfig::from_file(&dir.join("config.json")).expect("config.json");
+    assert_eq!(from_gguf, from_json);
+    assert_eq!(
+        Package::open_dir(&dir).expect("package").config(),
+        &from_json
+    );
+    assert_eq!(
+        (
+            from_json.hidden,
+            from_json.layers,
+            from_json.heads,
+            from_json.kv_heads
+        ),
+        (576, 30, 9, 3)
+    );
+    assert_eq!(
+        (from_json.vocab, from_json.rope_theta, from_json.rms_eps),
+        (49152, 100000.0, 1e-5)
+    );
+    assert!(from_json.tie_word_embeddings);
+    let _ = std::fs::remove_dir_all(&dir);
+}
