@@ -1,12 +1,9 @@
 //! `forward-serve`: OpenAI-compatible HTTP server with xdna as its device backend.
 //! See docs/serving.md.
 
-#[path = "lib.rs"]
-mod serve;
-
 use clap::Parser;
-use serve::api::Config;
-use serve::engine::{self, LoadSpec, Loaded};
+use forward_serve::api::Config;
+use forward_serve::engine::{self, LoadSpec, Loaded};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -149,8 +146,8 @@ fn main() -> std::process::ExitCode {
 fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let loaded = if args.fake_engine {
         Loaded {
-            codec: Arc::new(serve::fake::FakeCodec::new(args.ctx)),
-            engine: Box::new(serve::fake::FakeEngine::new(
+            codec: Arc::new(forward_serve::fake::FakeCodec::new(args.ctx)),
+            engine: Box::new(forward_serve::fake::FakeEngine::new(
                 args.max_batch,
                 args.fake_step_delay,
             )),
@@ -165,9 +162,9 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         })?
     };
     if args.bench {
-        let r = serve::bench::run(
+        let r = forward_serve::bench::run(
             loaded,
-            &serve::bench::BenchSpec {
+            &forward_serve::bench::BenchSpec {
                 streams: args.max_batch,
                 tokens: args.bench_tokens.max(1),
                 rounds: args.bench_rounds,
@@ -177,7 +174,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&r)?);
         } else {
-            print!("{}", serve::bench::table(&r));
+            print!("{}", forward_serve::bench::table(&r));
         }
         return Ok(());
     }
@@ -201,7 +198,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         println!("forward-serve listening on http://{addr}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        serve::server::run(listener, cfg, loaded, shutdown_signal()).await?;
+        forward_serve::server::run(listener, cfg, loaded, shutdown_signal()).await?;
         Ok::<(), Box<dyn std::error::Error>>(())
     })?;
     tracing::info!("exit");

@@ -3,22 +3,19 @@
 //! pass per turn) each return exactly what they return alone; greedy speculative decoding returns
 //! exactly the plain greedy text.
 
-#[allow(dead_code)]
-#[path = "../tools/forward-serve/lib.rs"]
-mod serve;
 mod serve_common;
-#[path = "support/smollm2.rs"]
+#[path = "../../../tests/support/smollm2.rs"]
 mod smollm2;
 
+use forward_serve::api::Config;
+use forward_serve::engine::LoadSpec;
 use serde_json::{json, Value};
-use serve::api::Config;
-use serve::engine::LoadSpec;
 use serve_common::*;
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// The SmolLM2 GGUF: `XDNA_TEST_GGUF`, else the product's own fetch; fails under CI, skips loudly
-/// elsewhere (see `support/smollm2.rs`).
+/// elsewhere (see `tests/support/smollm2.rs` of the xdna package).
 fn model_path() -> Option<PathBuf> {
     smollm2::smollm2_gguf()
 }
@@ -64,7 +61,7 @@ async fn smollm2_greedy_matches_model_layer() {
         kernels: None,
         max_sequences: 16,
     };
-    let loaded = tokio::task::spawn_blocking(move || serve::engine::load(&spec))
+    let loaded = tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
         .await
         .expect("join")
         .expect("load");
@@ -82,9 +79,14 @@ async fn smollm2_greedy_matches_model_layer() {
         request_timeout: Duration::from_secs(300),
         ..Config::default()
     };
-    let server = tokio::spawn(serve::server::run(listener, cfg, loaded, async move {
-        let _ = rx.await;
-    }));
+    let server = tokio::spawn(forward_serve::server::run(
+        listener,
+        cfg,
+        loaded,
+        async move {
+            let _ = rx.await;
+        },
+    ));
     let r = post_json(
         addr,
         "/v1/completions",
@@ -138,7 +140,7 @@ async fn start_real(
 ) -> (
     std::net::SocketAddr,
     tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), serve::server::ServeError>>,
+    tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
 ) {
     let spec = LoadSpec {
         model: Some(path.to_path_buf()),
@@ -147,7 +149,7 @@ async fn start_real(
         kernels: None,
         max_sequences: 16,
     };
-    let loaded = tokio::task::spawn_blocking(move || serve::engine::load(&spec))
+    let loaded = tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
         .await
         .expect("join")
         .expect("load");
@@ -156,9 +158,14 @@ async fn start_real(
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve::server::run(listener, cfg, loaded, async move {
-        let _ = rx.await;
-    }));
+    let server = tokio::spawn(forward_serve::server::run(
+        listener,
+        cfg,
+        loaded,
+        async move {
+            let _ = rx.await;
+        },
+    ));
     (addr, tx, server)
 }
 
@@ -183,7 +190,7 @@ async fn greedy_text(addr: std::net::SocketAddr, prompt: &str, n: usize, spec: V
 async fn sixteen_concurrent_greedy_requests_equal_each_alone() {
     let Some(path) = model_path() else { return };
     let n = 20;
-    let prompts = serve::bench::BENCH_PROMPTS;
+    let prompts = forward_serve::bench::BENCH_PROMPTS;
     let cfg = Config {
         request_timeout: Duration::from_secs(600),
         ..Config::default()
