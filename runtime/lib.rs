@@ -3,7 +3,9 @@
 //! Layers (data flows down, errors flow up; see `docs/architecture.md`):
 //! `spec` → `model` → {`kernels`, `weights`} → `device` → `ffi`.
 //! `tiles` is the shared vocabulary of weight tile formats used by `kernels` and `weights`.
+//! `cli` serves the binaries only: the argument groups they share.
 
+pub mod cli;
 pub mod device;
 pub mod error;
 pub mod ffi;

@@ -27,27 +27,13 @@ use crate::weights::{MatrixView, Package};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Which executor runs the projections.
+/// Which executor runs the projections (on the command line: `crate::cli::ModelArgs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// The NPU if an amdxdna device opens, else host.
     Auto,
     Host,
     Xdna,
-}
-
-impl std::str::FromStr for Backend {
-    type Err = ModelError;
-    fn from_str(s: &str) -> Result<Self, ModelError> {
-        match s {
-            "auto" => Ok(Backend::Auto),
-            "host" => Ok(Backend::Host),
-            "xdna" => Ok(Backend::Xdna),
-            other => Err(ModelError::Unsupported {
-                what: format!("backend {other:?} (expected auto, host or xdna)"),
-            }),
-        }
-    }
 }
 
 /// Options of [`load`].

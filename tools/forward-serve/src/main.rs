@@ -4,9 +4,9 @@
 use clap::Parser;
 use forward_serve::api::Config;
 use forward_serve::engine::{self, LoadSpec, Loaded};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use xdna::cli::ModelArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -15,12 +15,8 @@ use std::time::Duration;
     about = "OpenAI-compatible server over the xdna runtime"
 )]
 struct Args {
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
+    #[command(flatten)]
+    model: ModelArgs,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// 0 picks a free port (printed on stdout).
@@ -69,9 +65,6 @@ struct Args {
     /// KV positions per sequence.
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
-    /// Kernel set directory (default: the package's `kernels/`).
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
     /// Serve the deterministic fake engine instead of a model (tests, load experiments).
     #[arg(long, hide = true)]
     fake_engine: bool,
@@ -155,9 +148,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         engine::load(&LoadSpec {
             model: args.model.clone(),
-            backend: args.backend.clone(),
             ctx: args.ctx,
-            kernels: args.kernels.clone(),
             max_sequences: args.max_batch,
         })?
     };

@@ -13,6 +13,8 @@ use serde_json::{json, Value};
 use serve_common::*;
 use std::path::PathBuf;
 use std::time::Duration;
+use xdna::cli::ModelArgs;
+use xdna::model::load::Backend;
 
 /// The SmolLM2 GGUF: `XDNA_TEST_GGUF`, else the product's own fetch; fails under CI, skips loudly
 /// elsewhere (see `tests/support/smollm2.rs` of the xdna package).
@@ -24,7 +26,7 @@ fn model_path() -> Option<PathBuf> {
 fn reference_greedy(path: &std::path::Path, prompt: &str, n: usize) -> String {
     use xdna::model::sample::argmax;
     let opts = xdna::model::load::LoadOptions {
-        backend: xdna::model::load::Backend::Host,
+        backend: Backend::Host,
         ..Default::default()
     };
     let (pkg, mut m) = xdna::model::load::open_model(Some(path), 256, &opts).expect("model");
@@ -55,10 +57,12 @@ async fn smollm2_greedy_matches_model_layer() {
     };
     assert!(!want.is_empty());
     let spec = LoadSpec {
-        model: Some(path.clone()),
-        backend: "host".into(),
+        model: ModelArgs {
+            path: Some(path.clone()),
+            backend: Backend::Host,
+            kernels: None,
+        },
         ctx: 256,
-        kernels: None,
         max_sequences: 16,
     };
     let loaded = tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
@@ -143,10 +147,12 @@ async fn start_real(
     tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
 ) {
     let spec = LoadSpec {
-        model: Some(path.to_path_buf()),
-        backend: "host".into(),
+        model: ModelArgs {
+            path: Some(path.to_path_buf()),
+            backend: Backend::Host,
+            kernels: None,
+        },
         ctx: 256,
-        kernels: None,
         max_sequences: 16,
     };
     let loaded = tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
