@@ -49,6 +49,7 @@ struct Args {
 
 fn main() {
     let a = Args::parse();
+    xdna::cli::init_logging("warn", false);
     match run(&a) {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),

@@ -120,13 +120,7 @@ async fn shutdown_signal() {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    xdna::cli::init_logging("info", true);
     match real_main(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
