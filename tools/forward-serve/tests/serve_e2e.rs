@@ -8,7 +8,7 @@ mod serve_common;
 mod smollm2;
 
 use forward_serve::api::Config;
-use forward_serve::engine::LoadSpec;
+use forward_serve::engine::{LoadSpec, Loaded};
 use serde_json::{json, Value};
 use serve_common::*;
 use std::path::PathBuf;
@@ -56,19 +56,7 @@ async fn smollm2_greedy_matches_model_layer() {
             .expect("reference")
     };
     assert!(!want.is_empty());
-    let spec = LoadSpec {
-        model: ModelArgs {
-            path: Some(path.clone()),
-            backend: Backend::Host,
-            kernels: None,
-        },
-        ctx: 256,
-        max_sequences: 16,
-    };
-    let loaded = tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
-        .await
-        .expect("join")
-        .expect("load");
+    let loaded = load_real(&path).await;
     let model_id = loaded.codec.model_id().to_string();
     // Tokenizer agreement through the codec.
     let ids = loaded.codec.tokenize(prompt, false).expect("tokenize");
@@ -137,15 +125,8 @@ async fn smollm2_greedy_matches_model_layer() {
         .expect("clean stop");
 }
 
-/// Start the in-process server on the real model (host backend).
-async fn start_real(
-    path: &std::path::Path,
-    cfg: Config,
-) -> (
-    std::net::SocketAddr,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
-) {
+/// The real model through the server's own loader: host backend, 256 positions, 16 sequences.
+async fn load_real(path: &std::path::Path) -> Loaded {
     let spec = LoadSpec {
         model: ModelArgs {
             path: Some(path.to_path_buf()),
@@ -155,10 +136,22 @@ async fn start_real(
         ctx: 256,
         max_sequences: 16,
     };
-    let loaded = tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
+    tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
         .await
         .expect("join")
-        .expect("load");
+        .expect("load")
+}
+
+/// Start the in-process server on the real model (host backend).
+async fn start_real(
+    path: &std::path::Path,
+    cfg: Config,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
+) {
+    let loaded = load_real(path).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
