@@ -73,6 +73,7 @@ pub fn init_logging(default_filter: &str, show_targets: bool) {
     let is_status = |meta: &tracing::Metadata<'_>| meta.target() == crate::STATUS_TARGET;
     let status = fmt::layer()
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .event_format(StatusLine)
         .with_filter(filter_fn(is_status));
     let others = fmt::layer()

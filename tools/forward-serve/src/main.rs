@@ -4,6 +4,7 @@
 use clap::Parser;
 use forward_serve::api::Config;
 use forward_serve::engine::{self, LoadSpec, Loaded};
+use forward_serve::{bench, fake, server};
 use std::sync::Arc;
 use std::time::Duration;
 use xdna::cli::ModelArgs;
@@ -133,11 +134,8 @@ fn main() -> std::process::ExitCode {
 fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let loaded = if args.fake_engine {
         Loaded {
-            codec: Arc::new(forward_serve::fake::FakeCodec::new(args.ctx)),
-            engine: Box::new(forward_serve::fake::FakeEngine::new(
-                args.max_batch,
-                args.fake_step_delay,
-            )),
+            codec: Arc::new(fake::FakeCodec::new(args.ctx)),
+            engine: Box::new(fake::FakeEngine::new(args.max_batch, args.fake_step_delay)),
         }
     } else {
         engine::load(&LoadSpec {
@@ -147,9 +145,9 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         })?
     };
     if args.bench {
-        let r = forward_serve::bench::run(
+        let r = bench::run(
             loaded,
-            &forward_serve::bench::BenchSpec {
+            &bench::BenchSpec {
                 streams: args.max_batch,
                 tokens: args.bench_tokens.max(1),
                 rounds: args.bench_rounds,
@@ -159,7 +157,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&r)?);
         } else {
-            print!("{}", forward_serve::bench::table(&r));
+            print!("{}", bench::table(&r));
         }
         return Ok(());
     }
@@ -183,7 +181,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         println!("forward-serve listening on http://{addr}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        forward_serve::server::run(listener, cfg, loaded, shutdown_signal()).await?;
+        server::run(listener, cfg, loaded, shutdown_signal()).await?;
         Ok::<(), Box<dyn std::error::Error>>(())
     })?;
     tracing::info!("exit");
