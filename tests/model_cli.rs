@@ -43,6 +43,35 @@ fn run_refuses_bad_sampling_settings_by_name() {
     }
 }
 
+/// An unknown backend is refused while parsing, with the accepted values, before any loading.
+#[test]
+fn unknown_backend_is_refused_with_the_accepted_values() {
+    for args in [
+        &["run", "--prompt", "x", "--backend", "npu"][..],
+        &["perplexity", "--file", "/nonexistent", "--backend", "npu"][..],
+        &["bench", "decode", "--backend", "npu"][..],
+    ] {
+        let (ok, _, err) = xdna(args);
+        assert!(
+            !ok && err.contains("invalid value 'npu' for '--backend <BACKEND>'")
+                && err.contains("[possible values: auto, host, xdna]"),
+            "{args:?}: {err}"
+        );
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_xdna"))
+        .args(["run", "--prompt", "x", "--model", "/nonexistent/model.gguf"])
+        .env("XDNA_BACKEND", "npu")
+        .output()
+        .expect("run xdna");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("invalid value 'npu'")
+            && !err.contains("/nonexistent"),
+        "XDNA_BACKEND=npu: {err}"
+    );
+}
+
 #[test]
 fn run_errors_streaming_stop_and_seed() {
     let Some(g) = common::smollm2_gguf() else {

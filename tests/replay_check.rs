@@ -211,8 +211,9 @@ fn zero_draft_rounds_keep_every_layer_state() {
 }
 
 /// The binaries: `xdna pack synth` writes a loadable package with its kernel set, and
-/// `replay-check` exits 0 / 1 with a JSON verdict, honours NPU_COMMIT_FULL_REPLAY, and under
-/// NPU_REPLAY_CHECK turns a broken replay into an error (exit 2) naming the layer.
+/// `replay-check` states its backend, exits 0 / 1 with a JSON verdict, honours
+/// NPU_COMMIT_FULL_REPLAY, and under NPU_REPLAY_CHECK turns a broken replay into an error (exit 2)
+/// naming the layer.
 #[test]
 fn replay_check_binary_exit_codes_and_env_modes() {
     let dir = scratch_path("replay", "cli");
@@ -243,11 +244,19 @@ fn replay_check_binary_exit_codes_and_env_modes() {
             String::from_utf8_lossy(&o.stderr).into_owned(),
         )
     };
-    let (code, v, _) = run(&[], &[]);
+    let (code, v, err) = run(&[], &[]);
     assert_eq!(code, Some(0));
     assert_eq!(v["verdict"], "pass");
     assert_eq!(v["cases"], 15);
     assert_eq!(v["layers"].as_array().unwrap().len(), 6);
+    // The loader's status line reaches the user; a filter naming its target silences it.
+    assert!(
+        err.contains("xdna: backend auto → host: hybrid (Gated DeltaNet) model"),
+        "{err}"
+    );
+    let (code, _, err) = run(&[("RUST_LOG", "xdna::status=off")], &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!err.contains("backend auto"), "{err}");
     let (code, v, _) = run(&[], &["--fault", "keep-batch"]);
     assert_eq!((code, v["verdict"].as_str()), (Some(1), Some("fail")));
     let (code, v, _) = run(&[("NPU_COMMIT_FULL_REPLAY", "1")], &[]);

@@ -26,27 +26,13 @@ use crate::weights::{MappedBytes, MatrixView, ModelConfig, Package};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Which executor runs the projections.
+/// Which executor runs the projections (on the command line: `crate::cli::ModelArgs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// The NPU if an amdxdna device opens, else host.
     Auto,
     Host,
     Xdna,
-}
-
-impl std::str::FromStr for Backend {
-    type Err = ModelError;
-    fn from_str(s: &str) -> Result<Self, ModelError> {
-        match s {
-            "auto" => Ok(Backend::Auto),
-            "host" => Ok(Backend::Host),
-            "xdna" => Ok(Backend::Xdna),
-            other => Err(ModelError::Unsupported {
-                what: format!("backend {other:?} (expected auto, host or xdna)"),
-            }),
-        }
-    }
 }
 
 /// Options of [`load`].
@@ -406,7 +392,7 @@ impl UploadTally {
             (i, s) => format!("{i} as dma-buf weight buffers (sealed memfd → /dev/udmabuf → PRIME import), {s} copied into SHARE BOs"),
         };
         format!(
-            "xdna: weights: {} matrices ({mib:.1} MiB) handed to {} once, {how}; host copies released",
+            "weights: {} matrices ({mib:.1} MiB) handed to {} once, {how}; host copies released",
             self.matrices,
             device.display()
         )
@@ -445,7 +431,7 @@ fn projection_formats(
 }
 
 /// The executor for `opts.backend`, and the name shown in stats. States the choice (and for
-/// `auto` why) on stderr.
+/// `auto` why) in a status event.
 fn select_executor(
     opts: &LoadOptions,
     set: Option<&KernelSet>,
@@ -473,7 +459,7 @@ fn select_executor(
     };
     match opts.backend {
         Backend::Host => {
-            eprintln!("xdna: backend host (requested)");
+            tracing::info!(target: crate::STATUS_TARGET, "backend host (requested)");
             Ok((host(), "host"))
         }
         Backend::Xdna => {
@@ -484,8 +470,9 @@ fn select_executor(
             };
             let dev = DeviceExecutor::discover(set)?;
             runnable(set)?;
-            eprintln!(
-                "xdna: backend xdna (requested): {} with kernel set {} ({} kernels, {} contexts resident at most)",
+            tracing::info!(
+                target: crate::STATUS_TARGET,
+                "backend xdna (requested): {} with kernel set {} ({} kernels, {} contexts resident at most)",
                 dev.device().path().display(),
                 set.dir().display(),
                 set.len(),
@@ -495,14 +482,15 @@ fn select_executor(
         }
         Backend::Auto => {
             let Some(set) = set else {
-                eprintln!("xdna: backend auto → host: the package has no kernel set (kernels/) for a device");
+                tracing::info!(target: crate::STATUS_TARGET, "backend auto → host: the package has no kernel set (kernels/) for a device");
                 return Ok((host(), "host"));
             };
             match DeviceExecutor::discover(set) {
                 Ok(dev) => match runnable(set) {
                     Ok(()) => {
-                        eprintln!(
-                            "xdna: backend auto → xdna: {} opened (kernel set {}, {} kernels)",
+                        tracing::info!(
+                            target: crate::STATUS_TARGET,
+                            "backend auto → xdna: {} opened (kernel set {}, {} kernels)",
                             dev.device().path().display(),
                             set.dir().display(),
                             set.len()
@@ -510,15 +498,16 @@ fn select_executor(
                         Ok((Arc::new(Executor::Device(Box::new(dev))), "xdna"))
                     }
                     Err(e) => {
-                        eprintln!(
-                            "xdna: backend auto → host: {} opened but {e}",
+                        tracing::info!(
+                            target: crate::STATUS_TARGET,
+                            "backend auto → host: {} opened but {e}",
                             dev.device().path().display()
                         );
                         Ok((host(), "host"))
                     }
                 },
                 Err(e) => {
-                    eprintln!("xdna: backend auto → host: no NPU ({e})");
+                    tracing::info!(target: crate::STATUS_TARGET, "backend auto → host: no NPU ({e})");
                     Ok((host(), "host"))
                 }
             }
@@ -562,7 +551,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
             }
             (_, true) => "host-exact",
             (Backend::Auto, false) => {
-                eprintln!("xdna: backend auto → host: hybrid (Gated DeltaNet) model");
+                tracing::info!(target: crate::STATUS_TARGET, "backend auto → host: hybrid (Gated DeltaNet) model");
                 "host"
             }
             (Backend::Host, false) => "host",
@@ -714,7 +703,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
     )?;
     let lm_head = place(lm_head, &mut tally)?;
     if let Some(dev) = device {
-        eprintln!("{}", tally.line(dev.device().path()));
+        tracing::info!(target: crate::STATUS_TARGET, "{}", tally.line(dev.device().path()));
     }
     Ok(ModelWeights {
         final_norm: pkg.vector("model.norm.weight")?,

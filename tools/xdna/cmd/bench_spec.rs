@@ -1,10 +1,10 @@
 //! `xdna bench spec`: plain and speculative greedy decoding side by side over a built-in prompt set
 //! (code, a numbered list, prose, repetitive text), with τ per prompt.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
-use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::open_model;
 use xdna::model::sample::argmax;
 use xdna::model::Model;
 use xdna::spec::{SamplingConfig, SpecRunner, StopConditions};
@@ -42,9 +42,8 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Drafter: ngram | draft:PKG | layerskip:E.
     #[arg(long, default_value = "ngram")]
     drafter: String,
@@ -59,12 +58,6 @@ pub struct Args {
     /// Keep speculating even when the measured costs say it does not pay.
     #[arg(long)]
     no_fallback: bool,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
-    /// Kernel set directory.
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -101,15 +94,11 @@ fn plain(model: &mut Model, ids: &[u32], tokens: usize) -> xdna::Result<(Vec<u32
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
-    let opts = LoadOptions {
-        backend: args.backend.parse::<Backend>()?,
-        kernels: args.kernels.clone(),
-        exact: false,
-    };
+    let opts = args.model.load_options(false);
     let kind: DrafterKind = args.drafter.parse()?;
     let longest_prompt = 256;
     let ctx = longest_prompt + args.tokens + 1;
-    let (pkg, mut model) = open_model(args.model.as_deref(), ctx, &opts)?;
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), ctx, &opts)?;
     if model.context() < ctx {
         return Err(xdna::Error::Usage(format!(
             "--tokens {} needs {ctx} positions, the model holds {}",

@@ -3,9 +3,9 @@
 //! the batch state (n = 16) vs restoring the snapshot and replaying n rows through the recurrent
 //! layers. Every timed pass starts from a freshly prefilled sequence at the same position.
 
-use std::path::PathBuf;
 use std::time::Instant;
-use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::open_model;
 use xdna::model::{Model, ReplayMode, SequenceState, MAX_VERIFY_ROWS};
 
 #[derive(clap::Args)]
@@ -13,22 +13,14 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct); a synthetic hybrid comes
-    /// from `xdna pack synth --arch qwen3_5 -o DIR`.
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Timed repetitions per point (the median is reported).
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Tokens prefilled before each timed pass.
     #[arg(long, default_value_t = 16)]
     prefix: usize,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
-    /// Kernel set directory.
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -68,13 +60,9 @@ fn time_round(
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
-    let opts = LoadOptions {
-        backend: args.backend.parse::<Backend>()?,
-        kernels: args.kernels.clone(),
-        exact: false,
-    };
+    let opts = args.model.load_options(false);
     let ctx = args.prefix.max(1) + MAX_VERIFY_ROWS + 1;
-    let (pkg, mut model) = open_model(args.model.as_deref(), ctx, &opts)?;
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), ctx, &opts)?;
     model.set_replay_mode(ReplayMode::default());
     let vocab = model.config().vocab;
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(16);

@@ -1,7 +1,8 @@
 //! `xdna perplexity`: perplexity of a text file by the llama-perplexity method.
 
 use std::path::PathBuf;
-use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::open_model;
 use xdna::model::perplexity::{compare, perplexity, PerplexityComparison, PerplexityResult};
 use xdna::model::reference::{ActivationRounding, Reference};
 
@@ -16,15 +17,8 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
-    /// Kernel set directory.
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Exact projections (kernels reference executor: f32 activations, f64 sums; slow).
     #[arg(long, conflicts_with = "reference")]
     exact: bool,
@@ -72,12 +66,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let (r, text_tokens, forward) = if args.reference {
         reference_perplexity(&args, &text, &mut progress)?
     } else {
-        let opts = LoadOptions {
-            backend: args.backend.parse::<Backend>()?,
-            kernels: args.kernels.clone(),
-            exact: args.exact,
-        };
-        let (pkg, mut model) = open_model(args.model.as_deref(), args.ctx, &opts)?;
+        let opts = args.model.load_options(args.exact);
+        let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx, &opts)?;
         if model.context() < args.ctx {
             return Err(xdna::Error::Usage(format!(
                 "--ctx {} exceeds the model's {} positions",
@@ -186,7 +176,7 @@ fn reference_perplexity(
 
 /// The GGUF file the reference forward reads: `--model` if it is a file, else the default model's.
 fn reference_gguf(args: &Args) -> xdna::Result<PathBuf> {
-    match &args.model {
+    match &args.model.path {
         Some(path) if path.is_file() => Ok(path.clone()),
         Some(path) => Err(xdna::Error::Usage(format!(
             "the reference forward (--reference, --compare-reference) reads a GGUF file and {} is \

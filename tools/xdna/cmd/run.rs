@@ -1,9 +1,9 @@
 //! `xdna run`: generate text from a model, streaming it to stdout.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Instant;
-use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::open_model;
 use xdna::model::sample::{Sampler, SamplerConfig};
 use xdna::model::text::{StopFilter, Utf8Stream};
 use xdna::model::ModelError;
@@ -14,9 +14,8 @@ use super::spec_common::{build_drafter, print_stats, DraftOptions, DrafterKind};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct, fetched on first use).
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// The prompt.
     #[arg(long)]
     prompt: String,
@@ -46,12 +45,6 @@ pub struct Args {
     /// Stop when this string appears (not printed); repeatable.
     #[arg(long)]
     stop: Vec<String>,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
-    /// Kernel set directory (default: the package's `kernels/`).
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
     /// Context length (KV cache positions).
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
@@ -123,13 +116,8 @@ pub fn run(args: Args) -> xdna::Result<()> {
         top_p: args.top_p,
     }
     .validate()?;
-    let backend: Backend = args.backend.parse()?;
-    let opts = LoadOptions {
-        backend,
-        kernels: args.kernels.clone(),
-        exact: args.exact,
-    };
-    let (pkg, mut model) = open_model(args.model.as_deref(), args.ctx, &opts)?;
+    let opts = args.model.load_options(args.exact);
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx, &opts)?;
     let ids = prompt_tokens(&pkg, &args.prompt, args.chat)?;
     if ids.len() + 1 > model.context() {
         return Err(ModelError::Context {

@@ -12,7 +12,8 @@
 
 use std::path::{Path, PathBuf};
 
-use xdna::model::load::{load, open_package, Backend, LoadOptions};
+use xdna::cli::ModelArgs;
+use xdna::model::load::{load, open_package};
 use xdna::model::sample::argmax;
 use xdna::model::Model;
 use xdna::spec::{projected_speedups, replay_acceptance, SpecStats};
@@ -26,12 +27,11 @@ pub struct Args {
     /// JSON object with `prompt` (and optional `name`), a line starting with `"` a JSON string.
     #[arg(long)]
     prompts: PathBuf,
-    /// Package directory or GGUF (tokenizer, local target, base of layer-skip drafting; default:
-    /// SmolLM2-135M-Instruct).
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Record continuations from this OpenAI-compatible server (`http://host:port`, or the full
-    /// `.../v1/completions` URL) instead of running the target locally.
+    /// `.../v1/completions` URL) instead of running the target locally; `--model` still gives the
+    /// tokenizer and the base of layer-skip drafting.
     #[arg(long)]
     endpoint: Option<String>,
     /// `model` field sent to the endpoint.
@@ -54,12 +54,6 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// auto | host | xdna (local recording).
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
-    /// Kernel set directory.
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
 }
 
 /// One prompt of the prompts file.
@@ -248,13 +242,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
         std::fs::read_to_string(&args.prompts).map_err(|e| xdna::Error::io(&args.prompts, e))?;
     let prompts = parse_prompts(&args.prompts, &content)?;
     let kind: DrafterKind = args.drafter.parse()?;
-    let opts = LoadOptions {
-        backend: args.backend.parse::<Backend>()?,
-        kernels: args.kernels.clone(),
-        exact: false,
-    };
+    let opts = args.model.load_options(false);
     let mut encoded = Vec::new();
-    let path = match &args.model {
+    let path = match &args.model.path {
         Some(path) => path.clone(),
         None => xdna::weights::default_model()?,
     };

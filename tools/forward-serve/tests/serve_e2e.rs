@@ -3,22 +3,21 @@
 //! pass per turn) each return exactly what they return alone; greedy speculative decoding returns
 //! exactly the plain greedy text.
 
-#[allow(dead_code)]
-#[path = "../tools/forward-serve/lib.rs"]
-mod serve;
 mod serve_common;
-#[path = "support/smollm2.rs"]
+#[path = "../../../tests/support/smollm2.rs"]
 mod smollm2;
 
+use forward_serve::api::Config;
+use forward_serve::engine::{LoadSpec, Loaded};
 use serde_json::{json, Value};
-use serve::api::Config;
-use serve::engine::LoadSpec;
 use serve_common::*;
 use std::path::PathBuf;
 use std::time::Duration;
+use xdna::cli::ModelArgs;
+use xdna::model::load::Backend;
 
 /// The SmolLM2 GGUF: `XDNA_TEST_GGUF`, else the product's own fetch; fails under CI, skips loudly
-/// elsewhere (see `support/smollm2.rs`).
+/// elsewhere (see `tests/support/smollm2.rs` of the xdna package).
 fn model_path() -> Option<PathBuf> {
     smollm2::smollm2_gguf()
 }
@@ -27,7 +26,7 @@ fn model_path() -> Option<PathBuf> {
 fn reference_greedy(path: &std::path::Path, prompt: &str, n: usize) -> String {
     use xdna::model::sample::argmax;
     let opts = xdna::model::load::LoadOptions {
-        backend: xdna::model::load::Backend::Host,
+        backend: Backend::Host,
         ..Default::default()
     };
     let (pkg, mut m) = xdna::model::load::open_model(Some(path), 256, &opts).expect("model");
@@ -57,17 +56,7 @@ async fn smollm2_greedy_matches_model_layer() {
             .expect("reference")
     };
     assert!(!want.is_empty());
-    let spec = LoadSpec {
-        model: Some(path.clone()),
-        backend: "host".into(),
-        ctx: 256,
-        kernels: None,
-        max_sequences: 16,
-    };
-    let loaded = tokio::task::spawn_blocking(move || serve::engine::load(&spec))
-        .await
-        .expect("join")
-        .expect("load");
+    let loaded = load_real(&path).await;
     let model_id = loaded.codec.model_id().to_string();
     // Tokenizer agreement through the codec.
     let ids = loaded.codec.tokenize(prompt, false).expect("tokenize");
@@ -82,9 +71,14 @@ async fn smollm2_greedy_matches_model_layer() {
         request_timeout: Duration::from_secs(300),
         ..Config::default()
     };
-    let server = tokio::spawn(serve::server::run(listener, cfg, loaded, async move {
-        let _ = rx.await;
-    }));
+    let server = tokio::spawn(forward_serve::server::run(
+        listener,
+        cfg,
+        loaded,
+        async move {
+            let _ = rx.await;
+        },
+    ));
     let r = post_json(
         addr,
         "/v1/completions",
@@ -131,6 +125,23 @@ async fn smollm2_greedy_matches_model_layer() {
         .expect("clean stop");
 }
 
+/// The real model through the server's own loader: host backend, 256 positions, 16 sequences.
+async fn load_real(path: &std::path::Path) -> Loaded {
+    let spec = LoadSpec {
+        model: ModelArgs {
+            path: Some(path.to_path_buf()),
+            backend: Backend::Host,
+            kernels: None,
+        },
+        ctx: 256,
+        max_sequences: 16,
+    };
+    tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
+        .await
+        .expect("join")
+        .expect("load")
+}
+
 /// Start the in-process server on the real model (host backend).
 async fn start_real(
     path: &std::path::Path,
@@ -138,27 +149,22 @@ async fn start_real(
 ) -> (
     std::net::SocketAddr,
     tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), serve::server::ServeError>>,
+    tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
 ) {
-    let spec = LoadSpec {
-        model: Some(path.to_path_buf()),
-        backend: "host".into(),
-        ctx: 256,
-        kernels: None,
-        max_sequences: 16,
-    };
-    let loaded = tokio::task::spawn_blocking(move || serve::engine::load(&spec))
-        .await
-        .expect("join")
-        .expect("load");
+    let loaded = load_real(path).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve::server::run(listener, cfg, loaded, async move {
-        let _ = rx.await;
-    }));
+    let server = tokio::spawn(forward_serve::server::run(
+        listener,
+        cfg,
+        loaded,
+        async move {
+            let _ = rx.await;
+        },
+    ));
     (addr, tx, server)
 }
 
@@ -183,7 +189,7 @@ async fn greedy_text(addr: std::net::SocketAddr, prompt: &str, n: usize, spec: V
 async fn sixteen_concurrent_greedy_requests_equal_each_alone() {
     let Some(path) = model_path() else { return };
     let n = 20;
-    let prompts = serve::bench::BENCH_PROMPTS;
+    let prompts = forward_serve::bench::BENCH_PROMPTS;
     let cfg = Config {
         request_timeout: Duration::from_secs(600),
         ..Config::default()

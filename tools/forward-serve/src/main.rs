@@ -1,15 +1,13 @@
 //! `forward-serve`: OpenAI-compatible HTTP server with xdna as its device backend.
 //! See docs/serving.md.
 
-#[path = "lib.rs"]
-mod serve;
-
 use clap::Parser;
-use serve::api::Config;
-use serve::engine::{self, LoadSpec, Loaded};
-use std::path::PathBuf;
+use forward_serve::api::Config;
+use forward_serve::engine::{self, LoadSpec, Loaded};
+use forward_serve::{bench, fake, server};
 use std::sync::Arc;
 use std::time::Duration;
+use xdna::cli::ModelArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -18,12 +16,8 @@ use std::time::Duration;
     about = "OpenAI-compatible server over the xdna runtime"
 )]
 struct Args {
-    /// Package directory or GGUF file (default: SmolLM2-135M-Instruct).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// auto | host | xdna.
-    #[arg(long, default_value = "auto", env = "XDNA_BACKEND")]
-    backend: String,
+    #[command(flatten)]
+    model: ModelArgs,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// 0 picks a free port (printed on stdout).
@@ -72,9 +66,6 @@ struct Args {
     /// KV positions per sequence.
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
-    /// Kernel set directory (default: the package's `kernels/`).
-    #[arg(long, env = "XDNA_KERNELS")]
-    kernels: Option<PathBuf>,
     /// Serve the deterministic fake engine instead of a model (tests, load experiments).
     #[arg(long, hide = true)]
     fake_engine: bool,
@@ -130,13 +121,7 @@ async fn shutdown_signal() {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    xdna::cli::init_logging("info", true);
     match real_main(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -149,25 +134,20 @@ fn main() -> std::process::ExitCode {
 fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let loaded = if args.fake_engine {
         Loaded {
-            codec: Arc::new(serve::fake::FakeCodec::new(args.ctx)),
-            engine: Box::new(serve::fake::FakeEngine::new(
-                args.max_batch,
-                args.fake_step_delay,
-            )),
+            codec: Arc::new(fake::FakeCodec::new(args.ctx)),
+            engine: Box::new(fake::FakeEngine::new(args.max_batch, args.fake_step_delay)),
         }
     } else {
         engine::load(&LoadSpec {
             model: args.model.clone(),
-            backend: args.backend.clone(),
             ctx: args.ctx,
-            kernels: args.kernels.clone(),
             max_sequences: args.max_batch,
         })?
     };
     if args.bench {
-        let r = serve::bench::run(
+        let r = bench::run(
             loaded,
-            &serve::bench::BenchSpec {
+            &bench::BenchSpec {
                 streams: args.max_batch,
                 tokens: args.bench_tokens.max(1),
                 rounds: args.bench_rounds,
@@ -177,7 +157,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&r)?);
         } else {
-            print!("{}", serve::bench::table(&r));
+            print!("{}", bench::table(&r));
         }
         return Ok(());
     }
@@ -201,7 +181,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         println!("forward-serve listening on http://{addr}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        serve::server::run(listener, cfg, loaded, shutdown_signal()).await?;
+        server::run(listener, cfg, loaded, shutdown_signal()).await?;
         Ok::<(), Box<dyn std::error::Error>>(())
     })?;
     tracing::info!("exit");

@@ -133,14 +133,10 @@ pub struct Loaded {
 /// Options for loading the real model.
 #[derive(Clone, Debug)]
 pub struct LoadSpec {
-    /// Package directory or GGUF file; `None`: the default model.
-    pub model: Option<std::path::PathBuf>,
-    /// auto | host | xdna
-    pub backend: String,
+    /// The model (`None`: the default model), its backend and kernel set.
+    pub model: xdna::cli::ModelArgs,
     /// KV positions per sequence.
     pub ctx: usize,
-    /// Kernel set directory (`None`: the package's own).
-    pub kernels: Option<std::path::PathBuf>,
     /// Sequences resident at once (each with its own KV cache of `ctx` positions; ≤ 16).
     pub max_sequences: usize,
 }
@@ -371,18 +367,13 @@ impl Engine for ModelEngine {
 /// Load the real model through the model layer's loader (package directory or GGUF; `None`: the
 /// default model), with `ctx` positions.
 pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
-    use xdna::model::load::{open_model, Backend, LoadOptions};
+    use xdna::model::load::open_model;
     let load_err = |e: &dyn std::fmt::Display| EngineError::Load(e.to_string());
-    let backend: Backend = spec.backend.parse().map_err(|e: ModelError| load_err(&e))?;
-    let opts = LoadOptions {
-        backend,
-        kernels: spec.kernels.clone(),
-        ..LoadOptions::default()
-    };
+    let opts = spec.model.load_options(false);
     let (pkg, model) =
-        open_model(spec.model.as_deref(), spec.ctx, &opts).map_err(|e| load_err(&e))?;
+        open_model(spec.model.path.as_deref(), spec.ctx, &opts).map_err(|e| load_err(&e))?;
     let ctx = model.context();
-    let id = model_id(spec.model.as_deref(), &pkg);
+    let id = model_id(spec.model.path.as_deref(), &pkg);
     let eos = pkg.eos_token_ids().to_vec();
     tracing::info!(
         "loaded {} ({} positions, EOS {:?}, backend {})",

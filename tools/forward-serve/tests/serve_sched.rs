@@ -3,14 +3,10 @@
 //! running streams between chunks (a long prompt does not starve them); all generating sequences
 //! share one pass; states are released when requests end.
 
-#[allow(dead_code)]
-#[path = "../tools/forward-serve/lib.rs"]
-mod serve;
-
-use serve::engine::{Engine, EngineError, SamplerConfig, SeqId};
-use serve::fake::{expected_text, FakeCodec, FakeEngine};
-use serve::metrics::Metrics;
-use serve::scheduler::{self, Control, Event, GenRequest};
+use forward_serve::engine::{Engine, EngineError, SamplerConfig, SeqId};
+use forward_serve::fake::{expected_text, FakeCodec, FakeEngine};
+use forward_serve::metrics::Metrics;
+use forward_serve::scheduler::{self, Control, Event, GenRequest};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

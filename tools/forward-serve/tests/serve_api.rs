@@ -1,14 +1,11 @@
 //! forward-serve against the deterministic fake engine, over real loopback sockets.
 
-#[allow(dead_code)]
-#[path = "../tools/forward-serve/lib.rs"]
-mod serve;
 mod serve_common;
 
+use forward_serve::api::Config;
+use forward_serve::engine::{ChatMessage, Loaded};
+use forward_serve::fake::{chat_text, expected_text, FakeCodec, FakeEngine};
 use serde_json::{json, Value};
-use serve::api::Config;
-use serve::engine::{ChatMessage, Loaded};
-use serve::fake::{chat_text, expected_text, FakeCodec, FakeEngine};
 use serve_common::*;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,7 +14,7 @@ use std::time::{Duration, Instant};
 struct TestServer {
     addr: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    join: tokio::task::JoinHandle<Result<(), serve::server::ServeError>>,
+    join: tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
 }
 
 impl TestServer {
@@ -31,9 +28,14 @@ impl TestServer {
             engine: Box::new(FakeEngine::new(cfg.max_batch, delay)),
         };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let join = tokio::spawn(serve::server::run(listener, cfg, loaded, async move {
-            let _ = rx.await;
-        }));
+        let join = tokio::spawn(forward_serve::server::run(
+            listener,
+            cfg,
+            loaded,
+            async move {
+                let _ = rx.await;
+            },
+        ));
         TestServer {
             addr,
             stop: Some(tx),

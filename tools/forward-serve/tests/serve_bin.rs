@@ -1,7 +1,7 @@
 //! The real `forward-serve` binary: startup on port 0, graceful shutdown on SIGTERM/SIGINT.
 
 mod serve_common;
-#[path = "support/smollm2.rs"]
+#[path = "../../../tests/support/smollm2.rs"]
 mod smollm2;
 
 use serde_json::json;

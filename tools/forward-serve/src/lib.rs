@@ -1,7 +1,7 @@
 //! forward-serve: an OpenAI-compatible HTTP server over the xdna runtime.
 //!
-//! The binary (`main.rs`) and the integration tests (`tests/serve_*.rs`) both include this module
-//! tree with `#[path]`.
+//! The `forward-serve` binary (`main.rs`) parses arguments and runs [`server::run`] (or
+//! [`bench::run`]); the integration tests (`tests/`) drive the same modules directly.
 
 pub mod api;
 pub mod bench;
