@@ -6,7 +6,7 @@ mod common;
 
 use common::{max_diff, smollm2_gguf};
 use xdna::model::reference::Reference;
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::{KvSlice, Model, ModelError};
 
 /// Logit tolerance of the fast path against the exact (f32-activation, f64-sum) reference,

@@ -16,7 +16,7 @@ mod smollm2;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use xdna::model::load::{load, open_package, Backend, LoadOptions};
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::Model;
 
 const PROMPT: &str = "The capital of France is";

@@ -25,7 +25,7 @@ fn model_path() -> Option<PathBuf> {
 
 /// The model layer's own greedy generation: prefill, then argmax/step until EOS or `n` tokens.
 fn reference_greedy(path: &std::path::Path, prompt: &str, n: usize) -> String {
-    use xdna::model::sample::argmax;
+    use xdna::model::sampling::argmax;
     let opts = xdna::model::load::LoadOptions {
         backend: xdna::model::load::Backend::Host,
         ..Default::default()

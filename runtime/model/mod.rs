@@ -14,7 +14,7 @@ pub mod ops;
 pub mod perplexity;
 pub mod reference;
 pub mod replay_check;
-pub mod sample;
+pub mod sampling;
 pub mod text;
 
 pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};

@@ -5,7 +5,7 @@
 use std::cmp::Ordering;
 
 use super::SpecError;
-use crate::model::sample::{crossing_bucket, BUCKETS};
+use crate::model::sampling::{crossing_bucket, BUCKETS};
 
 /// Sampling parameters. `temperature == 0` means greedy (argmax, ties to the lowest id).
 #[derive(Clone, Debug, PartialEq)]
@@ -118,9 +118,9 @@ pub struct LogitProcessor {
     bucket_mass: Vec<f64>,
 }
 
-/// The top-p cut's bucket of a weight (`model::sample`'s monotone f32-bit buckets).
+/// The top-p cut's bucket of a weight (`model::sampling`'s monotone f32-bit buckets).
 fn bucket_of(weight: f64) -> usize {
-    crate::model::sample::bucket_of(weight as f32)
+    crate::model::sampling::bucket_of(weight as f32)
 }
 
 impl LogitProcessor {

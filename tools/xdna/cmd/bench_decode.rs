@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 use xdna::model::load::{open_model, Backend, LoadOptions};
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::{Model, SequenceState, MAX_VERIFY_ROWS};
 
 #[derive(clap::Args)]

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 use xdna::model::load::{open_model, Backend, LoadOptions};
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 
 #[derive(clap::Args)]
 pub struct Args {

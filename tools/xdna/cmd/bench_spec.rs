@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use xdna::model::load::{open_model, Backend, LoadOptions};
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::Model;
 use xdna::spec::{SamplingConfig, SpecRunner, StopConditions};
 

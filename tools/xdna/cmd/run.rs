@@ -4,7 +4,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 use xdna::model::load::{open_model, Backend, LoadOptions};
-use xdna::model::sample::{Sampler, SamplerConfig};
+use xdna::model::sampling::{Sampler, SamplerConfig};
 use xdna::model::text::{StopFilter, Utf8Stream};
 use xdna::model::ModelError;
 use xdna::spec::{FinishReason, SamplingConfig, SpecRunner, StopConditions};

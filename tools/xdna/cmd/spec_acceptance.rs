@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use xdna::model::load::{load, open_package, Backend, LoadOptions};
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::Model;
 use xdna::spec::{projected_speedups, replay_acceptance, SpecStats};
 use xdna::weights::Package;
