@@ -7,7 +7,7 @@
 #[path = "../tools/forward-serve/lib.rs"]
 mod serve;
 
-use serve::engine::{Engine, EngineError, SamplerConfig, SeqId};
+use serve::engine::{Engine, EngineError, SamplingConfig, SeqId};
 use serve::fake::{expected_text, FakeCodec, FakeEngine};
 use serve::metrics::Metrics;
 use serve::scheduler::{self, Control, Event, GenRequest};
@@ -77,7 +77,7 @@ fn request(prompt: &str, max_tokens: usize) -> (GenRequest, mpsc::UnboundedRecei
         GenRequest {
             prompt: prompt.bytes().map(u32::from).collect(),
             max_tokens,
-            sampling: SamplerConfig {
+            sampling: SamplingConfig {
                 temperature: 0.0,
                 top_k: 0,
                 top_p: 1.0,

@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
+use xdna::model::sampling::{LogitProcessor, Rng, SamplingConfig};
 use xdna::spec::toy::{ToyLm, ToyLmConfig, ToyLmError};
 use xdna::spec::{
     prefill_with_verify_passes, AcceptanceRule, DraftModelDrafter, DraftProposal, Drafter,
     FallbackConfig, FinishReason, Generation, LayerSkipDraftModel, NgramConfig, NgramDrafter,
-    NoDrafter, SamplingConfig, SpecConfig, SpecError, SpecRunner, StopConditions, VerifyTarget,
+    NoDrafter, SpecConfig, SpecError, SpecRunner, StopConditions, VerifyTarget,
 };
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -683,7 +684,7 @@ fn check_joint_distribution_of_two_tokens<D: Drafter>(
     let vocab = config.vocab;
 
     let reference = ToyLm::new(config.clone());
-    let mut processor = xdna::spec::LogitProcessor::new();
+    let mut processor = LogitProcessor::new();
     let (mut logits, mut p1, mut p2) = (Vec::new(), Vec::new(), Vec::new());
     reference.logits_after(&prompt, 0.0, &mut logits);
     processor.probabilities(&logits, &sampling, 0, &mut p1)?;
@@ -776,7 +777,7 @@ fn ngram_by_scan(context: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u
 
 #[test]
 fn ngram_index_agrees_with_a_scan_as_the_context_grows() -> TestResult {
-    let mut rng = xdna::spec::UniformSource::new(5);
+    let mut rng = Rng::new(5);
     for (vocab, min_n, max_n, k) in [(3u64, 1, 3, 5), (5, 2, 4, 8), (8, 1, 1, 3), (4, 3, 6, 15)] {
         let config = NgramConfig {
             min_n,

@@ -134,14 +134,14 @@ fn record_local(
 ) -> xdna::Result<Vec<u32>> {
     model.reset();
     let mut out = Vec::new();
-    let mut next = argmax(model.prefill(ids)?);
+    let mut next = argmax(model.prefill(ids)?, 0)?;
     while out.len() < max_tokens {
         out.push(next);
         if eos.contains(&next) || out.len() == max_tokens || model.position() + 1 >= model.context()
         {
             break;
         }
-        next = argmax(model.step(next)?);
+        next = argmax(model.step(next)?, 0)?;
     }
     Ok(out)
 }
