@@ -13,6 +13,9 @@ pub enum Error {
     Weights(#[from] crate::weights::WeightsError),
     #[error(transparent)]
     Model(#[from] crate::model::ModelError),
+    /// Sampling settings or logits refused by `model::sampling` (plain decoding).
+    #[error(transparent)]
+    Sampling(#[from] crate::model::sampling::SamplingError),
     #[error(transparent)]
     Spec(#[from] crate::spec::SpecError),
     #[error("{path}: {source}")]

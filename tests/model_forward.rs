@@ -6,7 +6,7 @@ mod common;
 
 use common::{max_diff, smollm2_gguf};
 use xdna::model::reference::Reference;
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::{KvSlice, Model, ModelError};
 
 /// Logit tolerance of the fast path against the exact (f32-activation, f64-sum) reference,
@@ -61,7 +61,7 @@ fn fast_path_matches_reference_over_64_tokens() {
     m.prefill_with(&toks, 0, &mut |_, l| fast_logits.push(l.to_vec()))
         .unwrap();
     while toks.len() < 64 {
-        let next = argmax(fast_logits.last().unwrap());
+        let next = argmax(fast_logits.last().unwrap(), 0).unwrap();
         toks.push(next);
         let l = m.step(next).unwrap().to_vec();
         fast_logits.push(l);
@@ -79,7 +79,7 @@ fn fast_path_matches_reference_over_64_tokens() {
             d <= TOL,
             "position {p}: max |Δlogit| {d} > {TOL} (|logit| ≤ {mag})"
         );
-        if argmax(f) != argmax(rl) {
+        if argmax(f, p).unwrap() != argmax(rl, p).unwrap() {
             // Only a near-tie may flip: the reference's top-2 margin must be within 2·TOL.
             let mut s = rl.clone();
             s.sort_by(|a, b| b.total_cmp(a));
@@ -119,7 +119,11 @@ fn model_code_with_exact_projections_matches_reference_tightly() {
             d <= TOL_EXACT,
             "position {p}: max |Δlogit| {d} > {TOL_EXACT}"
         );
-        assert_eq!(argmax(f), argmax(rl), "position {p}");
+        assert_eq!(
+            argmax(f, p).unwrap(),
+            argmax(rl, p).unwrap(),
+            "position {p}"
+        );
     }
     eprintln!("exact projections vs reference: max |Δlogit| = {worst}");
 }

@@ -1,8 +1,10 @@
 //! The acceptance rule and the sampler processing: hand-computed cases and chi-square tests.
 
+use xdna::model::sampling::{
+    argmax, sample_inverse_cdf, LogitProcessor, Rng, SamplingConfig, SamplingError,
+};
 use xdna::spec::{
-    argmax, decide, sample_inverse_cdf, uniforms_needed, AcceptanceRule, Decision,
-    DraftProbabilities, LogitProcessor, LogitRows, SamplingConfig, SpecError, UniformSource,
+    decide, uniforms_needed, AcceptanceRule, Decision, DraftProbabilities, LogitRows, SpecError,
 };
 
 type TestResult = Result<(), SpecError>;
@@ -294,7 +296,10 @@ fn malformed_inputs_are_typed_errors() -> TestResult {
             &AcceptanceRule::Greedy,
             &[]
         ),
-        Err(SpecError::NonFiniteLogit { token: 1, .. })
+        Err(SpecError::Sampling(SamplingError::NonFiniteLogit {
+            token: 1,
+            ..
+        }))
     ));
     assert!(matches!(
         LogitRows::new(&nan_logits, 2, 4),
@@ -447,14 +452,14 @@ fn sample_rounds(
         .copied()
         .collect();
     let rule = AcceptanceRule::Sampling(config.clone());
-    let mut rng = UniformSource::new(seed);
+    let mut rng = Rng::new(seed);
     let mut first = [0u64; 6];
     let mut second = [0u64; 6];
     let mut workspace = xdna::spec::DecideWorkspace::new();
     for _ in 0..SAMPLES {
-        let d1 = sample_inverse_cdf(&DRAFT_ROW_1, rng.next_uniform()).unwrap_or(0);
-        let d2 = sample_inverse_cdf(&DRAFT_ROW_2, rng.next_uniform()).unwrap_or(0);
-        let uniforms = [rng.next_uniform(), rng.next_uniform(), rng.next_uniform()];
+        let d1 = sample_inverse_cdf(&DRAFT_ROW_1, rng.uniform()).unwrap_or(0);
+        let d2 = sample_inverse_cdf(&DRAFT_ROW_2, rng.uniform()).unwrap_or(0);
+        let uniforms = [rng.uniform(), rng.uniform(), rng.uniform()];
         let probabilities = if one_hot {
             DraftProbabilities::OneHot
         } else {
@@ -521,16 +526,16 @@ fn rule_uses_the_processed_distribution_with_top_k_and_temperature() -> TestResu
 #[ignore = "timing report, not a check"]
 fn decide_cost_at_smollm_vocabulary() -> TestResult {
     const VOCAB: usize = 49_152;
-    let mut rng = UniformSource::new(3);
+    let mut rng = Rng::new(3);
     let logits: Vec<f32> = (0..16 * VOCAB)
-        .map(|_| (rng.next_uniform() * 12.0 - 6.0) as f32)
+        .map(|_| (rng.uniform() * 12.0 - 6.0) as f32)
         .collect();
     let rows = LogitRows::new(&logits, 16, VOCAB)?;
     let mut workspace = xdna::spec::DecideWorkspace::new();
     let mut drafts = Vec::new();
     for row in 0..15 {
         drafts.push(argmax(
-            rows.row(row).ok_or(SpecError::NoFiniteLogit { row })?,
+            rows.row(row).ok_or(SamplingError::NoFiniteLogit { row })?,
             row,
         )?);
     }
@@ -615,7 +620,7 @@ fn reference_probabilities(logits: &[f32], config: &SamplingConfig) -> Vec<f64> 
 
 #[test]
 fn processing_matches_a_full_sort_reference() -> TestResult {
-    let mut rng = UniformSource::new(77);
+    let mut rng = Rng::new(77);
     let mut processor = LogitProcessor::new();
     let mut p = Vec::new();
     let mut compared = 0;
@@ -625,10 +630,10 @@ fn processing_matches_a_full_sort_reference() -> TestResult {
         let spread = [0.5, 3.0, 12.0, 40.0][case % 4];
         let logits: Vec<f32> = (0..vocab)
             .map(|t| {
-                if t > 0 && rng.next_uniform() < 0.05 {
+                if t > 0 && rng.uniform() < 0.05 {
                     f32::NEG_INFINITY
                 } else {
-                    ((rng.next_uniform() * spread * 8.0).round() / 8.0) as f32
+                    ((rng.uniform() * spread * 8.0).round() / 8.0) as f32
                 }
             })
             .collect();

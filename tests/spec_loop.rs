@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
+use xdna::model::sampling::{LogitProcessor, Rng, Sampler, SamplingConfig};
 use xdna::spec::toy::{ToyLm, ToyLmConfig, ToyLmError};
 use xdna::spec::{
     prefill_with_verify_passes, AcceptanceRule, DraftModelDrafter, DraftProposal, Drafter,
     FallbackConfig, FinishReason, Generation, LayerSkipDraftModel, NgramConfig, NgramDrafter,
-    NoDrafter, SamplingConfig, SpecConfig, SpecError, SpecRunner, StopConditions, VerifyTarget,
+    NoDrafter, SpecConfig, SpecError, SpecRunner, StopConditions, VerifyTarget,
 };
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -406,6 +407,82 @@ fn zero_draft_rounds_are_one_row_passes_committing_one_row() -> TestResult {
     Ok(())
 }
 
+/// Plain sampling written with the model layer's sampler: one-row pass, `Sampler::sample`,
+/// commit(1).
+fn plain_sampled(
+    config: &ToyLmConfig,
+    prompt: &[u32],
+    sampling: &SamplingConfig,
+    seed: u64,
+    max_tokens: usize,
+) -> Result<(Vec<u32>, ToyLm), Box<dyn std::error::Error>> {
+    let mut target = prefilled(config, prompt)?;
+    let mut sampler = Sampler::new(sampling.clone(), seed)?;
+    let mut pending = prompt[prompt.len() - 1];
+    let mut output = Vec::new();
+    while output.len() < max_tokens {
+        let logits = target.step_batch_all(&[pending])?;
+        pending = sampler.sample(logits)?;
+        target.commit_verify_rows(1)?;
+        output.push(pending);
+    }
+    Ok((output, target))
+}
+
+#[test]
+fn plain_sampling_is_the_loop_without_drafts_for_the_same_seed() -> TestResult {
+    let config = toy(12, 2);
+    let settings = [
+        SamplingConfig::GREEDY,
+        SamplingConfig::with_temperature(0.8),
+        SamplingConfig {
+            temperature: 1.0,
+            top_k: 5,
+            top_p: 1.0,
+        },
+        SamplingConfig {
+            temperature: 0.7,
+            top_k: 0,
+            top_p: 0.9,
+        },
+        SamplingConfig {
+            temperature: 1.3,
+            top_k: 20,
+            top_p: 0.8,
+        },
+        // Top-k 1 is greedy at any temperature: no uniform is drawn on either side.
+        SamplingConfig {
+            temperature: 0.5,
+            top_k: 1,
+            top_p: 1.0,
+        },
+    ];
+    for sampling in settings {
+        let mut outputs = Vec::new();
+        for seed in [0, 7, 1234] {
+            let plain = plain_sampled(&config, &PROMPT, &sampling, seed, 120)?;
+            let mut runner = SpecRunner::new(
+                SpecConfig {
+                    sampling: sampling.clone(),
+                    seed,
+                    ..greedy_config(4)
+                },
+                NoDrafter,
+            )?;
+            let spec = speculative(&mut runner, &config, &PROMPT, &stop(120, None))?;
+            assert_same_as_plain(&spec, &plain, &format!("{sampling:?}, seed {seed}"));
+            outputs.push(plain.0);
+        }
+        // Greedy is the argmax whatever the seed; sampling depends on it.
+        let same_for_every_seed = outputs.iter().all(|o| *o == outputs[0]);
+        assert_eq!(same_for_every_seed, sampling.is_greedy(), "{sampling:?}");
+        if sampling.is_greedy() {
+            assert_eq!(outputs[0], plain_greedy(&config, &PROMPT, 120, None)?.0);
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn adaptive_draft_length_grows_on_full_acceptance_and_shrinks_on_rejection() -> TestResult {
     let config = toy(8, 2);
@@ -683,7 +760,7 @@ fn check_joint_distribution_of_two_tokens<D: Drafter>(
     let vocab = config.vocab;
 
     let reference = ToyLm::new(config.clone());
-    let mut processor = xdna::spec::LogitProcessor::new();
+    let mut processor = LogitProcessor::new();
     let (mut logits, mut p1, mut p2) = (Vec::new(), Vec::new(), Vec::new());
     reference.logits_after(&prompt, 0.0, &mut logits);
     processor.probabilities(&logits, &sampling, 0, &mut p1)?;
@@ -776,7 +853,7 @@ fn ngram_by_scan(context: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u
 
 #[test]
 fn ngram_index_agrees_with_a_scan_as_the_context_grows() -> TestResult {
-    let mut rng = xdna::spec::UniformSource::new(5);
+    let mut rng = Rng::new(5);
     for (vocab, min_n, max_n, k) in [(3u64, 1, 3, 5), (5, 2, 4, 8), (8, 1, 1, 3), (4, 3, 6, 15)] {
         let config = NgramConfig {
             min_n,

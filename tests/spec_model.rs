@@ -5,6 +5,7 @@
 #[path = "model_common.rs"]
 mod model_common;
 
+use xdna::model::sampling::{Sampler, SamplingConfig};
 use xdna::spec::{
     FallbackConfig, NgramConfig, NgramDrafter, NoDrafter, SpecConfig, SpecRunner, StopConditions,
 };
@@ -79,6 +80,75 @@ fn ngram_greedy_equals_plain_greedy_on_smollm2() {
 }
 
 /// Plain greedy through the loop with no drafter (1-row passes), from a fresh state.
+/// Plain sampling (the model layer's `Sampler` over `Model::step`) gives the very tokens of the
+/// speculative loop whose drafter proposes nothing, for the same seed: a round without drafts is a
+/// plain sampled step, on the real vocabulary (49152 tokens: the top-p buckets and the top-k
+/// selection at full size).
+#[test]
+fn plain_sampling_equals_the_loop_without_drafts_on_smollm2() {
+    let Some((pkg, mut model)) = model_common::fast_model(512) else {
+        return;
+    };
+    let context = pkg
+        .tokenizer()
+        .encode("Once upon a time, in a small village", false);
+    let settings = [
+        SamplingConfig::with_temperature(0.8),
+        SamplingConfig {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+        },
+        SamplingConfig {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 0.95,
+        },
+    ];
+    let tokens = 24;
+    for sampling in settings {
+        let mut outputs = Vec::new();
+        for seed in [7u64, 8] {
+            model.reset();
+            model
+                .prefill(&context[..context.len() - 1])
+                .expect("prefill");
+            let mut sampler = Sampler::new(sampling.clone(), seed).expect("valid settings");
+            let mut next = context[context.len() - 1];
+            let mut plain = Vec::new();
+            for _ in 0..tokens {
+                next = sampler
+                    .sample(model.step(next).expect("step"))
+                    .expect("finite logits");
+                plain.push(next);
+            }
+
+            model.reset();
+            model
+                .prefill(&context[..context.len() - 1])
+                .expect("prefill");
+            let mut runner = SpecRunner::new(
+                SpecConfig {
+                    sampling: sampling.clone(),
+                    seed,
+                    ..config()
+                },
+                NoDrafter,
+            )
+            .expect("runner");
+            let looped = runner
+                .generate(&mut model, &context, &StopConditions::max_tokens(tokens))
+                .expect("loop");
+            assert_eq!(looped.tokens, plain, "{sampling:?}, seed {seed}");
+            outputs.push(plain);
+        }
+        assert_ne!(
+            outputs[0], outputs[1],
+            "{sampling:?}: the seed changed nothing"
+        );
+    }
+}
+
 fn plain_greedy(
     model: &mut xdna::model::Model,
     context: &[u32],

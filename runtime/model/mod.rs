@@ -11,7 +11,7 @@ pub mod ops;
 pub mod perplexity;
 pub mod reference;
 pub mod replay_check;
-pub mod sample;
+pub mod sampling;
 pub mod text;
 
 /// The kernels layer's row families (`m16` verify passes, `m128` prefill chunks).

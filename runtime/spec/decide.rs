@@ -1,8 +1,10 @@
 //! The acceptance rule: which drafts a verify pass accepts and which token follows them.
 
-use super::sampling::{argmax, sample_inverse_cdf, LogitProcessor, SamplingConfig};
 use super::target::{LogitRows, MAX_DRAFTS};
 use super::SpecError;
+use crate::model::sampling::{
+    argmax, sample_inverse_cdf, LogitProcessor, SamplingConfig, SamplingError,
+};
 
 /// How drafts are accepted and tokens emitted.
 #[derive(Clone, Debug, PartialEq)]
@@ -16,7 +18,7 @@ pub enum AcceptanceRule {
 }
 
 impl AcceptanceRule {
-    /// The rule matching a sampling configuration (temperature 0 → greedy).
+    /// The rule matching a sampling configuration (greedy settings → greedy).
     pub fn for_sampling(config: &SamplingConfig) -> Self {
         if config.is_greedy() {
             AcceptanceRule::Greedy
@@ -68,7 +70,9 @@ pub fn uniforms_needed(rule: &AcceptanceRule, drafts: usize) -> usize {
 /// - `drafts`: the draft tokens (inputs 1.. of the pass), at most 15.
 /// - `q`: the draft distributions (ignored by the greedy rule).
 /// - `uniforms`: exactly [`uniforms_needed`] values in `[0, 1)`: `uniforms[i]` tests draft i,
-///   `uniforms[drafts.len()]` draws the emitted correction or bonus token.
+///   `uniforms[drafts.len()]` draws the emitted correction or bonus token. The bonus token is
+///   [`LogitProcessor::sample`] of the last row with that uniform, the draw of a plain sampled
+///   step: with no drafts, `decide` is plain sampling.
 ///
 /// A pure function of its inputs; allocates its scratch (see [`DecideWorkspace`] to reuse it).
 pub fn decide(
@@ -206,18 +210,16 @@ impl DecideWorkspace {
             // p itself is then the right distribution.
             let token = sample_inverse_cdf(&self.residual, final_uniform)
                 .or_else(|| sample_inverse_cdf(p, final_uniform))
-                .ok_or(SpecError::NoFiniteLogit { row: i })?;
+                .ok_or(SamplingError::NoFiniteLogit { row: i })?;
             emitted.push(token);
             return Ok(Decision {
                 accepted: i,
                 emitted,
             });
         }
-        let logits = row_of(rows, k)?;
-        self.processor
-            .probabilities(logits, config, k, &mut self.target)?;
-        let bonus = sample_inverse_cdf(&self.target, final_uniform)
-            .ok_or(SpecError::NoFiniteLogit { row: k })?;
+        let bonus = self
+            .processor
+            .sample(row_of(rows, k)?, config, k, final_uniform)?;
         emitted.push(bonus);
         Ok(Decision {
             accepted: k,

@@ -3,10 +3,9 @@
 
 use super::decide::AcceptanceRule;
 use super::drafter::{DraftProposal, Drafter};
-use super::runner::UniformSource;
-use super::sampling::{argmax, sample_inverse_cdf, LogitProcessor};
 use super::target::MAX_DRAFTS;
 use super::{BoxedError, SpecError};
+use crate::model::sampling::{argmax, sample_inverse_cdf, LogitProcessor, Rng, SamplingError};
 
 /// A model run autoregressively to draft: its own state (KV cache, recurrent state) and rollback.
 ///
@@ -120,7 +119,7 @@ pub struct DraftModelDrafter<M> {
     fed: Vec<u32>,
     /// Length of the context at the last proposal: the prefix known to agree with `fed`.
     agreed: usize,
-    uniforms: UniformSource,
+    uniforms: Rng,
     processor: LogitProcessor,
     last_logits: Vec<f32>,
     distribution: Vec<f32>,
@@ -133,7 +132,7 @@ impl<M: DraftModel> DraftModelDrafter<M> {
             model,
             fed: Vec::new(),
             agreed: 0,
-            uniforms: UniformSource::new(seed),
+            uniforms: Rng::new(seed),
             processor: LogitProcessor::new(),
             last_logits: Vec::new(),
             distribution: Vec::new(),
@@ -253,9 +252,9 @@ impl<M: DraftModel> Drafter for DraftModelDrafter<M> {
                         step,
                         &mut self.distribution,
                     )?;
-                    let u = self.uniforms.next_uniform();
+                    let u = self.uniforms.uniform();
                     let token = sample_inverse_cdf(&self.distribution, u)
-                        .ok_or(SpecError::NoFiniteLogit { row: step })?;
+                        .ok_or(SamplingError::NoFiniteLogit { row: step })?;
                     out.push_with_distribution(token, &self.distribution);
                     token
                 }

@@ -9,7 +9,9 @@
 //!   [`NgramDrafter`] (prompt lookup), [`DraftModelDrafter`] (any small model implementing
 //!   [`DraftModel`]) and [`LayerSkipDraftModel`] (self-speculation over [`EarlyExitModel`]).
 //! - [`decide`]: the pure acceptance rule (greedy, Leviathan sampling, one-hot drafts), with the
-//!   caller supplying every uniform so a run is reproducible.
+//!   caller supplying every uniform so a run is reproducible. The target distribution p comes from
+//!   `model::sampling`'s logit processor, the one plain decoding uses: a round without drafts is a
+//!   plain sampled step.
 //! - [`SpecRunner`]: the loop — drafting, one verify pass, `decide`, commit, stop conditions,
 //!   adaptive draft length and the fallback to plain decoding when speculation does not pay.
 //! - [`SpecStats`]: rounds, drafted, accepted, τ, per-position acceptance, acceptance-length histogram.
@@ -24,7 +26,6 @@ mod drafter;
 mod model_target;
 mod ngram;
 mod runner;
-mod sampling;
 mod stats;
 mod target;
 pub mod toy;
@@ -39,9 +40,8 @@ pub use model_target::{ModelDraft, ModelEarlyExit};
 pub use ngram::{NgramConfig, NgramDrafter};
 pub use runner::{
     prefill_with_verify_passes, CostModel, FallbackConfig, FinishReason, Generation, SpecConfig,
-    SpecRunner, StopConditions, UniformSource,
+    SpecRunner, StopConditions,
 };
-pub use sampling::{argmax, sample_inverse_cdf, LogitProcessor, SamplingConfig};
 pub use stats::SpecStats;
 pub use target::{LogitRows, VerifyTarget, MAX_DRAFTS, MAX_VERIFY_ROWS};
 
@@ -83,17 +83,10 @@ pub enum SpecError {
         position: usize,
         reason: &'static str,
     },
-    /// A logit is NaN or +∞.
-    #[error("logit row {row}, token {token} is {value} (NaN or +inf)")]
-    NonFiniteLogit {
-        row: usize,
-        token: usize,
-        value: f32,
-    },
-    /// Every logit of a row is −∞: there is no token to pick.
-    #[error("logit row {row} has no finite logit")]
-    NoFiniteLogit { row: usize },
-    /// A sampling or loop parameter is out of range.
+    /// Sampling settings out of range, or a logit row with NaN, +∞ or nothing finite.
+    #[error(transparent)]
+    Sampling(#[from] crate::model::sampling::SamplingError),
+    /// A loop parameter is out of range.
     #[error("invalid configuration: {field} = {value} ({expected})")]
     InvalidConfig {
         field: &'static str,

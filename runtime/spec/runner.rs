@@ -5,37 +5,10 @@ use std::time::Instant;
 
 use super::decide::{uniforms_needed, AcceptanceRule, DecideWorkspace, DraftProbabilities};
 use super::drafter::{DraftProposal, Drafter};
-use super::sampling::SamplingConfig;
 use super::stats::SpecStats;
 use super::target::{LogitRows, VerifyTarget, MAX_DRAFTS, MAX_VERIFY_ROWS};
 use super::{BoxedError, SpecError};
-
-/// A reproducible stream of uniforms in `[0, 1)` (SplitMix64, 53-bit mantissa).
-#[derive(Clone, Debug)]
-pub struct UniformSource {
-    state: u64,
-}
-
-impl UniformSource {
-    /// A stream determined by `seed`.
-    pub fn new(seed: u64) -> Self {
-        UniformSource { state: seed }
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// The next uniform in `[0, 1)`.
-    pub fn next_uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
+use crate::model::sampling::{Rng, SamplingConfig};
 
 /// When generation stops. Stop tokens and sequences are emitted (the caller may strip them).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -146,7 +119,8 @@ pub struct SpecConfig {
     pub adaptive_drafts: bool,
     /// Fallback to plain decoding.
     pub fallback: FallbackConfig,
-    /// Seed of the uniforms the acceptance rule consumes.
+    /// Seed of the uniforms the acceptance rule consumes: the same stream as a plain
+    /// `model::sampling::Sampler` with this seed, so rounds without drafts draw its tokens.
     pub seed: u64,
 }
 
@@ -280,7 +254,7 @@ pub struct SpecRunner<D> {
     config: SpecConfig,
     rule: AcceptanceRule,
     drafter: D,
-    uniforms: UniformSource,
+    uniforms: Rng,
     workspace: DecideWorkspace,
     proposal: DraftProposal,
     uniform_buffer: Vec<f64>,
@@ -301,7 +275,7 @@ impl<D: Drafter> SpecRunner<D> {
         Ok(SpecRunner {
             rule,
             drafter,
-            uniforms: UniformSource::new(config.seed),
+            uniforms: Rng::new(config.seed),
             workspace: DecideWorkspace::new(),
             proposal: DraftProposal::new(),
             uniform_buffer: Vec::new(),
@@ -453,7 +427,7 @@ impl<D: Drafter> SpecRunner<D> {
             self.pass_tokens.extend_from_slice(self.proposal.tokens());
             self.uniform_buffer.clear();
             for _ in 0..uniforms_needed(&self.rule, drafted) {
-                self.uniform_buffer.push(self.uniforms.next_uniform());
+                self.uniform_buffer.push(self.uniforms.uniform());
             }
 
             let pass_start = Instant::now();

@@ -80,7 +80,7 @@ fn run(a: &Args) -> Result<bool, String> {
             })
             .collect::<Result<_, _>>()?,
         None => {
-            let mut rng = xdna::model::sample::Rng::new(a.seed);
+            let mut rng = xdna::model::sampling::Rng::new(a.seed);
             (0..need).map(|_| (rng.next_u64() % vocab) as u32).collect()
         }
     };

@@ -1,6 +1,6 @@
 //! HTTP handlers: request validation, submission to the engine queue, JSON and SSE responses.
 
-use super::engine::{ChatMessage, SamplerConfig, TextCodec};
+use super::engine::{ChatMessage, SamplingConfig, TextCodec};
 use super::error::ApiError;
 use super::metrics::Metrics;
 use super::scheduler::{Event, Finish, GenRequest};
@@ -240,7 +240,7 @@ pub enum Kind {
 pub struct Params {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
-    pub sampling: SamplerConfig,
+    pub sampling: SamplingConfig,
     pub seed: u64,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -453,7 +453,7 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
     Ok(Params {
         prompt,
         max_tokens,
-        sampling: SamplerConfig {
+        sampling: SamplingConfig {
             temperature: temperature as f32,
             top_k,
             top_p: top_p as f32,

@@ -6,7 +6,7 @@
 //! exactly the tokens they claim. Tokens/s are completion tokens over wall time from submission to
 //! the last `Done` (prefill included, as a client sees it).
 
-use super::engine::{Loaded, SamplerConfig, TextCodec};
+use super::engine::{Loaded, SamplingConfig, TextCodec};
 use super::metrics::Metrics;
 use super::scheduler::{self, Control, Event, GenRequest};
 use std::sync::atomic::AtomicBool;
@@ -94,11 +94,7 @@ fn submit(
     let req = GenRequest {
         prompt: ids,
         max_tokens: tokens,
-        sampling: SamplerConfig {
-            temperature,
-            top_k: 0,
-            top_p: 1.0,
-        },
+        sampling: SamplingConfig::with_temperature(temperature),
         seed,
         stop: Vec::new(),
         deadline: Instant::now() + Duration::from_secs(3600),

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-pub use xdna::model::sample::{Sampler, SamplerConfig};
+pub use xdna::model::sampling::{Sampler, SamplingConfig, SamplingError};
 pub use xdna::model::text::{StopFilter, Utf8Stream};
 
 /// One sequence's handle inside an [`Engine`].

@@ -15,8 +15,8 @@
 //! 5. retirement of finished sequences (their engine state is released).
 
 use super::engine::{
-    Engine, EngineError, Sampler, SamplerConfig, SeqId, StopFilter, TextCodec, Utf8Stream,
-    MAX_STEP_ROWS, PREFILL_CHUNK,
+    Engine, EngineError, Sampler, SamplingConfig, SamplingError, SeqId, StopFilter, TextCodec,
+    Utf8Stream, MAX_STEP_ROWS, PREFILL_CHUNK,
 };
 use super::metrics::Metrics;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use xdna::spec::{
     uniforms_needed, AcceptanceRule, DecideWorkspace, DraftProbabilities, DraftProposal, Drafter,
-    LogitRows, NgramConfig, NgramDrafter, SamplingConfig, UniformSource,
+    LogitRows, NgramConfig, NgramDrafter,
 };
 
 /// Why a generation ended.
@@ -73,7 +73,7 @@ pub enum Event {
 pub struct GenRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
-    pub sampling: SamplerConfig,
+    pub sampling: SamplingConfig,
     pub seed: u64,
     pub stop: Vec<String>,
     pub deadline: Instant,
@@ -81,8 +81,8 @@ pub struct GenRequest {
     pub events: mpsc::UnboundedSender<Event>,
     /// Speculative decoding with the n-gram drafter: at most this many drafts per pass (1..=15);
     /// `None`: plain decoding. Greedy requests use the greedy acceptance rule (same text as plain
-    /// greedy); sampled ones the spec layer's rejection-sampling rule (same distribution, drawn
-    /// with the request's seed through its own uniform stream).
+    /// greedy); sampled ones the spec layer's rejection-sampling rule (same distribution, its
+    /// uniforms drawn from the request's one seeded stream).
     pub speculate: Option<usize>,
     /// Keep generating past EOS (fixed-length streams for `forward-serve --bench`).
     pub ignore_eos: bool,
@@ -98,6 +98,8 @@ pub struct Control {
 struct Active {
     seq: SeqId,
     req: GenRequest,
+    /// Samples plain rows; its generator also feeds the speculative rounds (one stream per
+    /// request, as in `spec::SpecRunner`, where a round without drafts is a plain step).
     sampler: Sampler,
     utf8: Utf8Stream,
     stops: StopFilter,
@@ -114,8 +116,6 @@ struct Active {
 struct Speculation {
     /// Greedy, or rejection sampling with the request's temperature / top-k / top-p.
     rule: AcceptanceRule,
-    /// Uniforms for the sampling rule (seeded by the request's seed).
-    uniforms: UniformSource,
     draft_max: usize,
     drafter: NgramDrafter,
     /// Prompt and emitted tokens; the last one is the pending token (the drafter's convention).
@@ -280,7 +280,7 @@ fn prefill_together(
         .zip(&bounds)
         .map(|(&(i, _), &(s, e, last))| (active[i].seq, &tokens[s..e], last))
         .collect();
-    let mut firsts: Vec<Option<u32>> = vec![None; picks.len()];
+    let mut firsts: Vec<Option<Result<u32, SamplingError>>> = vec![None; picks.len()];
     let res = engine.prefill_many(&items, &mut |k, logits| {
         firsts[k] = Some(active[picks[k].0].sampler.sample(logits))
     });
@@ -293,11 +293,12 @@ fn prefill_together(
                     .fetch_add((end - a.fed) as u64, Relaxed);
                 a.fed = end;
                 if bounds[k].2 {
-                    match firsts[k] {
-                        Some(t) => {
+                    match &firsts[k] {
+                        Some(Ok(t)) => {
                             let pos = engine.position(a.seq);
-                            take_token(a, t, codec, pos, metrics, scratch);
+                            take_token(a, *t, codec, pos, metrics, scratch);
                         }
+                        Some(Err(e)) => fail(a, &format!("sampling: {e}"), metrics),
                         None => fail(a, "engine returned no logits for the prompt", metrics),
                     }
                 }
@@ -376,7 +377,8 @@ fn decode_turn(
     let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
     let t0 = Instant::now();
     // Per segment: the token sampled from row 0 (plain rows), or every row's logits (drafting).
-    let mut outs: Vec<(Option<u32>, Vec<f32>)> = segments
+    type Sampled = Option<Result<u32, SamplingError>>;
+    let mut outs: Vec<(Sampled, Vec<f32>)> = segments
         .iter()
         .map(|s| {
             (
@@ -430,9 +432,16 @@ fn decode_turn(
         let a = &mut active[s.active];
         let before = engine.position(a.seq);
         if s.tokens.len() == 1 {
-            let Some(t) = sampled else {
-                fail(a, "engine returned no logits for the row", metrics);
-                continue;
+            let t = match sampled {
+                Some(Ok(t)) => t,
+                Some(Err(e)) => {
+                    fail(a, &format!("sampling: {e}"), metrics);
+                    continue;
+                }
+                None => {
+                    fail(a, "engine returned no logits for the row", metrics);
+                    continue;
+                }
             };
             if let Err(e) = engine.commit(a.seq, 1) {
                 fail(a, &e.to_string(), metrics);
@@ -448,8 +457,9 @@ fn decode_turn(
         let drafts = &s.tokens[1..];
         let decision = match a.spec.as_mut() {
             Some(sp) => {
+                let rng = a.sampler.rng();
                 let u: Vec<f64> = (0..uniforms_needed(&sp.rule, drafts.len()))
-                    .map(|_| sp.uniforms.next_uniform())
+                    .map(|_| rng.uniform())
                     .collect();
                 LogitRows::new(&logits, s.tokens.len(), vocab).and_then(|rows| {
                     decide_ws.decide(rows, drafts, DraftProbabilities::OneHot, &sp.rule, &u)
@@ -532,6 +542,13 @@ fn admit(
         let _ = req.events.send(done(Finish::Timeout));
         return None;
     }
+    let sampler = match Sampler::new(req.sampling.clone(), req.seed) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = req.events.send(Event::Error(e.to_string()));
+            return None;
+        }
+    };
     let seq = match engine.new_sequence() {
         Ok(s) => s,
         Err(e) => {
@@ -539,16 +556,7 @@ fn admit(
             return None;
         }
     };
-    let greedy = req.sampling.temperature <= 0.0 || req.sampling.top_k == 1;
-    let rule = if greedy {
-        AcceptanceRule::Greedy
-    } else {
-        AcceptanceRule::Sampling(SamplingConfig {
-            temperature: req.sampling.temperature,
-            top_k: req.sampling.top_k,
-            top_p: req.sampling.top_p,
-        })
-    };
+    let rule = AcceptanceRule::for_sampling(&req.sampling);
     let spec = match req.speculate {
         Some(k) if k > 0 => {
             let config = NgramConfig {
@@ -558,8 +566,6 @@ fn admit(
             match NgramDrafter::new(config) {
                 Ok(drafter) => Some(Speculation {
                     rule,
-                    // A stream apart from the plain sampler's (which draws from `seed` itself).
-                    uniforms: UniformSource::new(req.seed ^ 0x5bec_0000_0000_0000),
                     draft_max: k.min(MAX_STEP_ROWS - 1),
                     drafter,
                     context: Vec::new(),
@@ -576,7 +582,7 @@ fn admit(
     };
     Some(Active {
         seq,
-        sampler: Sampler::new(req.sampling.clone(), req.seed),
+        sampler,
         utf8: Utf8Stream::default(),
         stops: StopFilter::new(req.stop.clone()),
         generated: 0,

@@ -24,7 +24,7 @@ fn model_path() -> Option<PathBuf> {
 
 /// The model layer's own greedy generation: prefill, then argmax/step until EOS or `n` tokens.
 fn reference_greedy(path: &std::path::Path, prompt: &str, n: usize) -> String {
-    use xdna::model::sample::argmax;
+    use xdna::model::sampling::argmax;
     let opts = xdna::model::load::LoadOptions {
         backend: Backend::Host,
         ..Default::default()
@@ -32,14 +32,14 @@ fn reference_greedy(path: &std::path::Path, prompt: &str, n: usize) -> String {
     let (pkg, mut m) = xdna::model::load::open_model(Some(path), 256, &opts).expect("model");
     let ids = pkg.tokenizer().encode(prompt, false);
     let eos = pkg.eos_token_ids().to_vec();
-    let mut next = argmax(m.prefill(&ids).expect("prefill"));
+    let mut next = argmax(m.prefill(&ids).expect("prefill"), 0).expect("finite logits");
     let mut out = Vec::new();
     while !eos.contains(&next) && out.len() < n {
         out.push(next);
         if out.len() == n {
             break;
         }
-        next = argmax(m.step(next).expect("step"));
+        next = argmax(m.step(next).expect("step"), 0).expect("finite logits");
     }
     pkg.tokenizer().decode(&out)
 }

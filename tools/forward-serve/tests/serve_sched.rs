@@ -3,7 +3,7 @@
 //! running streams between chunks (a long prompt does not starve them); all generating sequences
 //! share one pass; states are released when requests end.
 
-use forward_serve::engine::{Engine, EngineError, SamplerConfig, SeqId};
+use forward_serve::engine::{Engine, EngineError, SamplingConfig, SeqId};
 use forward_serve::fake::{expected_text, FakeCodec, FakeEngine};
 use forward_serve::metrics::Metrics;
 use forward_serve::scheduler::{self, Control, Event, GenRequest};
@@ -73,7 +73,7 @@ fn request(prompt: &str, max_tokens: usize) -> (GenRequest, mpsc::UnboundedRecei
         GenRequest {
             prompt: prompt.bytes().map(u32::from).collect(),
             max_tokens,
-            sampling: SamplerConfig {
+            sampling: SamplingConfig {
                 temperature: 0.0,
                 top_k: 0,
                 top_p: 1.0,

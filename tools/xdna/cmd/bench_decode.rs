@@ -12,7 +12,7 @@
 use std::time::Instant;
 use xdna::cli::ModelArgs;
 use xdna::model::load::open_model;
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::{Model, SequenceState, MAX_VERIFY_ROWS};
 
 #[derive(clap::Args)]
@@ -96,12 +96,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
         let (prefill_tok_s, passes_s, before, after) = if args.streams == 1 {
             model.reset();
             let t0 = Instant::now();
-            let mut next = argmax(model.prefill(&prompt)?);
+            let mut next = argmax(model.prefill(&prompt)?, 0)?;
             let prefill_tok_s = prompt.len() as f64 / t0.elapsed().as_secs_f64();
             let before = model.stats();
             let t1 = Instant::now();
             for _ in 0..args.decode_tokens {
-                next = argmax(model.step(next)?);
+                next = argmax(model.step(next)?, 0)?;
             }
             let passes_s = args.decode_tokens as f64 / t1.elapsed().as_secs_f64();
             (prefill_tok_s, passes_s, before, model.stats())
@@ -204,9 +204,11 @@ fn decode_streams(
     let t0 = Instant::now();
     for (state, token) in states.iter_mut().zip(&mut next) {
         let last = prompt.len() - 1;
+        let mut first = Ok(0);
         model.prefill_sequence(state, prompt, last, &mut |_, logits| {
-            *token = argmax(logits)
+            first = argmax(logits, 0)
         })?;
+        *token = first?;
     }
     let prefill_tok_s = (streams * prompt.len()) as f64 / t0.elapsed().as_secs_f64();
     let before = model.stats();
@@ -220,7 +222,7 @@ fn decode_streams(
             .collect();
         let out = model.step_sequences(&mut batch)?;
         for (i, token) in next.iter_mut().enumerate() {
-            *token = argmax(out.logits(i));
+            *token = argmax(out.logits(i), i)?;
         }
         for state in states.iter_mut() {
             model.commit_sequence(state, 1)?;

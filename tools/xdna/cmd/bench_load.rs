@@ -7,7 +7,7 @@
 
 use xdna::cli::ModelArgs;
 use xdna::model::load::open_model;
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -61,9 +61,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(16);
     let mut prompt = pkg.tokenizer().encode(&text, false);
     prompt.resize(args.prompt_tokens.max(1), 0);
-    let mut next = argmax(model.prefill(&prompt)?);
+    let mut next = argmax(model.prefill(&prompt)?, 0)?;
     for _ in 0..args.decode_tokens {
-        next = argmax(model.step(next)?);
+        next = argmax(model.step(next)?, 0)?;
     }
     let peak_run = status_bytes("VmHWM")?;
     let rss_end = status_bytes("VmRSS")?;

@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use xdna::cli::ModelArgs;
 use xdna::model::load::open_model;
-use xdna::model::sample::argmax;
+use xdna::model::sampling::{argmax, SamplingConfig};
 use xdna::model::Model;
-use xdna::spec::{SamplingConfig, SpecRunner, StopConditions};
+use xdna::spec::{SpecRunner, StopConditions};
 
 use super::spec_common::{build_drafter, DraftOptions, DrafterKind};
 
@@ -87,7 +87,7 @@ fn plain(model: &mut Model, ids: &[u32], tokens: usize) -> xdna::Result<(Vec<u32
     let mut pending = ids[ids.len() - 1];
     let t = Instant::now();
     for _ in 0..tokens {
-        pending = argmax(model.step(pending)?);
+        pending = argmax(model.step(pending)?, 0)?;
         out.push(pending);
     }
     Ok((out, t.elapsed().as_secs_f64()))

@@ -4,10 +4,10 @@ use std::io::Write;
 use std::time::Instant;
 use xdna::cli::ModelArgs;
 use xdna::model::load::open_model;
-use xdna::model::sample::{Sampler, SamplerConfig};
+use xdna::model::sampling::{Sampler, SamplingConfig};
 use xdna::model::text::{StopFilter, Utf8Stream};
 use xdna::model::ModelError;
-use xdna::spec::{FinishReason, SamplingConfig, SpecRunner, StopConditions};
+use xdna::spec::{FinishReason, SpecRunner, StopConditions};
 use xdna::weights::Package;
 
 use super::spec_common::{build_drafter, print_stats, DraftOptions, DrafterKind};
@@ -110,12 +110,12 @@ pub fn prompt_tokens(pkg: &Package, prompt: &str, chat: bool) -> Result<Vec<u32>
 pub fn run(args: Args) -> xdna::Result<()> {
     // Refuse bad sampling settings before loading anything (a negative or NaN temperature would
     // otherwise quietly mean greedy, and a top-p outside (0, 1] a silent no-op or cut-to-one).
-    SamplingConfig {
+    let sampling = SamplingConfig {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
-    }
-    .validate()?;
+    };
+    sampling.validate()?;
     let opts = args.model.load_options(args.exact);
     let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx, &opts)?;
     let ids = prompt_tokens(&pkg, &args.prompt, args.chat)?;
@@ -132,18 +132,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let eos: Vec<u32> = pkg.eos_token_ids().to_vec();
     if let Some(speculate) = &args.speculate {
         let kind: DrafterKind = speculate.parse()?;
-        return run_speculative(&args, &kind, &pkg, &mut model, &ids, &eos);
+        return run_speculative(&args, sampling, &kind, &pkg, &mut model, &ids, &eos);
     }
-    let mut sampler = Sampler::new(
-        SamplerConfig {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-        },
-        args.seed,
-    );
+    let mut sampler = Sampler::new(sampling, args.seed)?;
     let t0 = Instant::now();
-    let mut next = sampler.sample(model.prefill(&ids)?);
+    let mut next = sampler.sample(model.prefill(&ids)?)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let tok = pkg.tokenizer();
     let mut utf8 = Utf8Stream::default();
@@ -175,7 +168,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         {
             break;
         }
-        next = sampler.sample(model.step(next)?);
+        next = sampler.sample(model.step(next)?)?;
         decode_steps += 1;
     }
     if !stops.stopped() {
@@ -207,17 +200,13 @@ pub fn run(args: Args) -> xdna::Result<()> {
 /// speculative loop; the speculative statistics follow the stats line on stderr.
 fn run_speculative(
     args: &Args,
+    sampling: SamplingConfig,
     kind: &DrafterKind,
     pkg: &Package,
     model: &mut xdna::model::Model,
     ids: &[u32],
     eos: &[u32],
 ) -> xdna::Result<()> {
-    let sampling = SamplingConfig {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-    };
     let ctx = model.context();
     let drafter = build_drafter(kind, &args.draft, pkg, model, ctx, args.seed)?;
     let drafter_name = drafter.name();

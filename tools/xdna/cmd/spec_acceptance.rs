@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use xdna::cli::ModelArgs;
 use xdna::model::load::{load, open_package};
-use xdna::model::sample::argmax;
+use xdna::model::sampling::argmax;
 use xdna::model::Model;
 use xdna::spec::{projected_speedups, replay_acceptance, SpecStats};
 use xdna::weights::Package;
@@ -128,14 +128,14 @@ fn record_local(
 ) -> xdna::Result<Vec<u32>> {
     model.reset();
     let mut out = Vec::new();
-    let mut next = argmax(model.prefill(ids)?);
+    let mut next = argmax(model.prefill(ids)?, 0)?;
     while out.len() < max_tokens {
         out.push(next);
         if eos.contains(&next) || out.len() == max_tokens || model.position() + 1 >= model.context()
         {
             break;
         }
-        next = argmax(model.step(next)?);
+        next = argmax(model.step(next)?, 0)?;
     }
     Ok(out)
 }

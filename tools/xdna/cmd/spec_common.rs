@@ -5,10 +5,11 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::model::sampling::SamplingConfig;
 use xdna::model::Model;
 use xdna::spec::{
     DraftModelDrafter, Drafter, FallbackConfig, LayerSkipDraftModel, ModelDraft, ModelEarlyExit,
-    NgramConfig, NgramDrafter, SamplingConfig, SpecConfig, SpecStats, MAX_DRAFTS,
+    NgramConfig, NgramDrafter, SpecConfig, SpecStats, MAX_DRAFTS,
 };
 use xdna::weights::Package;
 
