@@ -337,14 +337,22 @@ impl ModelConfig {
     /// The shape rules every description obeys, whichever source it came from: the first broken
     /// one and what was expected.
     fn check_dims(&self) -> Result<(), (ShapeField, &'static str)> {
-        for (dim, value) in [
-            (ShapeField::Hidden, self.hidden),
-            (ShapeField::Intermediate, self.intermediate),
-            (ShapeField::Layers, self.layers),
-            (ShapeField::Vocab, self.vocab),
-        ] {
-            if value == 0 {
-                return Err((dim, "a positive integer"));
+        let linear_dims = [
+            ShapeField::LinearKeyHeads,
+            ShapeField::LinearValueHeads,
+            ShapeField::LinearKeyHeadDim,
+            ShapeField::LinearValueHeadDim,
+        ];
+        let counts = [
+            ShapeField::Hidden,
+            ShapeField::Intermediate,
+            ShapeField::Layers,
+            ShapeField::Vocab,
+        ];
+        let linear = self.linear.as_ref().map(|_| linear_dims);
+        for field in counts.into_iter().chain(linear.into_iter().flatten()) {
+            if self.value_of(field) == 0 {
+                return Err((field, "a positive integer"));
             }
         }
         if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
@@ -363,16 +371,6 @@ impl ModelConfig {
             ));
         }
         if let Some(lin) = &self.linear {
-            for (dim, value) in [
-                (ShapeField::LinearKeyHeads, lin.key_heads),
-                (ShapeField::LinearValueHeads, lin.value_heads),
-                (ShapeField::LinearKeyHeadDim, lin.key_head_dim),
-                (ShapeField::LinearValueHeadDim, lin.value_head_dim),
-            ] {
-                if value == 0 {
-                    return Err((dim, "a positive integer"));
-                }
-            }
             if !lin.value_heads.is_multiple_of(lin.key_heads) {
                 return Err((
                     ShapeField::LinearValueHeads,
@@ -386,7 +384,8 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// The value [`ModelConfig::check_dims`] judged, for a GGUF error message.
+    /// The value of a field [`ModelConfig::check_dims`] judges (0 for a linear one without
+    /// linear dimensions).
     fn value_of(&self, dim: ShapeField) -> usize {
         let lin = self.linear.as_ref();
         let linear = |get: fn(&LinearAttnConfig) -> usize| lin.map_or(0, get);
@@ -733,14 +732,19 @@ pub(super) fn shortest(v: f64) -> f64 {
     format!("{}", v as f32).parse().unwrap_or(v)
 }
 
-/// A llama, qwen2 or qwen3 GGUF (attention layers only).
-fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, WeightsError> {
+/// Hidden size, heads, KV heads and head dimension of a GGUF's attention (`<arch>.*` keys; KV
+/// heads default to the heads, the head dimension to hidden / heads).
+fn attention_dims_from_gguf(
+    f: &GgufFile,
+    arch: &str,
+) -> Result<(usize, usize, usize, usize), WeightsError> {
     let k = |s: &str| format!("{arch}.{s}");
     let hidden = f.require_u64(&k("embedding_length"))? as usize;
     let heads = f.require_u64(&k("attention.head_count"))? as usize;
-    if heads == 0 || hidden == 0 {
-        return Err(WeightsError::invalid(
+    if hidden == 0 || heads == 0 {
+        return Err(config_error(
             f.path(),
+            &k("embedding_length"),
             "zero embedding_length or head_count",
         ));
     }
@@ -750,6 +754,13 @@ fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, Wei
     let head_dim = f
         .get_u64(&k("attention.key_length"))
         .unwrap_or((hidden / heads) as u64) as usize;
+    Ok((hidden, heads, kv_heads, head_dim))
+}
+
+/// A llama, qwen2 or qwen3 GGUF (attention layers only).
+fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, WeightsError> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let (hidden, heads, kv_heads, head_dim) = attention_dims_from_gguf(f, arch)?;
     let embd = f.require_tensor("token_embd.weight")?;
     let rope_scaling = match f.get_str(&k("rope.scaling.type")) {
         None | Some("none") => RopeScaling::None,
@@ -821,20 +832,7 @@ fn qwen35_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
             ));
         }
     }
-    let hidden = req("embedding_length")?;
-    let heads = req("attention.head_count")?;
-    if hidden == 0 || heads == 0 {
-        return Err(bad(
-            &k("embedding_length"),
-            "zero embedding_length or head_count".into(),
-        ));
-    }
-    let kv_heads = f
-        .get_u64(&k("attention.head_count_kv"))
-        .unwrap_or(heads as u64) as usize;
-    let head_dim = f
-        .get_u64(&k("attention.key_length"))
-        .unwrap_or((hidden / heads) as u64) as usize;
+    let (hidden, heads, kv_heads, head_dim) = attention_dims_from_gguf(f, arch)?;
     if let Some(v) = f.get_u64(&k("attention.value_length")) {
         if v as usize != head_dim {
             return Err(bad(
@@ -956,47 +954,38 @@ impl<'a> Fields<'a> {
     fn missing(&self, field: &str) -> WeightsError {
         config_error(self.file, &self.name(field), "missing")
     }
-    fn opt_usize(&self, field: &str) -> Result<Option<usize>, WeightsError> {
+    /// `field` read by `read` (absent or null: `None`); a value `read` refuses is an error saying
+    /// what was `expected`.
+    fn opt<T>(
+        &self,
+        field: &str,
+        expected: &str,
+        read: impl FnOnce(&'a Value) -> Option<T>,
+    ) -> Result<Option<T>, WeightsError> {
         match self.v.get(field) {
             None | Some(Value::Null) => Ok(None),
-            Some(x) => x
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.bad(field, "a non-negative integer")),
+            Some(x) => read(x).map(Some).ok_or_else(|| self.bad(field, expected)),
         }
+    }
+    fn opt_usize(&self, field: &str) -> Result<Option<usize>, WeightsError> {
+        self.opt(field, "a non-negative integer", |x| {
+            x.as_u64().map(|n| n as usize)
+        })
     }
     fn usize(&self, field: &str) -> Result<usize, WeightsError> {
         self.opt_usize(field)?.ok_or_else(|| self.missing(field))
     }
     fn opt_f64(&self, field: &str) -> Result<Option<f64>, WeightsError> {
-        match self.v.get(field) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => x
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.bad(field, "a number")),
-        }
+        self.opt(field, "a number", Value::as_f64)
     }
     fn f64(&self, field: &str) -> Result<f64, WeightsError> {
         self.opt_f64(field)?.ok_or_else(|| self.missing(field))
     }
     fn opt_bool(&self, field: &str) -> Result<Option<bool>, WeightsError> {
-        match self.v.get(field) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => x
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| self.bad(field, "true or false")),
-        }
+        self.opt(field, "true or false", Value::as_bool)
     }
     fn opt_str(&self, field: &str) -> Result<Option<&'a str>, WeightsError> {
-        match self.v.get(field) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => x
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.bad(field, "a string")),
-        }
+        self.opt(field, "a string", Value::as_str)
     }
     /// A token id or a list of them (`eos_token_id`); empty when absent.
     fn token_ids(&self, field: &str) -> Result<Vec<u32>, WeightsError> {
