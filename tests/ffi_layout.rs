@@ -1,7 +1,6 @@
 //! The Rust view of the UAPI (bindgen structs, request numbers computed in
 //! Rust) against two independent references: the C compiler (ffi/probe.c)
-//! and the literal numbers of the protocol reference (amdxdna-protocol.md §2,
-//! §7, §9).
+//! and the literal numbers of docs/protocol.md (§2, §3, §5.1, §5.2, §7, §9).
 
 // `Request` is c_ulong: u64 here, so u64::from is a no-op on x86_64 only.
 #![allow(clippy::useless_conversion)]
@@ -367,7 +366,7 @@ fn every_probe_ioctl_is_known_to_rust() {
     }
 }
 
-/// Literal request values from the reference's tables (§2.1, §2.3, §7).
+/// Literal request values from the tables of docs/protocol.md (§2.1, §2.3).
 #[test]
 fn requests_match_reference_literals() {
     let expect: &[(&str, u64)] = &[
@@ -418,7 +417,7 @@ fn requests_match_reference_literals() {
     }
 }
 
-/// Literal sizes and offsets from the reference (§2.2, §2.3, §7, §9).
+/// Literal sizes and offsets from docs/protocol.md (§2.2, §2.3, §5.1, §7, §9).
 #[test]
 fn layouts_match_reference_literals() {
     assert_eq!(size_of::<ffi::amdxdna_qos_info>(), 24);
@@ -540,6 +539,7 @@ fn layouts_match_reference_literals() {
     assert_eq!(size_of::<ffi::ert_cmd_chain_data>(), 24);
 }
 
+/// Literal constants from docs/protocol.md (§2.2, §2.3, §3, §5.1, §5.2, §9).
 #[test]
 fn constants_match_reference() {
     assert_eq!(ffi::AMDXDNA_BO_SHARE, 1);

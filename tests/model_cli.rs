@@ -260,7 +260,7 @@ fn perplexity_json_and_bench_json() {
 
 /// `--exact` runs the projections at reference precision: on this chat prompt the fast q8 path
 /// flips a near-tie at the first answer token ("L'Étoile…"), while the slow reference forward
-/// (`model::reference`, checked by hand on 2026-11-30) answers "The capital of France is Paris.".
+/// (`model::reference`, its answer checked by hand) answers "The capital of France is Paris.".
 #[test]
 fn run_exact_gives_the_reference_answer_on_a_near_tie() {
     let Some(g) = common::smollm2_gguf() else {

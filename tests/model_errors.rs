@@ -1,4 +1,4 @@
-//! Broken model packages give clear errors naming what is missing (issue 5): a package without one
+//! Broken model packages give clear errors naming what is missing: a package without one
 //! of its tensors, and a package whose kernel set lacks a shape the model needs.
 
 #[path = "model_common.rs"]

@@ -1,5 +1,6 @@
-//! The model as a speculative-decoding target: the verify contract of design.md maps one-to-one
-//! onto [`VerifyTarget`] (spec may call model, never the reverse).
+//! The model as a speculative-decoding target: the verify contract (docs/speculative.md, "The
+//! contract with the model") maps one-to-one onto [`VerifyTarget`] (spec may call model, never
+//! the reverse).
 
 use super::VerifyTarget;
 use crate::model::{Model, ModelError};

@@ -15,7 +15,7 @@
 //! - `"xdna.shape.<tensor>"`: the logical `"rows,cols"` of a tile grid.
 //!
 //! For FastFlowLM files (no metadata) the nibble order of 5120-byte chunks is detected once per
-//! file (reference §2.9): a 4736-byte (Q4_K) chunk anywhere → "1.0.3" column-major; otherwise
+//! file (docs/formats.md, "Nibble order of FastFlowLM files"): a 4736-byte (Q4_K) chunk anywhere → "1.0.3" column-major; otherwise
 //! a few q4_1 chunks are decoded both ways and the order in which more (row, group) cells hold
 //! both a 0 and a 15 wins.
 

@@ -1,6 +1,6 @@
 //! Test support for the shim tests: locating `libxdna_shim.so`, re-executing the test binary as
-//! a child under `LD_PRELOAD`, and a minimal raw-ioctl amdxdna client (byte offsets from the
-//! protocol reference §2) used by the child bodies.
+//! a child under `LD_PRELOAD`, and a minimal raw-ioctl amdxdna client (byte offsets from
+//! docs/protocol.md §2) used by the child bodies.
 
 #![allow(dead_code)]
 

@@ -8,7 +8,7 @@
 //! bandwidth those GB/s are compared with.
 //!
 //! Both stay out of the last-level cache, which on a server part can hold the whole model (260 MiB
-//! of L3 on the Sapphire Rapids host of 2026-12-01): the probe reads twice the cache (at least
+//! of L3 on a Sapphire Rapids host): the probe reads twice the cache (at least
 //! 256 MiB), and a full-model sweep cycles through as many copies of the weights as cover twice the
 //! cache, one copy per timed sweep (`--copies` sets the count; 1 is what a decode step on such a
 //! host reads).
