@@ -9,7 +9,8 @@ pub use crate::model::MAX_VERIFY_ROWS;
 /// Drafts per round at most.
 pub const MAX_DRAFTS: usize = MAX_VERIFY_ROWS - 1;
 
-/// The target model as the speculative loop sees it — exactly the design's verify contract.
+/// The target model as the speculative loop sees it — exactly the model's verify contract
+/// (docs/model.md, "State and the verify contract").
 ///
 /// State: position `P` = number of committed tokens (keys/values and recurrent updates kept). The
 /// *pending* token (last sampled, not yet fed) is held by the caller, not the target.

@@ -3,7 +3,8 @@
 //! Logits of a row are a fixed pseudo-random function of the row's input token and the
 //! `context_order` tokens before it, so plain decoding is reproducible and a speculative loop over
 //! it must reproduce plain decoding token for token. It keeps committed and pending state and
-//! refuses exactly what the design's verify contract refuses.
+//! refuses exactly what the verify contract (docs/model.md, "State and the verify contract")
+//! refuses.
 
 use std::time::Duration;
 
@@ -53,20 +54,48 @@ impl Default for ToyLmConfig {
 /// Errors of the toy model: the verify contract's refusals.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ToyLmError {
+    /// A pass (or feed) was given no tokens.
     #[error("empty batch")]
     EmptyBatch,
+    /// A verify pass was given more than [`MAX_VERIFY_ROWS`] tokens.
     #[error("{rows} rows exceed the 16-row verify pass")]
-    TooManyRows { rows: usize },
+    TooManyRows {
+        /// Tokens given.
+        rows: usize,
+    },
+    /// A pass, feed or truncate came while an earlier pass waits for its commit.
     #[error("a pass of {rows} rows is pending: commit it before another pass")]
-    PassPending { rows: usize },
+    PassPending {
+        /// Rows of the pending pass.
+        rows: usize,
+    },
+    /// A commit came with no pass pending.
     #[error("commit without a pending pass")]
     NoPassToCommit,
+    /// A commit kept 0 rows, or more rows than the pending pass has.
     #[error("commit of {n} rows out of range 1..={rows}")]
-    CommitOutOfRange { n: usize, rows: usize },
+    CommitOutOfRange {
+        /// Rows asked to keep.
+        n: usize,
+        /// Rows of the pending pass.
+        rows: usize,
+    },
+    /// An input token is not in the vocabulary.
     #[error("token {token} outside the vocabulary of {vocab}")]
-    TokenOutOfVocab { token: u32, vocab: usize },
+    TokenOutOfVocab {
+        /// The token id.
+        token: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// A truncate asked for a position past what the model holds.
     #[error("truncate to {position} beyond the {held} positions held")]
-    TruncateBeyond { position: usize, held: usize },
+    TruncateBeyond {
+        /// The position asked for.
+        position: usize,
+        /// Positions held.
+        held: usize,
+    },
 }
 
 /// The toy model. Implements [`VerifyTarget`] (target role), [`DraftModel`] (draft role) and

@@ -43,12 +43,21 @@ pub enum RopeScaling {
     /// Plain RoPE.
     None,
     /// `"linear"`: positions divided by `factor` (all frequencies divided by `factor`).
-    Linear { factor: f64 },
-    /// `"llama3"`: Llama 3.1 frequency-dependent scaling.
-    Llama3 {
+    Linear {
+        /// The divisor of every frequency.
         factor: f64,
+    },
+    /// `"llama3"`: Llama 3.1 frequency-dependent scaling: long wavelengths divided by `factor`,
+    /// short ones kept, the band between blended.
+    Llama3 {
+        /// The divisor of the low frequencies.
+        factor: f64,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled
+        /// fully.
         low_freq_factor: f64,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
         high_freq_factor: f64,
+        /// The context length (tokens) the model was trained at before the extension.
         original_max_position_embeddings: f64,
     },
 }
@@ -58,17 +67,29 @@ pub enum RopeScaling {
 pub struct ModelConfig {
     /// `model_type` (e.g. `llama`, `qwen2`, `qwen3`, `qwen3_5`).
     pub model_type: String,
+    /// `hidden_size`: width of the residual stream (floats per token).
     pub hidden: usize,
+    /// `intermediate_size`: width of the MLP's gate/up outputs.
     pub intermediate: usize,
+    /// `num_hidden_layers`: decoder layers.
     pub layers: usize,
+    /// `num_attention_heads`: query heads.
     pub heads: usize,
+    /// `num_key_value_heads`: key/value heads (grouped-query attention; = `heads` when absent).
     pub kv_heads: usize,
+    /// `head_dim`: floats per attention head (`hidden / heads` when absent).
     pub head_dim: usize,
+    /// `rms_norm_eps`: the epsilon added to the mean square in every RMSNorm.
     pub rms_eps: f64,
+    /// `rope_theta`: the RoPE base frequency.
     pub rope_theta: f64,
+    /// `rope_scaling`: how RoPE frequencies are stretched for long contexts.
     pub rope_scaling: RopeScaling,
+    /// `vocab_size`: rows of the embedding table and of the lm_head.
     pub vocab: usize,
+    /// `tie_word_embeddings`: the lm_head reuses the embedding table.
     pub tie_word_embeddings: bool,
+    /// `max_position_embeddings`: the longest context (tokens) the model was trained for.
     pub max_position_embeddings: usize,
     /// q/k/v projections carry a bias (Qwen2, or `attention_bias: true`).
     pub qkv_bias: bool,
@@ -122,9 +143,11 @@ pub struct LinearAttnConfig {
 }
 
 impl LinearAttnConfig {
+    /// Width of q (and of k): `Hk × d_k`.
     pub fn key_dim(&self) -> usize {
         self.key_heads * self.key_head_dim
     }
+    /// Width of v (and of the layer's output before o_proj): `Hv × d_v`.
     pub fn value_dim(&self) -> usize {
         self.value_heads * self.value_head_dim
     }

@@ -40,25 +40,46 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types)]
 pub enum GgmlType {
+    /// 32-bit float (id 0).
     F32,
+    /// IEEE half float (id 1).
     F16,
+    /// 4-bit codes in 32-element blocks with an f16 scale (id 2).
     Q4_0,
+    /// 4-bit codes in 32-element blocks with an f16 scale and an f16 minimum (id 3).
     Q4_1,
+    /// 5-bit codes in 32-element blocks with an f16 scale (id 6).
     Q5_0,
+    /// 5-bit codes in 32-element blocks with an f16 scale and an f16 minimum (id 7).
     Q5_1,
+    /// 8-bit codes in 32-element blocks with an f16 scale (id 8).
     Q8_0,
+    /// 8-bit codes in 32-element blocks with an f16 scale and the block's scaled sum (id 9).
     Q8_1,
+    /// 2-bit k-quant: 256-element super-blocks of 16-element sub-blocks (id 10).
     Q2_K,
+    /// 3-bit k-quant: 256-element super-blocks of 16-element sub-blocks (id 11).
     Q3_K,
+    /// 4-bit k-quant: 256-element super-blocks of 32-element sub-blocks with 6-bit scales and
+    /// minimums (id 12).
     Q4_K,
+    /// 5-bit k-quant: 256-element super-blocks of 32-element sub-blocks (id 13).
     Q5_K,
+    /// 6-bit k-quant: 256-element super-blocks of 16-element sub-blocks with 8-bit scales (id 14).
     Q6_K,
+    /// 8-bit k-quant with an f32 scale per 256 elements, ggml's dot-product intermediate (id 15).
     Q8_K,
+    /// 8-bit signed integer (id 24).
     I8,
+    /// 16-bit signed integer (id 25).
     I16,
+    /// 32-bit signed integer (id 26).
     I32,
+    /// 64-bit signed integer (id 27).
     I64,
+    /// 64-bit float (id 28).
     F64,
+    /// bfloat16: the upper half of an f32 (id 30).
     BF16,
 }
 
@@ -155,18 +176,31 @@ impl GgmlType {
 /// A metadata value (GGUF `gguf_type`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
+    /// `UINT8` (type 0).
     U8(u8),
+    /// `INT8` (type 1).
     I8(i8),
+    /// `UINT16` (type 2).
     U16(u16),
+    /// `INT16` (type 3).
     I16(i16),
+    /// `UINT32` (type 4).
     U32(u32),
+    /// `INT32` (type 5).
     I32(i32),
+    /// `FLOAT32` (type 6).
     F32(f32),
+    /// `BOOL` (type 7): one byte, 0 or 1.
     Bool(bool),
+    /// `STRING` (type 8): u64 length, then UTF-8 bytes.
     String(String),
+    /// `ARRAY` (type 9): element type, u64 count, then the elements (all of that one type).
     Array(Vec<Value>),
+    /// `UINT64` (type 10).
     U64(u64),
+    /// `INT64` (type 11).
     I64(i64),
+    /// `FLOAT64` (type 12).
     F64(f64),
 }
 
@@ -211,12 +245,14 @@ impl Value {
             _ => self.as_u64().map(|v| v != 0),
         }
     }
+    /// A string value.
     pub fn as_str(&self) -> Option<&str> {
         match self {
             Value::String(s) => Some(s),
             _ => None,
         }
     }
+    /// An array value's elements.
     pub fn as_array(&self) -> Option<&[Value]> {
         match self {
             Value::Array(a) => Some(a),
@@ -246,9 +282,11 @@ impl Value {
 /// Where a tensor is and what it holds (parsed tensor-info record).
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
+    /// The tensor's name (e.g. `blk.0.attn_q.weight`).
     pub name: String,
     /// Dimensions innermost-first (`ne[0]` = elements per row).
     pub shape: Vec<u64>,
+    /// Element type of the data.
     pub ggml_type: GgmlType,
     /// Offset of the data relative to the data section.
     pub offset: u64,
@@ -257,6 +295,7 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// Number of elements (product of the shape).
     pub fn elements(&self) -> u64 {
         self.shape.iter().product()
     }
@@ -265,10 +304,13 @@ impl TensorInfo {
 /// A zero-copy view of one tensor's bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct GgufTensor<'a> {
+    /// The tensor's name.
     pub name: &'a str,
+    /// Element type of `data`.
     pub ggml_type: GgmlType,
     /// Dimensions innermost-first: `shape[0]` is the row length (GGUF `ne[0]`).
     pub shape: &'a [u64],
+    /// The tensor's bytes, in place in the file's mapping.
     pub data: &'a [u8],
     path: &'a Path,
 }
@@ -487,6 +529,7 @@ impl GgufFile {
         })
     }
 
+    /// The file this was opened from (what errors name).
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -508,6 +551,8 @@ impl GgufFile {
     }
     /// Drop this process's resident pages of the mapping (they stay in the page cache and are
     /// re-read on the next access). Keeps the RSS of a streaming import bounded. Best effort.
+    // madvise on a live mapping is unsafe by nature (memmap2::Mmap::unchecked_advise).
+    #[allow(unsafe_code)]
     pub fn release_pages(&self) {
         // SAFETY: the mapping is a private, read-only, file-backed map that we never write, so
         // MADV_DONTNEED only discards clean pages; later reads fault them back in from the file
@@ -525,27 +570,35 @@ impl GgufFile {
     pub fn metadata(&self, key: &str) -> Option<&Value> {
         self.meta_index.get(key).map(|&i| &self.metadata[i].1)
     }
+    /// A metadata value as u64 (any non-negative integer); `None` if absent or not one.
     pub fn get_u64(&self, key: &str) -> Option<u64> {
         self.metadata(key).and_then(Value::as_u64)
     }
+    /// A metadata value as u32; `None` if absent, not an integer, or out of range.
     pub fn get_u32(&self, key: &str) -> Option<u32> {
         self.get_u64(key).and_then(|v| u32::try_from(v).ok())
     }
+    /// A metadata value as i64 (any integer in range); `None` if absent or not one.
     pub fn get_i64(&self, key: &str) -> Option<i64> {
         self.metadata(key).and_then(Value::as_i64)
     }
+    /// A numeric metadata value as f32 (rounded); `None` if absent or not numeric.
     pub fn get_f32(&self, key: &str) -> Option<f32> {
         self.metadata(key).and_then(Value::as_f64).map(|v| v as f32)
     }
+    /// A numeric metadata value as f64; `None` if absent or not numeric.
     pub fn get_f64(&self, key: &str) -> Option<f64> {
         self.metadata(key).and_then(Value::as_f64)
     }
+    /// A boolean (or 0/1 integer) metadata value; `None` if absent or not one.
     pub fn get_bool(&self, key: &str) -> Option<bool> {
         self.metadata(key).and_then(Value::as_bool)
     }
+    /// A string metadata value; `None` if absent or not a string.
     pub fn get_str(&self, key: &str) -> Option<&str> {
         self.metadata(key).and_then(Value::as_str)
     }
+    /// An array metadata value's elements; `None` if absent or not an array.
     pub fn get_array(&self, key: &str) -> Option<&[Value]> {
         self.metadata(key).and_then(Value::as_array)
     }

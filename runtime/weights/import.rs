@@ -45,9 +45,11 @@ impl Default for ImportOptions {
 /// One GGUF tensor contributing rows to an output matrix.
 #[derive(Clone, Debug)]
 pub struct Part {
+    /// The GGUF tensor's name.
     pub tensor: String,
     /// Undo llama's rotary interleave with this many heads (q: heads, k: kv heads).
     pub unpermute_heads: Option<usize>,
+    /// Rows this part contributes (the GGUF tensor's row count).
     pub rows: usize,
     /// Any other row map: entry r is the GGUF row of output row r (Qwen3.5 value-head order).
     pub row_src: Option<Vec<usize>>,
@@ -68,10 +70,15 @@ impl Part {
 pub enum Planned {
     /// A tiled matrix built from row-concatenated parts.
     Matrix {
+        /// The package tensor's name.
         name: String,
+        /// The tile format it is written in.
         format: WeightFormat,
+        /// The GGUF tensors whose rows it concatenates, in order.
         parts: Vec<Part>,
+        /// Logical rows (output features): the parts' rows summed.
         rows: usize,
+        /// Logical columns (input features).
         cols: usize,
         /// Column blocks of 32 moved whole (exact for Q8_0 / Q4_1): entry b is the GGUF block of
         /// output block b.
@@ -79,24 +86,35 @@ pub enum Planned {
     },
     /// A plain f32 vector copied (decoded) from one GGUF tensor.
     Vector {
+        /// The package tensor's name.
         name: String,
+        /// The GGUF tensor's name.
         tensor: String,
+        /// Elements.
         len: usize,
     },
     /// A plain f32 tensor decoded row by row from one GGUF tensor `[rows, cols]`, rows and columns
     /// gathered through the maps (entry i: the GGUF index of output index i), declared `shape`.
     Plain {
+        /// The package tensor's name.
         name: String,
+        /// The GGUF tensor's name.
         tensor: String,
+        /// The shape declared in the package (`rows × cols` elements in all).
         shape: Vec<usize>,
+        /// Rows written.
         rows: usize,
+        /// Columns written.
         cols: usize,
+        /// Row map (entry i: the GGUF row of output row i); `None` keeps the order.
         row_src: Option<Vec<usize>>,
+        /// Column map (entry j: the GGUF column of output column j); `None` keeps the order.
         col_src: Option<Vec<usize>>,
     },
 }
 
 impl Planned {
+    /// The package tensor's name.
     pub fn name(&self) -> &str {
         match self {
             Planned::Matrix { name, .. }
@@ -716,14 +734,18 @@ fn tokenizer_config_json(f: &GgufFile, tok: &Tokenizer) -> serde_json::Value {
 /// Reconstruction error of a package against the GGUF it came from.
 #[derive(Clone, Debug, Default)]
 pub struct CompareStats {
+    /// Values compared.
     pub values: u64,
+    /// Largest |package value − GGUF value|.
     pub max_abs: f64,
+    /// Sum of the squared differences.
     pub sum_sq: f64,
     /// Largest |GGUF value| seen (for scale).
     pub max_ref: f64,
 }
 
 impl CompareStats {
+    /// Root mean square of the differences (0 when nothing was compared).
     pub fn rms(&self) -> f64 {
         if self.values == 0 {
             0.0

@@ -59,34 +59,57 @@ pub enum WeightsError {
     /// The operating system refused an operation on a file.
     #[error("{path}: {source}")]
     Io {
+        /// The file (or directory) concerned.
         path: PathBuf,
+        /// What the operating system answered.
         #[source]
         source: std::io::Error,
     },
     /// The file's contents break a rule of its format; `what` names the field or tensor.
     #[error("{path}: {what}")]
-    Invalid { path: PathBuf, what: String },
+    Invalid {
+        /// The file concerned.
+        path: PathBuf,
+        /// The rule broken, naming the field or tensor.
+        what: String,
+    },
     /// A field of the model description (`config.json` or GGUF metadata) is missing, ill-typed
     /// or unsupported.
     #[error("{path}: field {field:?}: {problem}")]
     Config {
+        /// The file the description was read from.
         path: PathBuf,
+        /// The field's key (e.g. `hidden_size`, `llama.block_count`).
         field: String,
+        /// What is wrong with it.
         problem: String,
     },
     /// A tensor the caller asked for is not in the file.
     #[error("{path}: no tensor named {name:?}")]
-    MissingTensor { path: PathBuf, name: String },
+    MissingTensor {
+        /// The file searched.
+        path: PathBuf,
+        /// The tensor's name as asked for.
+        name: String,
+    },
     /// A tensor exists but does not have the expected shape, format or size.
     #[error("{path}: tensor {name:?}: {what}")]
     Tensor {
+        /// The file holding the tensor.
         path: PathBuf,
+        /// The tensor's name.
         name: String,
+        /// How it differs from what was expected.
         what: String,
     },
     /// Tokenizer construction or lookup failed.
     #[error("tokenizer ({path}): {what}")]
-    Tokenizer { path: PathBuf, what: String },
+    Tokenizer {
+        /// The file the tokenizer is built from (`tokenizer.json` or a GGUF file).
+        path: PathBuf,
+        /// What failed.
+        what: String,
+    },
     /// Anything else (e.g. an external tool failed); the message says what.
     #[error("{0}")]
     Other(String),
@@ -121,6 +144,8 @@ impl WeightsError {
 }
 
 /// Map a whole file read-only. Refuses empty files (nothing to map) with a clear error.
+// Mapping a file is unsafe by nature (memmap2::Mmap::map); this is the one place weights maps one.
+#[allow(unsafe_code)]
 pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap, WeightsError> {
     let file = std::fs::File::open(path).map_err(|e| WeightsError::io(path, e))?;
     let len = file

@@ -19,8 +19,11 @@ use std::path::{Path, PathBuf};
 /// A zero-copy view of one weight matrix `[rows, cols]` (rows = out features, cols = K).
 #[derive(Clone, Copy, Debug)]
 pub struct MatrixView<'a> {
+    /// How `data` is laid out (a tile format, or plain f32/f16/bf16 rows).
     pub format: WeightFormat,
+    /// Output features.
     pub rows: usize,
+    /// Input features (K).
     pub cols: usize,
     /// Tile grid in raster order (or plain row-major data), straight from the mmap.
     pub data: &'a [u8],
@@ -44,18 +47,31 @@ impl MatrixView<'_> {
 /// What a tensor is for (from its HF name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TensorRole {
+    /// The token embedding table (`embed_tokens`, `token_embd.weight`).
     Embedding,
+    /// The output projection to vocabulary logits (`lm_head`, `output.weight`).
     LmHead,
+    /// The fused q ‖ k ‖ v projection (`qkv_proj`).
     AttnQkv,
+    /// The query projection (`q_proj`, `attn_q`).
     AttnQ,
+    /// The key projection (`k_proj`, `attn_k`).
     AttnK,
+    /// The value projection (`v_proj`, `attn_v`).
     AttnV,
+    /// The attention output projection (`o_proj`, `attn_output`).
     AttnO,
+    /// The fused gate ‖ up projection (`gate_up_proj`).
     MlpGateUp,
+    /// The MLP gate projection (`gate_proj`, `ffn_gate`).
     MlpGate,
+    /// The MLP up projection (`up_proj`, `ffn_up`).
     MlpUp,
+    /// The MLP down projection (`down_proj`, `ffn_down`).
     MlpDown,
+    /// An RMSNorm weight (any name containing `norm`).
     Norm,
+    /// Anything else (biases, GDN tensors, ...).
     Other,
 }
 
@@ -92,6 +108,7 @@ impl TensorRole {
             TensorRole::Other
         }
     }
+    /// Short label for listings (`"attn.qkv"`, `"mlp.down"`, ...).
     pub fn name(self) -> &'static str {
         match self {
             TensorRole::Embedding => "embedding",
@@ -254,9 +271,11 @@ impl Package {
         })
     }
 
+    /// The package directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+    /// The model description from `config.json`.
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -264,6 +283,7 @@ impl Package {
     pub fn weights(&self) -> &SafeTensors {
         &self.weights
     }
+    /// The tokenizer from `tokenizer.json`.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -271,12 +291,18 @@ impl Package {
     pub fn tokenizer_config(&self) -> &serde_json::Value {
         &self.tokenizer_config
     }
+    /// The Jinja chat template: `chat_template.jinja` if present, else `tokenizer_config.json`'s
+    /// `chat_template`.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
     }
+    /// The ids that end generation: `tokenizer_config.json`'s `eos_token_id` (or `eos_token`),
+    /// else `config.json`'s `eos_token_id`.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos
     }
+    /// The BOS id: `tokenizer_config.json`'s `bos_token_id` (or `bos_token`), else
+    /// `config.json`'s `bos_token_id`.
     pub fn bos_token_id(&self) -> Option<u32> {
         self.bos
     }
@@ -303,6 +329,7 @@ impl Package {
         ids.extend(tok.encode(text, special));
         ids
     }
+    /// Whether the weights file holds a tensor of this name.
     pub fn has_tensor(&self, name: &str) -> bool {
         self.weights.contains(name)
     }

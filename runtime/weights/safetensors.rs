@@ -31,26 +31,42 @@ pub const MAX_HEADER_BYTES: u64 = 100 << 20;
 /// Safetensors element types (plus the legacy FastFlowLM `"Q4NX"` label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
+    /// `"BOOL"`: one byte per element.
     Bool,
+    /// `"U8"`: unsigned byte.
     U8,
+    /// `"I8"`: signed byte; also the element type of Q4NX tile grids.
     I8,
+    /// `"I16"`.
     I16,
+    /// `"U16"`.
     U16,
+    /// `"F16"`: IEEE half float.
     F16,
+    /// `"BF16"`: bfloat16.
     BF16,
+    /// `"I32"`.
     I32,
+    /// `"U32"`.
     U32,
+    /// `"F32"`.
     F32,
+    /// `"F64"`.
     F64,
+    /// `"I64"`.
     I64,
+    /// `"U64"`.
     U64,
+    /// `"F8_E4M3"`: 8-bit float, 4 exponent and 3 mantissa bits.
     F8E4M3,
+    /// `"F8_E5M2"`: 8-bit float, 5 exponent and 2 mantissa bits.
     F8E5M2,
     /// Legacy FastFlowLM label: logical `[M, K]` shape, 1.0.2 q4_1-layout 5120-byte chunks.
     Q4nx,
 }
 
 impl Dtype {
+    /// The dtype of a header's `"dtype"` string; `None` if unknown.
     pub fn parse(s: &str) -> Option<Dtype> {
         use Dtype::*;
         Some(match s {
@@ -73,6 +89,7 @@ impl Dtype {
             _ => return None,
         })
     }
+    /// The header's `"dtype"` string for this dtype (inverse of [`Dtype::parse`]).
     pub fn name(self) -> &'static str {
         use Dtype::*;
         match self {
@@ -126,20 +143,28 @@ impl Dtype {
 /// One tensor entry of the header.
 #[derive(Clone, Debug)]
 pub struct Entry {
+    /// The tensor's name (the header key).
     pub name: String,
+    /// Element type.
     pub dtype: Dtype,
+    /// Dimensions, outermost first.
     pub shape: Vec<usize>,
-    /// Absolute byte range in the file.
+    /// Absolute byte range in the file: first byte.
     pub start: usize,
+    /// Absolute byte range in the file: one past the last byte.
     pub end: usize,
 }
 
 /// A zero-copy view of one tensor.
 #[derive(Clone, Copy, Debug)]
 pub struct StTensor<'a> {
+    /// The tensor's name.
     pub name: &'a str,
+    /// Element type.
     pub dtype: Dtype,
+    /// Dimensions, outermost first.
     pub shape: &'a [usize],
+    /// The tensor's bytes, in place in the file's mapping.
     pub data: &'a [u8],
 }
 
@@ -322,18 +347,23 @@ impl SafeTensors {
         Ok(st)
     }
 
+    /// The file this was opened from (what errors name).
     pub fn path(&self) -> &Path {
         &self.path
     }
+    /// Every tensor entry of the header.
     pub fn entries(&self) -> &[Entry] {
         &self.entries
     }
+    /// The header's `__metadata__` (empty if absent).
     pub fn metadata(&self) -> &BTreeMap<String, String> {
         &self.metadata
     }
+    /// Bytes of the JSON header (N, without the 8-byte length before it).
     pub fn header_len(&self) -> usize {
         self.header_len
     }
+    /// Total file size in bytes.
     pub fn file_len(&self) -> usize {
         self.map.len()
     }
@@ -349,9 +379,11 @@ impl SafeTensors {
     pub fn tile_order(&self) -> TileOrder {
         self.order
     }
+    /// Whether the header names a tensor `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
+    /// A zero-copy view of tensor `name`; `None` if the file has none of that name.
     pub fn tensor(&self, name: &str) -> Option<StTensor<'_>> {
         let e = &self.entries[*self.index.get(name)?];
         Some(StTensor {
@@ -526,8 +558,11 @@ pub fn full_range_cells(chunk: &[u8], order: TileOrder) -> usize {
 /// One tensor to be written: name, dtype, shape (bytes follow from them).
 #[derive(Clone, Debug)]
 pub struct Declared {
+    /// The tensor's name (the header key).
     pub name: String,
+    /// Element type.
     pub dtype: Dtype,
+    /// Dimensions, outermost first.
     pub shape: Vec<usize>,
 }
 
