@@ -322,7 +322,7 @@ impl ModelConfig {
     /// The description of a GGUF file, from its metadata: `<arch>.*` keys of llama, qwen2 and
     /// qwen3 files (attention only) or of qwen35 hybrids, `token_embd.weight`'s rows as the
     /// vocabulary, and the tokenizer's BOS / EOS ids. f32 values (`rms_norm_eps`, `rope_theta`)
-    /// are taken as the decimal they were written from (see [`shortest`]).
+    /// are taken as the decimal they were written from (1e-5, not 9.999999747378752e-6).
     pub fn from_gguf(g: &GgufFile) -> Result<Self, WeightsError> {
         let path = g.path();
         let arch = g

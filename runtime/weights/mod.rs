@@ -19,7 +19,7 @@
 //! - [`import_qwen35`]: the import's plan for Qwen3.5 (`qwen35`) hybrid GGUFs: llama.cpp's
 //!   converter transforms undone into the Hugging Face layout the hybrid loader reads.
 //! - [`tokenizer`]: byte-level BPE ([`Tokenizer`]) with the `smollm` / GPT-2 pre-tokenizer.
-//! - [`default_model`]: fetch + import the default model (SmolLM2-135M-Instruct Q4_1).
+//! - [`default_model`](mod@default_model): fetch + import the default model (SmolLM2-135M-Instruct Q4_1).
 //!
 //! # Typical use (the model layer)
 //! ```no_run
