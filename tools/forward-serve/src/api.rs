@@ -19,11 +19,17 @@ use tokio::sync::mpsc;
 /// Server limits and settings.
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// Requests waiting for a sequence slot before new ones get 503 (`--max-queue`).
     pub max_queue: usize,
+    /// Sequences generated at once (`--max-batch`; the engine may cap it lower).
     pub max_batch: usize,
+    /// Per-request time limit, queueing included (`--request-timeout`).
     pub request_timeout: Duration,
+    /// Largest `max_tokens` a request may ask for (`--max-tokens-limit`).
     pub max_tokens_limit: usize,
+    /// Largest request body in bytes; larger ones get 413 (`--body-limit`).
     pub body_limit: usize,
+    /// Time in-flight requests get to finish after SIGTERM/SIGINT (`--shutdown-grace`).
     pub shutdown_grace: Duration,
     /// Server default for speculative decoding (`--speculate ngram --draft-max K`): drafts per
     /// round, `None` = off. A request's `speculative` field overrides it.
@@ -46,17 +52,22 @@ impl Default for Config {
 
 /// State shared by every handler.
 pub struct App {
+    /// Limits and settings.
     pub cfg: Config,
+    /// Tokenizer and chat template of the served model.
     pub codec: Arc<dyn TextCodec>,
+    /// Counters shared with the engine thread, served at `/metrics`.
     pub metrics: Arc<Metrics>,
     /// The queue's only sender; taken at shutdown so the engine thread sees the queue close.
     pub queue: Mutex<Option<mpsc::Sender<GenRequest>>>,
+    /// Set at shutdown: new generations get 503 and `/health` reports "shutting down".
     pub draining: AtomicBool,
     next_id: AtomicU64,
     created: u64,
 }
 
 impl App {
+    /// The shared state, with `queue` the sender side of the engine's request queue.
     pub fn new(
         cfg: Config,
         codec: Arc<dyn TextCodec>,
@@ -99,6 +110,7 @@ pub fn endpoint_label(path: &str) -> &'static str {
     }
 }
 
+/// Middleware: counts every response by endpoint and status in [`Metrics`].
 pub async fn track(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     let ep = endpoint_label(req.uri().path());
     let r = next.run(req).await;
@@ -230,20 +242,31 @@ fn token_list(codec: &dyn TextCodec, a: &[Value], key: &str) -> Result<Vec<u32>,
 /// Which API shape a generation answers in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// OpenAI `/v1/completions` (`text_completion` objects).
     Completions,
+    /// OpenAI `/v1/chat/completions` (`chat.completion` objects; the prompt is rendered through
+    /// the chat template).
     Chat,
+    /// llama.cpp server `/completion` (`content`, `stop`, `tokens_predicted`, ...).
     Llama,
 }
 
 /// A validated generation request.
 #[derive(Debug)]
 pub struct Params {
+    /// Prompt token ids (chat: the rendered template, tokenized).
     pub prompt: Vec<u32>,
+    /// Most tokens to generate.
     pub max_tokens: usize,
+    /// Temperature, top-k and top-p.
     pub sampling: SamplingConfig,
+    /// Seed of the sampler (varied per request when the request gives none or a negative one).
     pub seed: u64,
+    /// Stop strings: generation ends at the first occurrence of any (not sent).
     pub stop: Vec<String>,
+    /// Answer as server-sent events instead of one JSON body.
     pub stream: bool,
+    /// `stream_options.include_usage`: end the stream with a usage chunk.
     pub include_usage: bool,
     /// Speculative decoding for this request: drafts per round (`None` = plain decoding), from
     /// the request's `speculative` field or else the server default.
@@ -865,12 +888,14 @@ async fn generate(
     }
 }
 
+/// `POST /v1/completions`.
 pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     generate(app, headers, body, Kind::Completions)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
+/// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
@@ -881,6 +906,7 @@ pub async fn chat_completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
+/// `POST /completion` (llama.cpp server shape).
 pub async fn llama_completion(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
@@ -891,6 +917,7 @@ pub async fn llama_completion(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
+/// `GET /v1/models`: the one model served, with its context length.
 pub async fn models(State(app): State<Arc<App>>) -> Response {
     json_response(
         StatusCode::OK,
@@ -901,6 +928,7 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
     )
 }
 
+/// `GET /health`: 200 `{"status": "ok"}`, or 503 while shutting down.
 pub async fn health(State(app): State<Arc<App>>) -> Response {
     if app.draining.load(Relaxed) {
         json_response(
@@ -912,6 +940,7 @@ pub async fn health(State(app): State<Arc<App>>) -> Response {
     }
 }
 
+/// `GET /metrics`: the counters in Prometheus text format.
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     (
         StatusCode::OK,
@@ -950,6 +979,7 @@ async fn tokenize_inner(app: &App, headers: HeaderMap, body: Body) -> Result<Res
     Ok(json_response(StatusCode::OK, &json!({"tokens": tokens})))
 }
 
+/// `POST /tokenize`: `{"content", "add_special"?}` → `{"tokens"}`.
 pub async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     tokenize_inner(&app, headers, body)
         .await
@@ -977,12 +1007,14 @@ async fn detokenize_inner(app: &App, headers: HeaderMap, body: Body) -> Result<R
     ))
 }
 
+/// `POST /detokenize`: `{"tokens"}` → `{"content"}`.
 pub async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     detokenize_inner(&app, headers, body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
+/// Any other path: 404 in the OpenAI error shape.
 pub async fn fallback(req: Request) -> Response {
     ApiError::not_found(req.uri().path()).into_response()
 }

@@ -37,7 +37,9 @@ pub const BENCH_PROMPTS: [&str; 16] = [
 /// Bench settings.
 #[derive(Clone, Debug)]
 pub struct BenchSpec {
+    /// Concurrent streams of the second phase (at least 1).
     pub streams: usize,
+    /// Tokens every stream generates (EOS ignored).
     pub tokens: usize,
     /// Rounds of (one single stream, then all streams at once), alternated so that a change in
     /// machine load hits both phases alike; medians are reported.
@@ -49,31 +51,43 @@ pub struct BenchSpec {
 /// Bench result (also the `--json` shape).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchResult {
+    /// The model id.
     pub model: String,
+    /// Concurrent streams.
     pub streams: usize,
+    /// Tokens every stream generated.
     pub tokens_per_stream: usize,
+    /// Rounds measured.
     pub rounds: usize,
     /// Sampling temperature of every stream (0 = greedy; no top-k / top-p cut).
     pub temperature: f32,
-    /// Medians over the rounds: completion tokens / wall seconds, prefill included.
+    /// One stream: median over the rounds of completion tokens / wall seconds, prefill included.
     pub single_tok_s: f64,
+    /// All streams at once: median over the rounds of completion tokens / wall seconds, prefill
+    /// included.
     pub concurrent_tok_s: f64,
     /// `concurrent_tok_s / single_tok_s`.
     pub speedup: f64,
-    /// Per round, for the spread.
+    /// `single_tok_s` of every round, for the spread.
     pub single_runs_tok_s: Vec<f64>,
+    /// `concurrent_tok_s` of every round, for the spread.
     pub concurrent_runs_tok_s: Vec<f64>,
-    /// Medians of decode rows / decode-pass seconds (prefill excluded), from the server's metrics.
+    /// One stream: median of decode rows / decode-pass seconds (prefill excluded), from the
+    /// server's metrics.
     pub single_decode_tok_s: f64,
+    /// All streams at once: median of decode rows / decode-pass seconds (prefill excluded).
     pub concurrent_decode_tok_s: f64,
     /// Mean rows per decode pass in the concurrent phase.
     pub concurrent_rows_per_pass: f64,
 }
 
+/// Errors of the bench.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
+    /// A prompt did not tokenize, a stream failed or ended short, or the engine thread went away.
     #[error("bench: {0}")]
     Failed(String),
+    /// The engine thread could not be started.
     #[error("bench: could not start the engine thread: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -167,6 +181,8 @@ fn decode_counters(m: &Metrics) -> (u64, u64, u64) {
     )
 }
 
+/// Run the bench: `spec.rounds` rounds of one stream, then `spec.streams` streams at once,
+/// through a fresh engine thread; medians of the rounds.
 pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> {
     let streams = spec.streams.max(1);
     let rounds = spec.rounds.max(1);

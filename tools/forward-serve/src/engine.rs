@@ -20,14 +20,19 @@ pub type SeqId = u64;
 /// Errors of the engine seam.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// The model, its tokenizer or its backend could not be loaded.
     #[error("load: {0}")]
     Load(String),
+    /// The model has no chat template, or rendering it failed.
     #[error("chat template: {0}")]
     Template(String),
+    /// A model pass failed (device or model error); counted in the `device_errors` metric.
     #[error("device: {0}")]
     Device(String),
+    /// A sequence id the engine does not hold.
     #[error("no such sequence {0}")]
     NoSequence(SeqId),
+    /// A request past the engine's limits: too many sequences, rows or positions.
     #[error("engine capacity: {0}")]
     Capacity(String),
 }
@@ -35,7 +40,9 @@ pub enum EngineError {
 /// One chat message, already flattened to text.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, ...
     pub role: String,
+    /// The message text.
     pub content: String,
 }
 
@@ -47,6 +54,7 @@ pub trait TextCodec: Send + Sync {
     fn context_len(&self) -> usize;
     /// Tokens that end a generation.
     fn eos_ids(&self) -> &[u32];
+    /// Token ids are `0..vocab_size()`.
     fn vocab_size(&self) -> usize;
     /// Plain tokenization (no BOS); `special` lets special-token text map to its id.
     fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>, EngineError>;
@@ -124,9 +132,11 @@ pub trait Engine {
     fn release(&mut self, seq: SeqId);
 }
 
-/// A loaded model: its codec and a factory that builds the engine on the engine thread.
+/// A loaded model: its codec and its engine, which the server moves onto the engine thread.
 pub struct Loaded {
+    /// Tokenizer and chat template, shared with the HTTP handlers.
     pub codec: Arc<dyn TextCodec>,
+    /// The compute side, owned by the engine thread once the server starts.
     pub engine: Box<dyn Engine + Send>,
 }
 

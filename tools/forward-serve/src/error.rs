@@ -3,17 +3,26 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
+/// An error answer of the API: its HTTP status, its JSON body's fields and an optional
+/// `Retry-After`.
 #[derive(Debug, Clone)]
 pub struct ApiError {
+    /// HTTP status of the response.
     pub status: StatusCode,
+    /// `error.message`: what went wrong, for a person.
     pub message: String,
+    /// `error.type` (e.g. `invalid_request_error`, `server_overloaded`).
     pub kind: &'static str,
+    /// `error.param`: the request field at fault, if one is.
     pub param: Option<String>,
+    /// `error.code`: a machine-readable reason (e.g. `invalid_value`, `queue_full`).
     pub code: Option<&'static str>,
+    /// Seconds for the `Retry-After` header (overload and shutdown answers).
     pub retry_after: Option<u64>,
 }
 
 impl ApiError {
+    /// An error with no `param`, `code` or `Retry-After`.
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
@@ -32,10 +41,12 @@ impl ApiError {
         }
         e
     }
+    /// The same error with `error.code` set.
     pub fn code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
     }
+    /// 404 `model_not_found`: the request names a model this server does not serve.
     pub fn model_not_found(model: &str) -> Self {
         let mut e = ApiError::new(
             StatusCode::NOT_FOUND,
@@ -46,6 +57,7 @@ impl ApiError {
         e.param = Some("model".into());
         e
     }
+    /// 413 `request_too_large`: the body is over `limit` bytes.
     pub fn too_large(limit: usize) -> Self {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -54,6 +66,7 @@ impl ApiError {
         )
         .code("request_too_large")
     }
+    /// 503 `queue_full` (retry after 1 s): the request queue is at `--max-queue`.
     pub fn queue_full() -> Self {
         let mut e = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -64,6 +77,7 @@ impl ApiError {
         e.retry_after = Some(1);
         e
     }
+    /// 503 `shutting_down` (retry after 5 s): the server is draining after SIGTERM/SIGINT.
     pub fn shutting_down() -> Self {
         let mut e = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -74,6 +88,7 @@ impl ApiError {
         e.retry_after = Some(5);
         e
     }
+    /// 504 `timeout`: the request ran past `--request-timeout`.
     pub fn timeout() -> Self {
         ApiError::new(
             StatusCode::GATEWAY_TIMEOUT,
@@ -82,9 +97,11 @@ impl ApiError {
         )
         .code("timeout")
     }
+    /// 500 `engine_error`: the engine failed the request.
     pub fn engine(msg: impl Into<String>) -> Self {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", msg).code("engine_error")
     }
+    /// 404 `not_found`: no route for `path`.
     pub fn not_found(path: &str) -> Self {
         ApiError::new(
             StatusCode::NOT_FOUND,
@@ -94,6 +111,7 @@ impl ApiError {
         .code("not_found")
     }
 
+    /// The JSON body: `{"error": {"message", "type", "param", "code"}}`.
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({
             "error": {

@@ -11,16 +11,20 @@ use super::engine::{
 use std::collections::HashMap;
 use std::time::Duration;
 
+/// The fake model's EOS id (the one id past the 256 byte values).
 pub const FAKE_EOS: u32 = 256;
+/// The fake model's vocabulary size: 256 bytes plus EOS.
 pub const FAKE_VOCAB: usize = 257;
 
 /// The fake codec.
 pub struct FakeCodec {
+    /// Context length reported (KV positions per sequence).
     pub ctx: usize,
     eos: [u32; 1],
 }
 
 impl FakeCodec {
+    /// A codec reporting a context of `ctx` positions.
     pub fn new(ctx: usize) -> Self {
         FakeCodec {
             ctx,
@@ -110,6 +114,8 @@ pub struct FakeEngine {
 }
 
 impl FakeEngine {
+    /// An engine holding at most `max_seqs` sequences (at least 1), sleeping `step_delay` per
+    /// pass.
     pub fn new(max_seqs: usize, step_delay: Duration) -> Self {
         FakeEngine {
             seqs: HashMap::new(),

@@ -3,6 +3,8 @@
 //! The `forward-serve` binary (`main.rs`) parses arguments and runs [`server::run`] (or
 //! [`bench::run`]); the integration tests (`tests/`) drive the same modules directly.
 
+#![warn(missing_docs)]
+
 pub mod api;
 pub mod bench;
 pub mod engine;

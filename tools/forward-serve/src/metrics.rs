@@ -5,36 +5,51 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
+/// The server's counters (monotonic) and gauges (current values), shared by the handlers and the
+/// engine thread.
 #[derive(Default)]
 pub struct Metrics {
     requests: Mutex<BTreeMap<(String, u16), u64>>,
+    /// Prompt tokens prefilled.
     pub prompt_tokens: AtomicU64,
+    /// Tokens generated (sampled) for clients.
     pub generated_tokens: AtomicU64,
-    /// Decode rows run and the nanoseconds the decode passes took (for tok/s).
+    /// Sequence rows run by decode passes.
     pub decode_rows: AtomicU64,
     /// Decode passes run (rows / passes = mean batch occupancy).
     pub decode_passes: AtomicU64,
+    /// Nanoseconds the decode passes took (rows / seconds = decode tok/s).
     pub decode_nanos: AtomicU64,
+    /// Gauge: requests waiting for a sequence slot.
     pub queue_depth: AtomicU64,
+    /// Gauge: sequences being generated.
     pub active_sequences: AtomicU64,
+    /// Failed engine passes.
     pub device_errors: AtomicU64,
+    /// Generations cancelled (client gone or shutdown).
     pub cancelled: AtomicU64,
+    /// Generations ended by the request timeout.
     pub timeouts: AtomicU64,
+    /// Requests answered 503 because the queue was full.
     pub rejected_full: AtomicU64,
-    /// Speculative rounds (decode passes where a sequence carried ≥ 1 draft), drafts verified and
-    /// drafts accepted.
+    /// Speculative rounds: decode passes where a sequence carried ≥ 1 draft (counted per
+    /// sequence).
     pub spec_rounds: AtomicU64,
+    /// Draft tokens verified.
     pub spec_drafted: AtomicU64,
+    /// Draft tokens accepted.
     pub spec_accepted: AtomicU64,
 }
 
 impl Metrics {
+    /// Count one response of `endpoint` (an [`crate::api::endpoint_label`]) with `status`.
     pub fn record_request(&self, endpoint: &str, status: u16) {
         if let Ok(mut m) = self.requests.lock() {
             *m.entry((endpoint.to_string(), status)).or_insert(0) += 1;
         }
     }
 
+    /// Everything in the Prometheus text exposition format (what `GET /metrics` serves).
     pub fn render(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(

@@ -42,6 +42,7 @@ pub enum Finish {
 }
 
 impl Finish {
+    /// The OpenAI `finish_reason`: `"stop"` for [`Finish::Stop`], `"length"` otherwise.
     pub fn openai(self) -> &'static str {
         match self {
             Finish::Stop => "stop",
@@ -57,8 +58,11 @@ pub enum Event {
     Text(String),
     /// The generation ended.
     Done {
+        /// Why it ended.
         finish: Finish,
+        /// Tokens of the prompt.
         prompt_tokens: usize,
+        /// Tokens generated.
         completion_tokens: usize,
         /// Stopped on an EOS token (vs a stop string) — llama.cpp's `stopped_eos`.
         eos: bool,
@@ -71,13 +75,22 @@ pub enum Event {
 
 /// One generation request, as queued.
 pub struct GenRequest {
+    /// Prompt token ids.
     pub prompt: Vec<u32>,
+    /// Most tokens to generate.
     pub max_tokens: usize,
+    /// Temperature, top-k and top-p.
     pub sampling: SamplingConfig,
+    /// Seed of the request's sampler.
     pub seed: u64,
+    /// Stop strings: generation ends at the first occurrence of any (not sent).
     pub stop: Vec<String>,
+    /// When the request times out ([`Finish::Timeout`]), queueing included.
     pub deadline: Instant,
+    /// Set by the HTTP side when the client goes away: the generation ends as
+    /// [`Finish::Cancelled`].
     pub cancel: Arc<AtomicBool>,
+    /// Where the request's [`Event`]s go.
     pub events: mpsc::UnboundedSender<Event>,
     /// Speculative decoding with the n-gram drafter: at most this many drafts per pass (1..=15);
     /// `None`: plain decoding. Greedy requests use the greedy acceptance rule (same text as plain

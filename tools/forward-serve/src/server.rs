@@ -15,12 +15,16 @@ use tokio::sync::mpsc;
 /// Errors of running the server.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    /// The engine thread could not be started.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// The engine thread was still running after the shutdown grace (plus 2 s).
     #[error("the engine thread did not stop within the shutdown grace")]
     EngineStuck,
 }
 
+/// Every route of the API (OpenAI, llama.cpp `/completion`, health, metrics, tokenizer), with
+/// the request counter around them.
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/completions", post(api::completions))
