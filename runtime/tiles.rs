@@ -3,8 +3,8 @@
 //! Quantized matrices are stored as grids of 32 × 256 tiles (32 output rows × 256 input columns),
 //! in raster order: tile `t = p * Q + q`, `p` the 32-row block, `q` the 256-column block, `Q` the
 //! number of column blocks (K zero-padded to a multiple of 256). Inside a tile, the 256 columns form
-//! 8 groups of 32; every (group, row) cell has its own scale (and min). Byte layouts follow
-//! `../shared/reference/q4nx-container.md` §2 and are documented in `docs/formats.md`.
+//! 8 groups of 32; every (group, row) cell has its own scale (and min). Byte layouts are
+//! documented in `docs/formats.md` ("Tile byte layouts").
 //!
 //! This module owns the byte layouts and the slow, obviously-correct scalar encode/decode of a
 //! single tile. Fast kernels live in `kernels`; containers and files live in `weights`.
@@ -509,7 +509,7 @@ mod tests {
 
     #[test]
     fn code_positions_match_the_reference_formulas() {
-        // Hand-computed from q4nx-container.md §2.2 / §2.6.
+        // Hand-computed from the code-order table of `docs/formats.md` ("Tile byte layouts").
         assert_eq!(q4_code_pos(TileOrder::ColumnMajor, 0, 0), (0, false));
         assert_eq!(q4_code_pos(TileOrder::ColumnMajor, 1, 0), (0, true));
         assert_eq!(

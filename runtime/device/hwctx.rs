@@ -423,7 +423,7 @@ impl HwContext {
 }
 
 /// Control code must sit in a DEV BO at a 16 KiB-aligned device address: the
-/// firmware accepts a misaligned one and never completes it (§8).
+/// firmware accepts a misaligned one and never completes it (`docs/protocol.md` §8).
 fn check_control_code(instr: &Bo) -> Result<()> {
     if instr.kind() != BoKind::Dev {
         return Err(DeviceError::Invalid(format!(

@@ -1,4 +1,4 @@
-//! AVX2 + FMA + F16C kernels over the Q4NX tile layouts (q4nx-container.md §2), read in place.
+//! AVX2 + FMA + F16C kernels over the Q4NX tile layouts (`docs/formats.md`, "Tile byte layouts"), read in place.
 //!
 //! # Why outer-product over columns
 //!

@@ -1,7 +1,7 @@
 //! Kernel ELF files: write, read and wrap (format in `docs/kernel-elf.md`).
 //!
 //! A kernel file is an ELF64 little-endian file with `EI_OSABI` 69 (AIE2P) following the "full ELF"
-//! conventions (protocol reference §8) plus the project note `.note.xdna.kernel`, whose descriptor
+//! conventions (`docs/protocol.md` §8) plus the project note `.note.xdna.kernel`, whose descriptor
 //! says what the kernel computes. Files built here carry the descriptor and the XRT configuration
 //! note only; toolchain-built files keep their `.ctrltext`/`.ctrldata`/`.pdi.N`/`.dyn*` sections and
 //! get the note appended by [`wrap_elf`].

@@ -557,7 +557,8 @@ fn run_block(
 /// before computing them. `y` was last touched by the other core or the caller's next op, so each
 /// line is a read-for-ownership; issued here they complete under the block's compute instead of
 /// stalling the copy and the next claim's atomic (which waits for the stores to drain): a 16-row
-/// sweep of SmolLM2's projections 4-5 % faster on 2 threads (docs/performance.md, 2026-12-01 22:11).
+/// sweep of SmolLM2's projections runs 4-5 % faster on 2 threads (`docs/performance.md`, "Host GEMM,
+/// sixteen rows").
 fn prefetch_output(
     y: SharedMut<'_, f32>,
     rows: std::ops::Range<usize>,

@@ -21,7 +21,7 @@
 //!   global [`pool::Pool`]. [`HostExecutor::gemm_strided`] writes into a sub-slice with a row stride
 //!   (for fused outputs).
 //! * [`reference::gemm_reference`] is the slow, obviously-correct twin (tile decode + f64 dot).
-//! * Weights are read in their tile layout directly (`tiles.rs`, q4nx-container.md §2); nothing is
+//! * Weights are read in their tile layout directly (`tiles.rs`, `docs/formats.md`); nothing is
 //!   repacked, and column padding beyond the logical K is not read.
 //!
 //! # Attention, SwiGLU, `exp`
