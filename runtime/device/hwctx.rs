@@ -1,6 +1,9 @@
 //! Hardware contexts: creation within the firmware limit, CONFIG_CU,
 //! EXEC_CMD, completion and the command-state check.
 
+// Unsafe is needed here only to read CLOCK_MONOTONIC through libc for absolute wait deadlines.
+#![allow(unsafe_code)]
+
 use super::bo::{Bo, BoKind, SyncDirection};
 use super::ert::{self, CmdState};
 use super::uapi::{self, CuConfig};

@@ -6,6 +6,9 @@
 //! row's heads, caches and last position ([`AttentionRow`]), slices in and out. No allocation after
 //! warm-up: callers pass scratch, and the pool threads' score scratch grows to the context once.
 
+// Unsafe is this module's job: AVX2/F16C intrinsics, and disjoint writes through the pool's handle.
+#![allow(unsafe_code)]
+
 use super::pool::{ChunkCounter, Pool, SharedMut};
 use half::f16;
 

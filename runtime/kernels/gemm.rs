@@ -7,6 +7,9 @@
 //! [`Pool`] in contiguous chunks of 32-row blocks: for one row guided (shrinking) so both threads
 //! finish together, for several rows one contiguous share per thread (see [`Schedule`]).
 
+// Unsafe is needed to call the SIMD kernels, to prefetch, and for disjoint writes through the pool.
+#![allow(unsafe_code)]
+
 use std::cell::RefCell;
 
 use super::avx2::{self, Q4Layout, Q4Scales, Q8Layout};

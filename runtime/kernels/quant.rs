@@ -12,6 +12,9 @@
 //! divisions, horizontal sum) overlaps across groups instead of running one group at a time. It
 //! has the same bits as the reference for every input.
 
+// Unsafe is this module's job: AVX-512 quantization, and disjoint writes through the pool's handle.
+#![allow(unsafe_code)]
+
 use super::pool::{ChunkCounter, Pool, SharedMut};
 use crate::tiles::GROUP;
 
