@@ -64,6 +64,7 @@ pub enum Q4Scales {
 /// Geometry of a 4-bit tile kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Q4Layout {
+    /// How the tile stores its scales and mins.
     pub scales: Q4Scales,
     /// Plain column-major (true) or two 16-row planes (false).
     pub column_major: bool,
@@ -1429,8 +1430,11 @@ mod imp {
     /// Element type of a plain weight row.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub enum PlainKind {
+        /// bf16 elements (2 bytes).
         Bf16,
+        /// IEEE f16 elements (2 bytes).
         F16,
+        /// f32 elements (4 bytes).
         F32,
     }
 

@@ -42,8 +42,11 @@ const SHDR_SIZE: usize = 64;
 /// Direction of a kernel argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ArgDirection {
+    /// The kernel only reads it.
     In,
+    /// The kernel only writes it.
     Out,
+    /// The kernel reads and writes it.
     InOut,
 }
 
@@ -63,8 +66,11 @@ pub enum ArgRole {
 /// One argument of a kernel, in call order (argument index = position).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct KernelArg {
+    /// Short name, e.g. `w`, `x`, `y`.
     pub name: String,
+    /// Whether the kernel reads it, writes it or both.
     pub direction: ArgDirection,
+    /// What the buffer holds.
     pub role: ArgRole,
 }
 
@@ -315,10 +321,15 @@ fn pad_to(out: &mut Vec<u8>, align: usize) {
 /// A section to write.
 #[derive(Clone, Debug)]
 pub struct SectionSpec {
+    /// Section name, e.g. `.note.xdna.kernel`.
     pub name: String,
+    /// ELF section type (`SHT_*`).
     pub sh_type: u32,
+    /// ELF section flags (`SHF_*`).
     pub flags: u64,
+    /// Alignment of the contents in the file, in bytes (0 or 1: none).
     pub align: u64,
+    /// The contents.
     pub data: Vec<u8>,
 }
 
@@ -447,15 +458,20 @@ pub fn build_kernel_elf(desc: &KernelDesc) -> Vec<u8> {
 /// One section of a parsed file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SectionInfo {
+    /// Section name (empty for the null section 0).
     pub name: String,
+    /// ELF section type (`SHT_*`).
     pub sh_type: u32,
+    /// Byte offset of the contents in the file (0 for the null section and `SHT_NOBITS`).
     pub offset: usize,
+    /// Bytes of contents in the file (0 for the null section and `SHT_NOBITS`).
     pub size: usize,
 }
 
 /// A validated ELF file: its section table.
 #[derive(Clone, Debug)]
 pub struct ParsedElf {
+    /// Every section, in section-table order (index 0 is the null section).
     pub sections: Vec<SectionInfo>,
     shoff: usize,
     shnum: usize,

@@ -59,7 +59,9 @@ impl TxnSlot {
 /// A decoded stream.
 #[derive(Clone, Debug)]
 pub struct Txn {
+    /// The kernel descriptor the stream carries.
     pub desc: KernelDesc,
+    /// The buffer-descriptor slots, in stream order.
     pub slots: Vec<TxnSlot>,
 }
 
@@ -138,8 +140,8 @@ pub fn decode(bytes: &[u8]) -> Result<Txn, String> {
     Ok(Txn { desc, slots })
 }
 
-/// Apply one `shim_dma_48` patch at `offset` of `code`: the 48-bit address in words [1] (low 32)
-/// and [2] (low 16 bits) is incremented by `value` (= buffer address + addend + 0x8000_0000).
+/// Apply one `shim_dma_48` patch at `offset` of `code`: the 48-bit address in words `[1]` (low 32)
+/// and `[2]` (low 16 bits) is incremented by `value` (= buffer address + addend + 0x8000_0000).
 pub fn patch_shim_dma_48(code: &mut [u8], offset: usize, value: u64) -> Result<(), String> {
     let end = offset
         .checked_add(12)
