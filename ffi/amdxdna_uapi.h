@@ -5,7 +5,7 @@
  * needs.
  *
  * Written for this project from the protocol description in
- * shared/reference/amdxdna-protocol.md (sections 2, 3, 5, 6, 7 and 9); it is
+ * docs/protocol.md (sections 2, 3, 5, 6, 7 and 9); it is
  * not a copy of any kernel header.  It deliberately includes no system
  * header: only locally typedef'd fixed-width types are used, pointers are
  * carried as __u64 and the layouts are those of x86_64 (LP64).

@@ -3,8 +3,8 @@
 //! Quantized matrices are stored as grids of 32 × 256 tiles (32 output rows × 256 input columns),
 //! in raster order: tile `t = p * Q + q`, `p` the 32-row block, `q` the 256-column block, `Q` the
 //! number of column blocks (K zero-padded to a multiple of 256). Inside a tile, the 256 columns form
-//! 8 groups of 32; every (group, row) cell has its own scale (and min). Byte layouts follow
-//! `../shared/reference/q4nx-container.md` §2 and are documented in `docs/formats.md`.
+//! 8 groups of 32; every (group, row) cell has its own scale (and min). Byte layouts are
+//! documented in `docs/formats.md` ("Tile byte layouts").
 //!
 //! This module owns the byte layouts and the slow, obviously-correct scalar encode/decode of a
 //! single tile. Fast kernels live in `kernels`; containers and files live in `weights`.
@@ -51,12 +51,22 @@ pub enum TileOrder {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
     /// q4_1 tiles (5120 B): value = q·d + m, q in 0..=15.
-    Q41 { scale: ScaleType, order: TileOrder },
+    Q41 {
+        /// Type of the per-(group, row) scales and mins.
+        scale: ScaleType,
+        /// Order of the codes inside a tile.
+        order: TileOrder,
+    },
     /// Q8 tiles (8704 B, 32 × 256): value = q·d, q in -128..=127.
-    Q8 { scale: ScaleType, order: TileOrder },
+    Q8 {
+        /// Type of the per-(group, row) scales.
+        scale: ScaleType,
+        /// Order of the codes inside a tile.
+        order: TileOrder,
+    },
     /// Legacy q8 tiles (5120 B, 32 × 128, 16-row lanes, bf16 scales).
     Q8Legacy,
-    /// Q4_K tiles (4736 B): value = S[r]·s8·q + M[r]·m8 (M stored negated).
+    /// Q4_K tiles (4736 B): value = `S[r]·s8·q + M[r]·m8` (M stored negated).
     Q4K,
     /// Plain row-major bf16 `[rows, cols]`.
     Bf16,
@@ -69,18 +79,28 @@ pub enum WeightFormat {
 /// Error of a tile-level operation: which rule the data broke.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum TileError {
+    /// A format name no [`WeightFormat`] has, or a tile operation on a format without tiles;
+    /// holds the name.
     #[error("unknown weight format name {0:?}")]
     UnknownFormat(String),
+    /// A buffer does not have the byte size its format and shape imply.
     #[error("{what}: expected {expected} bytes, got {got}")]
     Size {
+        /// The buffer.
         what: &'static str,
+        /// Bytes the format and shape imply.
         expected: usize,
+        /// Bytes passed.
         got: usize,
     },
+    /// A dimension is not a multiple of the tile's (e.g. rows of a tiled matrix and 32).
     #[error("{what}: {value} is not a multiple of {multiple}")]
     NotMultiple {
+        /// The dimension.
         what: &'static str,
+        /// Its value.
         value: usize,
+        /// The multiple it must be.
         multiple: usize,
     },
 }
@@ -509,7 +529,7 @@ mod tests {
 
     #[test]
     fn code_positions_match_the_reference_formulas() {
-        // Hand-computed from q4nx-container.md §2.2 / §2.6.
+        // Hand-computed from the code-order table of `docs/formats.md` ("Tile byte layouts").
         assert_eq!(q4_code_pos(TileOrder::ColumnMajor, 0, 0), (0, false));
         assert_eq!(q4_code_pos(TileOrder::ColumnMajor, 1, 0), (0, true));
         assert_eq!(

@@ -1,6 +1,9 @@
 //! Buffer objects: SHARE (host buffers), DEV (carved from the heap), CMD
 //! (ERT packets), and imported dma-bufs. GEM_CLOSE on drop.
 
+// Unsafe is this module's job: it maps buffer objects and hands out slices of the mappings.
+#![allow(unsafe_code)]
+
 use super::xdna::{Inner, XdnaDevice};
 use super::{uapi, DeviceError, Result};
 use crate::ffi;

@@ -1,5 +1,5 @@
 //! ERT command packets as the firmware/driver read them from a CMD BO
-//! (amdxdna-protocol.md §5.1): a header word, `count` payload words.
+//! (`docs/protocol.md` §5.1): a header word, `count` payload words.
 //!
 //! Header: state bits 3:0, extra_cu_masks 11:10, count 22:12, opcode 27:23,
 //! type 31:28. The builders return the whole packet as u32 words, header
@@ -276,7 +276,7 @@ mod tests {
 
     #[test]
     fn reference_example_two_buffers() {
-        // amdxdna-protocol.md §5.1: 2 buffers → regmap 9 words + 1 mask →
+        // docs/protocol.md §5.1: 2 buffers → regmap 9 words + 1 mask →
         // count 10 → header 0x3000A001.
         let p = start_cu(1, 0x0400_8000, 16, &[0x7f00_1234_5000, 0x7f00_1234_9000]).unwrap();
         assert_eq!(p[0], 0x3000_A001);

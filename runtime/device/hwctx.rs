@@ -1,6 +1,9 @@
 //! Hardware contexts: creation within the firmware limit, CONFIG_CU,
 //! EXEC_CMD, completion and the command-state check.
 
+// Unsafe is needed here only to read CLOCK_MONOTONIC through libc for absolute wait deadlines.
+#![allow(unsafe_code)]
+
 use super::bo::{Bo, BoKind, SyncDirection};
 use super::ert::{self, CmdState};
 use super::uapi::{self, CuConfig};
@@ -423,7 +426,7 @@ impl HwContext {
 }
 
 /// Control code must sit in a DEV BO at a 16 KiB-aligned device address: the
-/// firmware accepts a misaligned one and never completes it (§8).
+/// firmware accepts a misaligned one and never completes it (`docs/protocol.md` §8).
 fn check_control_code(instr: &Bo) -> Result<()> {
     if instr.kind() != BoKind::Dev {
         return Err(DeviceError::Invalid(format!(

@@ -57,7 +57,7 @@ pub enum DeviceError {
         #[source]
         source: io::Error,
     },
-    /// open() failed the way the driver's IOMMU SVA bind fails (pitfall §10.1).
+    /// open() failed the way the driver's IOMMU SVA bind fails (`docs/protocol.md` §10, pitfall 1).
     #[error("{path}: open failed with {source}: the amdxdna driver could not bind IOMMU SVA/PASID for this process (IOMMU off, `iommu=pt`, a VM without a PASID-capable vIOMMU, or a kernel older than 6.10; check `dmesg | grep -i sva`)")]
     SvaBind {
         /// The node.

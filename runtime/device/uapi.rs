@@ -5,6 +5,9 @@
 //! Interrupted calls (EINTR) are retried here; waits additionally retry
 //! EAGAIN in `hwctx`, with their absolute deadline unchanged.
 
+// Unsafe is this module's job: every call here issues a raw ioctl on caller-built argument structs.
+#![allow(unsafe_code)]
+
 use super::ioctl;
 use crate::ffi::*;
 use core::mem::size_of;

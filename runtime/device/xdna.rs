@@ -1,6 +1,9 @@
 //! `XdnaDevice`: discovery, the open checks, the device heap and the
 //! GET_INFO / GET_ARRAY queries.
 
+// Unsafe is this module's job here: it reserves, aligns and maps the device heap with libc mmap.
+#![allow(unsafe_code)]
+
 use super::uapi::{self, DrmVersion};
 use super::{errno_of, DeviceError, Result};
 use crate::ffi;

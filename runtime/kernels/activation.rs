@@ -1,6 +1,9 @@
 //! SwiGLU over a batch of rows: `fastexp::silu_mul` on each span, the spans of a large batch split
 //! over the worker pool.
 
+// Unsafe is needed for disjoint output writes through the pool's shared-buffer handle.
+#![allow(unsafe_code)]
+
 use super::fastexp::silu_mul;
 use super::pool::{ChunkCounter, Pool, SharedMut};
 

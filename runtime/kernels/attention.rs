@@ -6,6 +6,9 @@
 //! row's heads, caches and last position ([`AttentionRow`]), slices in and out. No allocation after
 //! warm-up: callers pass scratch, and the pool threads' score scratch grows to the context once.
 
+// Unsafe is this module's job: AVX2/F16C intrinsics, and disjoint writes through the pool's handle.
+#![allow(unsafe_code)]
+
 use super::pool::{ChunkCounter, Pool, SharedMut};
 use half::f16;
 
@@ -13,6 +16,7 @@ use half::f16;
 /// the attention stream) or f32 (exact runs, whose comparisons with the f64 reference would
 /// otherwise be dominated by f16 rounding). Conversions to f32 are exact.
 pub trait KvValue: Copy + Send + Sync + 'static {
+    /// The value as f32 (exact).
     fn to_f32(self) -> f32;
     /// Eight values at `p` as f32.
     ///
@@ -135,9 +139,13 @@ pub struct AttentionShape {
 /// (`[positions, kv_heads, hd]`) and the last position it attends to.
 #[derive(Clone, Copy)]
 pub struct AttentionRow<'a, T> {
+    /// The row's query heads, `[heads, hd]`.
     pub q: &'a [f32],
+    /// Its sequence's keys, `[positions, kv_heads, hd]`, at least `last + 1` positions.
     pub k_cache: &'a [T],
+    /// Its sequence's values, same shape as `k_cache`.
     pub v_cache: &'a [T],
+    /// The last cache position the row attends to (it attends to `0..=last`).
     pub last: usize,
 }
 
@@ -149,9 +157,10 @@ pub struct AttentionRow<'a, T> {
 /// Every (row, KV head) group is independent, so all of them go over the kernels' worker pool in
 /// ONE dispatch (a per-row dispatch would cost `rows` pool handoffs per layer); a batch with fewer
 /// groups than twice the threads (a decode row) is split finer, by positions and columns
-/// ([`attend_rows_split`]); a larger batch on the AVX2 path claims whole rows, so a row's keys are
-/// read in cache-row order ([`attend_rows_whole`]); tiny totals run on the caller. Every head's arithmetic is the same
-/// whichever path, thread or batch computes it, so a row's result does not depend on its batch.
+/// (`attend_rows_split`); a larger batch on the AVX2 path claims whole rows, so a row's keys are
+/// read in cache-row order (`attend_rows_whole`); tiny totals run on the caller. Every head's
+/// arithmetic is the same whichever path, thread or batch computes it, so a row's result does not
+/// depend on its batch.
 /// AVX2+FMA when the CPU has it ([`attend_head`] is the scalar reference).
 pub fn attend_rows<'a, T: KvValue>(
     shape: AttentionShape,

@@ -1,4 +1,4 @@
-//! AVX2 + FMA + F16C kernels over the Q4NX tile layouts (q4nx-container.md §2), read in place.
+//! AVX2 + FMA + F16C kernels over the Q4NX tile layouts (`docs/formats.md`, "Tile byte layouts"), read in place.
 //!
 //! # Why outer-product over columns
 //!
@@ -33,6 +33,9 @@
 //! sums are exact and the float work after them is this module's, per output lane, so both paths
 //! give the same bits; the single-row kernel (memory-bound, AVX2) is the same for both.
 
+// Unsafe is this module's job: AVX2/FMA/F16C intrinsics and assembly over raw tile pointers.
+#![allow(unsafe_code)]
+
 #[cfg(target_arch = "x86_64")]
 pub use imp::*;
 
@@ -61,6 +64,7 @@ pub enum Q4Scales {
 /// Geometry of a 4-bit tile kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Q4Layout {
+    /// How the tile stores its scales and mins.
     pub scales: Q4Scales,
     /// Plain column-major (true) or two 16-row planes (false).
     pub column_major: bool,
@@ -179,8 +183,8 @@ mod imp {
         tile: *const u8,
         g: usize,
     ) -> ([__m256; 4], [__m256; 4]) {
-        // SAFETY (whole body): `tile` points at a full tile (checked by the caller), and every
-        // offset below is inside the tile's scale/min areas for g < layout.groups_per_tile.
+        // SAFETY: `tile` points at a full tile (checked by the caller), and every offset in this
+        // block is inside the tile's scale/min areas for g < layout.groups_per_tile.
         unsafe {
             match layout.scales {
                 Q4Scales::Bf16 => {
@@ -667,8 +671,9 @@ mod imp {
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
         let groups_total = act.groups();
         let ones = _mm256_set1_epi16(1);
-        // SAFETY (closure): row < act.rows and gg < groups: the row's 32 codes of group gg are
-        // readable (4 at each of a, a + 4, …, a + 28).
+        // SAFETY: the closure gets only rows of `rows` (⊆ 0..act.rows, caller contract), and
+        // gg < groups: the offset is that of the row's 32 codes of group gg, inside `act.codes`
+        // (read 4 at a time at a, a + 4, …, a + 28).
         let codes = |row: usize| unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
         in_row_pairs(
             rows,
@@ -841,6 +846,7 @@ mod imp {
             prefetch_q4_group(layout, block, groups_total, gg);
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            // SAFETY: `layout.codes` is the code area's offset inside the tile.
             let codes = unsafe { tile.add(layout.codes) };
             // SAFETY: gg < groups: 32 activation codes readable.
             let a = unsafe { a_row.add(gg * GROUP) };
@@ -857,6 +863,7 @@ mod imp {
                     sum16[i] = _mm256_add_epi16(sum16[i], _mm256_maddubs_epi16(w[i], x4));
                 }
             }
+            // SAFETY: `tile` is a whole tile and g < layout.groups_per_tile (`tile_and_group`).
             let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
             let scale_x = _mm256_set1_ps(scale_x);
             for i in 0..4 {
@@ -889,6 +896,7 @@ mod imp {
             let (t, g) = tile_and_group(gg, layout.groups_per_tile);
             // SAFETY: tile t exists (caller contract); its min area holds group g.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            // SAFETY: `tile` is a whole tile and g < layout.groups_per_tile (`tile_and_group`).
             let mins = unsafe { q4_group_scales(layout, tile, g) }.1;
             let sum_x = _mm256_set1_ps(sum_x);
             for i in 0..4 {
@@ -946,6 +954,7 @@ mod imp {
                     let (t, g) = tile_and_group(gg, layout.groups_per_tile);
                     // SAFETY: tile t exists (caller contract); its min area holds group g.
                     let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+                    // SAFETY: `tile` is a whole tile and g < layout.groups_per_tile (`tile_and_group`).
                     slot.write(unsafe { q4_group_scales(layout, tile, g) }.1);
                 }
                 // SAFETY: entries 0..g1 - g0 were written just above; MaybeUninit<T> has T's layout.
@@ -1045,7 +1054,9 @@ mod imp {
             prefetch_q4_group(layout, block, groups_total, gg);
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            // SAFETY: `layout.codes` is the code area's offset inside the tile.
             let codes = unsafe { tile.add(layout.codes) };
+            // SAFETY: `tile` is a whole tile and g < layout.groups_per_tile (`tile_and_group`).
             let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
             // SAFETY: columns g·32 .. g·32 + 32 lie inside the tile.
             let unpacked = unsafe { q4_unpack_group(codes, layout.column_major, g) };
@@ -1132,8 +1143,8 @@ mod imp {
     ) {
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
         let groups_total = act.groups();
-        // SAFETY (closure): row < act.rows and gg < groups: the row's 32 codes of group gg are
-        // readable.
+        // SAFETY: the closure gets only rows of `rows` (⊆ 0..act.rows, caller contract), and
+        // gg < groups: the offset is that of the row's 32 codes of group gg, inside `act.codes`.
         let codes = |row: usize| unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
         in_row_pairs(
             rows,
@@ -1286,7 +1297,9 @@ mod imp {
             prefetch_q8_group(layout, block, groups_total, gg);
             // SAFETY: tile t exists (caller contract); all offsets are inside it.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
+            // SAFETY: `layout.codes` is the code area's offset inside the tile.
             let codes = unsafe { tile.add(layout.codes) };
+            // SAFETY: `tile` is a whole tile and g < groups_per_tile ≤ 8, inside its scale area.
             let d = q8_slot_order(unsafe { q8_group_scales(layout.f16_scales, tile, g) });
             if m == 1 {
                 let row = rows.start;
@@ -1297,6 +1310,7 @@ mod imp {
                     // SAFETY: column g·32 + 4·quad + 3 < tile_cols.
                     let w = unsafe { q8_unpack_quad(codes, layout, g * 32 + quad * 4) };
                     let magnitude = w.map(|v| _mm256_sign_epi8(v, v));
+                    // SAFETY: quad < 8, so the 4 codes at a + 4·quad lie inside the group's 32 (above).
                     let x4 = unsafe { broadcast4(a.add(quad * 4)) };
                     q8_quad_dot(&w, &magnitude, x4, &mut sum32);
                 }
@@ -1416,8 +1430,11 @@ mod imp {
     /// Element type of a plain weight row.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub enum PlainKind {
+        /// bf16 elements (2 bytes).
         Bf16,
+        /// IEEE f16 elements (2 bytes).
         F16,
+        /// f32 elements (4 bytes).
         F32,
     }
 

@@ -33,6 +33,9 @@
 //! in group order, from zero, then (q4_1) the min term's own chain added last. A row's result
 //! therefore has the same bits as it has alone or on the AVX2 path.
 
+// Unsafe is this module's job: AVX-512 intrinsics and assembly over raw tile pointers.
+#![allow(unsafe_code)]
+
 #[cfg(target_arch = "x86_64")]
 pub use imp::*;
 
@@ -358,8 +361,8 @@ mod imp {
             };
             _mm512_set1_epi32(s)
         };
-        // SAFETY (closure): row < act.rows and gg < groups: the row's 32 codes of group gg are
-        // readable.
+        // SAFETY: the closure gets only rows of `rows` (⊆ 0..act.rows, caller contract), and
+        // gg < groups: the offset is that of the row's 32 codes of group gg, inside `act.codes`.
         let codes = |row: usize| unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
         let m = rows.len();
         let mut i = 0;

@@ -4,6 +4,9 @@
 //! Both run through the same worker pool the kernels use (so the probes and the kernels see the
 //! same threads), repeated; the median and the best run are returned.
 
+// Unsafe is needed to run the target-feature throughput probes (assembly).
+#![allow(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 

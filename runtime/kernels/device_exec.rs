@@ -2,7 +2,7 @@
 //! amdxdna ioctls (real hardware, or the LD_PRELOAD fake device `tools/xdna-shim` in tests).
 //!
 //! * **Two flows.** A *full ELF* (toolchain-built, wrapped, control-code flag set) runs the
-//!   protocol §8 way: a context sized from `.note.xrt.configuration` without CONFIG_CU, `.ctrltext`
+//!   `docs/protocol.md` §8 way: a context sized from `.note.xrt.configuration` without CONFIG_CU, `.ctrltext`
 //!   copied into a 16 KiB-aligned DEV BO, the `.rela.dyn` argument relocations (`shim_dma_48`)
 //!   applied to a **pristine** copy on every run, submitted as ERT_START_NPU_PREEMPT_ELF (22). A
 //!   *descriptor-only* kernel (host-built, no control code) uses the agreed START_CU ABI: the whole
@@ -55,7 +55,7 @@ use crate::tiles::WeightFormat;
 pub const ALLOW_ENV: &str = "XDNA_ALLOW_DESCRIPTOR_KERNELS";
 /// Contexts kept when the device reports no limit.
 const DEFAULT_MAX_RESIDENT: usize = 6;
-/// Control code alignment in device memory (§8).
+/// Control code alignment in device memory (`docs/protocol.md` §8).
 const CONTROL_CODE_ALIGN: u64 = 16 << 10;
 /// Growth granularity of the activation / output BOs.
 const IO_GRANULE: usize = 64 << 10;

@@ -1,7 +1,7 @@
 //! Kernel ELF files: write, read and wrap (format in `docs/kernel-elf.md`).
 //!
 //! A kernel file is an ELF64 little-endian file with `EI_OSABI` 69 (AIE2P) following the "full ELF"
-//! conventions (protocol reference §8) plus the project note `.note.xdna.kernel`, whose descriptor
+//! conventions (`docs/protocol.md` §8) plus the project note `.note.xdna.kernel`, whose descriptor
 //! says what the kernel computes. Files built here carry the descriptor and the XRT configuration
 //! note only; toolchain-built files keep their `.ctrltext`/`.ctrldata`/`.pdi.N`/`.dyn*` sections and
 //! get the note appended by [`wrap_elf`].
@@ -42,8 +42,11 @@ const SHDR_SIZE: usize = 64;
 /// Direction of a kernel argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ArgDirection {
+    /// The kernel only reads it.
     In,
+    /// The kernel only writes it.
     Out,
+    /// The kernel reads and writes it.
     InOut,
 }
 
@@ -63,8 +66,11 @@ pub enum ArgRole {
 /// One argument of a kernel, in call order (argument index = position).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct KernelArg {
+    /// Short name, e.g. `w`, `x`, `y`.
     pub name: String,
+    /// Whether the kernel reads it, writes it or both.
     pub direction: ArgDirection,
+    /// What the buffer holds.
     pub role: ArgRole,
 }
 
@@ -315,10 +321,15 @@ fn pad_to(out: &mut Vec<u8>, align: usize) {
 /// A section to write.
 #[derive(Clone, Debug)]
 pub struct SectionSpec {
+    /// Section name, e.g. `.note.xdna.kernel`.
     pub name: String,
+    /// ELF section type (`SHT_*`).
     pub sh_type: u32,
+    /// ELF section flags (`SHF_*`).
     pub flags: u64,
+    /// Alignment of the contents in the file, in bytes (0 or 1: none).
     pub align: u64,
+    /// The contents.
     pub data: Vec<u8>,
 }
 
@@ -447,15 +458,20 @@ pub fn build_kernel_elf(desc: &KernelDesc) -> Vec<u8> {
 /// One section of a parsed file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SectionInfo {
+    /// Section name (empty for the null section 0).
     pub name: String,
+    /// ELF section type (`SHT_*`).
     pub sh_type: u32,
+    /// Byte offset of the contents in the file (0 for the null section and `SHT_NOBITS`).
     pub offset: usize,
+    /// Bytes of contents in the file (0 for the null section and `SHT_NOBITS`).
     pub size: usize,
 }
 
 /// A validated ELF file: its section table.
 #[derive(Clone, Debug)]
 pub struct ParsedElf {
+    /// Every section, in section-table order (index 0 is the null section).
     pub sections: Vec<SectionInfo>,
     shoff: usize,
     shnum: usize,

@@ -13,6 +13,9 @@
 //! whether it fell in a vector or in a tail, i.e. on how rows were batched or split between
 //! threads.
 
+// Unsafe is this module's job: AVX2/FMA intrinsics for exp and SiLU.
+#![allow(unsafe_code)]
+
 /// Below this, the result is 0 (the exact value is under `f32::MIN_POSITIVE`).
 const LO: f32 = -87.336_54;
 /// Above this, the result is `+∞` (`2ⁿ` with n = 128 has no f32 exponent).

@@ -5,7 +5,10 @@
 //! decodes one tile at a time. Tile formats quantize the activations to q8 once per
 //! call (`quant`); plain bf16/f16/f32 weights take f32 dot products. Work is split over the global
 //! [`Pool`] in contiguous chunks of 32-row blocks: for one row guided (shrinking) so both threads
-//! finish together, for several rows one contiguous share per thread (see [`Schedule`]).
+//! finish together, for several rows one contiguous share per thread (see `Schedule`).
+
+// Unsafe is needed to call the SIMD kernels, to prefetch, and for disjoint writes through the pool.
+#![allow(unsafe_code)]
 
 use std::cell::RefCell;
 
@@ -292,7 +295,7 @@ fn padded_scratch(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 /// least 8 blocks (≈ 92 KB of q4_1 at K = 576) make a whole M = 1 sweep of SmolLM2 2-6 % faster
 /// than single-block claims, 16 makes it slower again (`xdna bench gemm --m 1 --compare-chunks
 /// 1,8,16`), and the tail imbalance 8 allows is a few µs. Multi-row calls are compute-bound and
-/// claim single blocks, from per-thread shares ([`Schedule::Shares`]).
+/// claim single blocks, from per-thread shares (`Schedule::Shares`).
 pub const SINGLE_ROW_MIN_CHUNK: usize = 8;
 
 /// Runs GEMMs on the host CPU (the "host executor" of a kernel descriptor).
@@ -557,7 +560,8 @@ fn run_block(
 /// before computing them. `y` was last touched by the other core or the caller's next op, so each
 /// line is a read-for-ownership; issued here they complete under the block's compute instead of
 /// stalling the copy and the next claim's atomic (which waits for the stores to drain): a 16-row
-/// sweep of SmolLM2's projections 4-5 % faster on 2 threads (docs/performance.md, 2026-12-01 22:11).
+/// sweep of SmolLM2's projections runs 4-5 % faster on 2 threads (`docs/performance.md`, "Host GEMM,
+/// sixteen rows").
 fn prefetch_output(
     y: SharedMut<'_, f32>,
     rows: std::ops::Range<usize>,

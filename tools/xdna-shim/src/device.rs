@@ -1,5 +1,5 @@
 //! The emulated amdxdna driver: per-fd clients with their BOs, heap, contexts and syncobjs, and the
-//! ioctl handlers with the driver's validation (protocol reference §2–§9).
+//! ioctl handlers with the driver's validation (`docs/protocol.md` §2–§9).
 //!
 //! Locking: one `parking_lot` mutex over all state, taken only for work on fake fds. Nothing done
 //! under it calls back into a code path that takes it (the shim's own `mmap`s go to the real

@@ -15,6 +15,10 @@
 //! pass-through runs inside `catch_unwind`.
 
 #![allow(clippy::missing_safety_doc)]
+// Nearly everything here is unsafe FFI: every unsafe operation sits in its own block, and every
+// block says why it is sound.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod config;
 mod device;

@@ -89,7 +89,8 @@ pub unsafe fn open(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
                 a,
             )(path, flags, mode)
         },
-        // SAFETY: raw openat with the caller's arguments.
+        // SAFETY: the caller's contract is libc openat's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe { libc::syscall(libc::SYS_openat, libc::AT_FDCWD, path, flags, mode) as c_int },
     }
 }
@@ -102,7 +103,8 @@ pub unsafe fn open64(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
                 a,
             )(path, flags, mode)
         },
-        // SAFETY: raw openat with the caller's arguments.
+        // SAFETY: the caller's contract is libc openat's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe {
             libc::syscall(
                 libc::SYS_openat,
@@ -124,7 +126,8 @@ pub unsafe fn openat(dirfd: c_int, path: *const c_char, flags: c_int, mode: mode
                 unsafe extern "C" fn(c_int, *const c_char, c_int, mode_t) -> c_int,
             >(a)(dirfd, path, flags, mode)
         },
-        // SAFETY: raw openat with the caller's arguments.
+        // SAFETY: the caller's contract is libc openat's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe { libc::syscall(libc::SYS_openat, dirfd, path, flags, mode) as c_int },
     }
 }
@@ -138,7 +141,8 @@ pub unsafe fn openat64(dirfd: c_int, path: *const c_char, flags: c_int, mode: mo
                 unsafe extern "C" fn(c_int, *const c_char, c_int, mode_t) -> c_int,
             >(a)(dirfd, path, flags, mode)
         },
-        // SAFETY: raw openat with the caller's arguments.
+        // SAFETY: the caller's contract is libc openat's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe {
             libc::syscall(
                 libc::SYS_openat,
@@ -159,7 +163,8 @@ pub unsafe fn open_2(path: *const c_char, flags: c_int) -> c_int {
                 path, flags,
             )
         },
-        // SAFETY: raw openat with the caller's arguments.
+        // SAFETY: the caller's contract is libc openat's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe { libc::syscall(libc::SYS_openat, libc::AT_FDCWD, path, flags, 0) as c_int },
     }
 }
@@ -172,7 +177,8 @@ pub unsafe fn open64_2(path: *const c_char, flags: c_int) -> c_int {
                 path, flags,
             )
         },
-        // SAFETY: raw openat with the caller's arguments.
+        // SAFETY: the caller's contract is libc openat's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe {
             libc::syscall(
                 libc::SYS_openat,
@@ -191,7 +197,8 @@ pub unsafe fn close(fd: c_int) -> c_int {
         a if a != 0 => unsafe {
             std::mem::transmute::<usize, unsafe extern "C" fn(c_int) -> c_int>(a)(fd)
         },
-        // SAFETY: raw close.
+        // SAFETY: the system call takes only integers and touches no memory; what it does to fds
+        // is what the caller asked of close.
         _ => unsafe { libc::syscall(libc::SYS_close, fd) as c_int },
     }
 }
@@ -205,7 +212,8 @@ pub unsafe fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_int {
                 a,
             )(fd, req, arg)
         },
-        // SAFETY: raw ioctl with the caller's arguments.
+        // SAFETY: the caller's contract is libc ioctl's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe { libc::syscall(libc::SYS_ioctl, fd, req, arg) as c_int },
     }
 }
@@ -237,7 +245,8 @@ pub unsafe fn mmap(
         };
     }
     // Unresolved (possibly because dlsym is running right now): raw system call, no dlsym here.
-    // SAFETY: raw mmap with the caller's arguments.
+    // SAFETY: the caller's contract is libc mmap's, and the system call behind it checks every
+    // user pointer (EFAULT).
     let r = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
     // glibc's syscall() returns -1 with errno set on failure (user addresses are never negative).
     if r == -1 {
@@ -257,7 +266,8 @@ macro_rules! real_stat {
                         unsafe extern "C" fn(*const c_char, *mut $ty) -> c_int,
                     >(a)(path, buf)
                 },
-                // SAFETY: raw newfstatat with the caller's arguments.
+                // SAFETY: the caller's contract is libc newfstatat's, and the system call behind it checks every
+                // user pointer (EFAULT).
                 _ => unsafe {
                     libc::syscall(libc::SYS_newfstatat, libc::AT_FDCWD, path, buf, $sys) as c_int
                 },
@@ -281,7 +291,8 @@ macro_rules! real_fstat {
                         fd, buf,
                     )
                 },
-                // SAFETY: raw fstat with the caller's arguments.
+                // SAFETY: the caller's contract is libc fstat's, and the system call behind it checks every
+                // user pointer (EFAULT).
                 _ => unsafe { libc::syscall(libc::SYS_fstat, fd, buf) as c_int },
             }
         }
@@ -306,7 +317,8 @@ pub unsafe fn statx(
                 unsafe extern "C" fn(c_int, *const c_char, c_int, c_uint, *mut c_void) -> c_int,
             >(a)(dirfd, path, flags, mask, buf)
         },
-        // SAFETY: raw statx with the caller's arguments.
+        // SAFETY: the caller's contract is libc statx's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe { libc::syscall(libc::SYS_statx, dirfd, path, flags, mask, buf) as c_int },
     }
 }
@@ -319,7 +331,8 @@ pub unsafe fn access(path: *const c_char, mode: c_int) -> c_int {
                 path, mode,
             )
         },
-        // SAFETY: raw faccessat with the caller's arguments.
+        // SAFETY: the caller's contract is libc faccessat's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe { libc::syscall(libc::SYS_faccessat, libc::AT_FDCWD, path, mode) as c_int },
     }
 }
@@ -330,7 +343,8 @@ pub unsafe fn dup(fd: c_int) -> c_int {
         a if a != 0 => unsafe {
             std::mem::transmute::<usize, unsafe extern "C" fn(c_int) -> c_int>(a)(fd)
         },
-        // SAFETY: raw dup.
+        // SAFETY: the system call takes only integers and touches no memory; what it does to fds
+        // is what the caller asked of dup.
         _ => unsafe { libc::syscall(libc::SYS_dup, fd) as c_int },
     }
 }
@@ -341,7 +355,8 @@ pub unsafe fn dup2(old: c_int, new: c_int) -> c_int {
         a if a != 0 => unsafe {
             std::mem::transmute::<usize, unsafe extern "C" fn(c_int, c_int) -> c_int>(a)(old, new)
         },
-        // SAFETY: raw dup2.
+        // SAFETY: the system call takes only integers and touches no memory; what it does to fds
+        // is what the caller asked of dup2.
         _ => unsafe { libc::syscall(libc::SYS_dup2, old, new) as c_int },
     }
 }
@@ -354,7 +369,8 @@ pub unsafe fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
                 old, new, flags,
             )
         },
-        // SAFETY: raw dup3.
+        // SAFETY: the system call takes only integers and touches no memory; what it does to fds
+        // is what the caller asked of dup3.
         _ => unsafe { libc::syscall(libc::SYS_dup3, old, new, flags) as c_int },
     }
 }
@@ -376,7 +392,8 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
                     a,
                 )(fd, cmd, arg)
             },
-            // SAFETY: raw fcntl.
+            // SAFETY: the system call takes only integers and touches no memory; what it does to fds
+            // is what the caller asked of fcntl.
             _ => unsafe { libc::syscall(libc::SYS_fcntl, fd, cmd, arg) as c_int },
         },
     }
@@ -395,7 +412,8 @@ pub unsafe fn munmap(addr: *mut c_void, len: size_t) -> c_int {
         },
         // Unresolved (the constructor has not run yet): raw system call; glibc's syscall() sets
         // errno and returns -1 on failure. No dlsym here: the allocator calls munmap.
-        // SAFETY: raw munmap with the caller's arguments.
+        // SAFETY: the caller's contract is libc munmap's, and the system call behind it checks every
+        // user pointer (EFAULT).
         _ => unsafe { libc::syscall(libc::SYS_munmap, addr, len) as c_int },
     }
 }

@@ -65,8 +65,9 @@ fn xfer_pipe(addr: u64, local: *mut u8, len: usize, write: bool) -> Result<(), c
         // SAFETY: the pipe's write(2)/read(2) validate the user-side buffer (EFAULT); the local side
         // is our own live buffer of `len` bytes.
         let w = unsafe { libc::write(fds[1], src as *const libc::c_void, n) };
-        // SAFETY: as above.
         let r = if w == n as isize {
+            // SAFETY: as for the write: the kernel checks the user-side buffer, and the local side
+            // is our own live buffer of `len` bytes.
             unsafe { libc::read(fds[0], dst as *mut libc::c_void, n) }
         } else {
             -1
