@@ -539,11 +539,9 @@ fn child_dmabuf() {
         )
     } as *const u8;
     assert_ne!(q as *mut libc::c_void, libc::MAP_FAILED);
-    // SAFETY: q maps 4096 readable bytes.
-    assert_eq!(
-        unsafe { std::slice::from_raw_parts(q, 4096) },
-        &s.b_map.bytes()[..4096]
-    );
+    // SAFETY: q maps 4096 readable bytes (checked against MAP_FAILED above), unmapped only below.
+    let mapped = unsafe { std::slice::from_raw_parts(q, 4096) };
+    assert_eq!(mapped, &s.b_map.bytes()[..4096]);
     // SAFETY: cleanup of this test's mapping and fds.
     unsafe {
         libc::munmap(q as *mut libc::c_void, 4096);
