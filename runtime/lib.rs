@@ -31,6 +31,8 @@
 //!
 //! One token from `open_model` to the ioctl and back: `docs/life-of-a-token.md`.
 
+#![deny(unsafe_code)]
+
 pub mod cli;
 pub mod device;
 pub mod error;

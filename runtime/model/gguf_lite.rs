@@ -164,16 +164,7 @@ impl Cursor<'_> {
 
 impl GgufLite {
     pub fn open(path: &Path) -> Result<Self, ModelError> {
-        let file = std::fs::File::open(path).map_err(|e| ModelError::File {
-            path: path.display().to_string(),
-            problem: e.to_string(),
-        })?;
-        // SAFETY: the file is opened read-only; a concurrent truncation by another process is the
-        // usual mmap caveat, accepted for read-only model files.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::File {
-            path: path.display().to_string(),
-            problem: e.to_string(),
-        })?;
+        let map = crate::weights::map_file(path)?;
         let mut c = Cursor {
             b: &map,
             at: 0,

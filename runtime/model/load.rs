@@ -115,9 +115,9 @@ impl KernelProjection {
         if self.packing != Packing::Tiles {
             return Ok(());
         }
-        let (data, mapped): (&[u8], bool) = match bytes {
-            Bytes::Mapped(b) => (&b[..], true),
-            Bytes::Owned(v) => (v, false),
+        let (data, mapped): (&[u8], Option<&MappedBytes>) = match bytes {
+            Bytes::Mapped(b) => (&b[..], Some(b)),
+            Bytes::Owned(v) => (v, None),
         };
         let Some(record) = host_layout::record_bytes(self.format) else {
             return Ok(());
@@ -134,14 +134,15 @@ impl KernelProjection {
         let mut row = 0;
         while row < self.rows {
             let rows = STRIPE_ROWS.min(self.rows - row);
-            let stripe = &data[row / tiles::TILE_ROWS * tile_row_bytes
-                ..(row + rows) / tiles::TILE_ROWS * tile_row_bytes];
+            let stripe_bytes = row / tiles::TILE_ROWS * tile_row_bytes
+                ..(row + rows) / tiles::TILE_ROWS * tile_row_bytes;
+            let stripe = &data[stripe_bytes.clone()];
             let tiles = WeightMatrix::new(self.format, rows, self.cols, stripe)?;
             if !append_group_records(&tiles, &mut records)? {
                 return Ok(());
             }
-            if mapped {
-                release_mapped_pages(stripe);
+            if let Some(mapped) = mapped {
+                mapped.release_pages(stripe_bytes);
             }
             row += rows;
         }
@@ -155,26 +156,10 @@ impl KernelProjection {
     fn upload(&mut self, dev: &DeviceExecutor) -> Result<DeviceWeights, ModelError> {
         let handle = dev.upload(&self.matrix()?)?;
         if let Store::Host(Bytes::Mapped(b)) = &self.store {
-            release_mapped_pages(b);
+            b.release_pages(0..b.len());
         }
         self.store = Store::Device(handle);
         Ok(handle)
-    }
-}
-
-/// Drop this process's resident pages of `data`, a slice of a package's read-only file mapping
-/// (whole pages inside it only). Best effort: the pages are clean, so nothing is lost.
-fn release_mapped_pages(data: &[u8]) {
-    const PAGE: usize = 4096;
-    let start = (data.as_ptr() as usize).div_ceil(PAGE) * PAGE;
-    let end = (data.as_ptr() as usize + data.len()) / PAGE * PAGE;
-    if end > start {
-        // SAFETY: [start, end) lies inside `data`, which points into the package's read-only,
-        // file-backed memory map (a `MappedBytes`); nothing ever writes it, so MADV_DONTNEED only
-        // unmaps clean page-cache pages and later reads fault the same bytes back in. No Rust
-        // reference is invalidated.
-        let _ =
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
     }
 }
 
@@ -333,14 +318,14 @@ const MAX_FAULT_MAP_BYTES: usize = 2 << 20;
 /// Release the pages that reading `span` may have mapped: the aligned windows of
 /// [`MAX_FAULT_MAP_BYTES`] that cover it, clipped to `table` (the embedding matrix, so no other
 /// tensor's pages are touched; at its two ends a folio reaching past it may stay mapped).
-fn release_fault_around(table: &[u8], span: &[u8]) {
+fn release_fault_around(table: &MappedBytes, span: &[u8]) {
     let base = table.as_ptr() as usize;
     let lo = (span.as_ptr() as usize) / MAX_FAULT_MAP_BYTES * MAX_FAULT_MAP_BYTES;
     let hi =
         (span.as_ptr() as usize + span.len()).div_ceil(MAX_FAULT_MAP_BYTES) * MAX_FAULT_MAP_BYTES;
     let (start, end) = (lo.max(base) - base, hi.min(base + table.len()) - base);
     if end > start {
-        release_mapped_pages(&table[start..end]);
+        table.release_pages(start..end);
     }
 }
 
@@ -526,6 +511,8 @@ pub fn load(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, Mode
 /// (packing records, fusing and uploading matrices, building the tokenizer) that glibc keeps in
 /// the heap otherwise: ≈ 10 MB of SmolLM2's resident set (`xdna bench load`) that the process
 /// would carry for its whole life.
+// A libc call is unsafe by nature; malloc_trim has no preconditions.
+#[allow(unsafe_code)]
 fn release_freed_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free heap pages to the kernel; it is thread-safe and

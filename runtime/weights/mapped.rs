@@ -38,6 +38,33 @@ impl MappedBytes {
     }
 }
 
+impl MappedBytes {
+    /// Drop this process's resident pages of `range` (byte offsets into these bytes; whole pages
+    /// inside it only). They stay in the page cache and fault back in, with the same contents, if
+    /// read again: what keeps a weight that was repacked, uploaded or read once from being
+    /// resident twice. Best effort.
+    // madvise on a live mapping is unsafe by nature; it is sound here because these bytes are
+    // always a range of the package's read-only file mapping, which nothing writes.
+    #[allow(unsafe_code)]
+    pub fn release_pages(&self, range: Range<usize>) {
+        const PAGE: usize = 4096;
+        let Some(bytes) = self.get(range) else {
+            return;
+        };
+        let start = (bytes.as_ptr() as usize).div_ceil(PAGE) * PAGE;
+        let end = (bytes.as_ptr() as usize + bytes.len()) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: [start, end) lies inside `bytes`, a range of the package's private,
+            // read-only, file-backed mapping (kept alive by `self.package`); nothing ever writes
+            // it, so MADV_DONTNEED only unmaps clean page-cache pages and later reads fault the
+            // same bytes back in. No Rust reference is invalidated.
+            let _ = unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED)
+            };
+        }
+    }
+}
+
 impl Deref for MappedBytes {
     type Target = [u8];
 
