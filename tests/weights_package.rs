@@ -11,7 +11,7 @@ use xdna::weights::gguf::GgufFile;
 use xdna::weights::import::{import_gguf, tokenizer_json, ImportOptions};
 use xdna::weights::safetensors::{Declared, Dtype, Writer};
 use xdna::weights::tokenizer::{PreTokenizer, Tokenizer};
-use xdna::weights::{MappedBytes, Package};
+use xdna::weights::{ChatMessage, MappedBytes, Package, WeightsError};
 
 fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("xdna-pkg-{}-{name}", std::process::id()));
@@ -80,6 +80,27 @@ fn smollm2_import_matches_the_gguf() {
     assert_eq!(pkg.bos_token_id(), Some(1));
     assert!(!pkg.add_bos());
     assert!(pkg.chat_template().unwrap().contains("<|im_start|>"));
+    // The template rendered as Hugging Face's apply_chat_template renders it: ChatML, with
+    // SmolLM2's default system turn when the conversation has none (expected text written out
+    // from the template by hand, and checked with Python's jinja2).
+    let user_only = pkg.render_chat(&[ChatMessage::new("user", "Hi")]).unwrap();
+    assert_eq!(
+        user_only,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let turns = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "Hi"),
+        ChatMessage::new("assistant", "Hello."),
+        ChatMessage::new("user", "Bye"),
+    ];
+    assert_eq!(
+        pkg.render_chat(&turns).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+         <|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
     assert_eq!(pkg.tokenizer().pre_tokenizer(), PreTokenizer::SmolLm);
     assert_eq!(pkg.lm_head_name(), "model.embed_tokens.weight");
 
@@ -334,6 +355,7 @@ fn flm_style_package_loads_unfused() {
     let pkg = Package::open(dir.join("model.q4nx")).unwrap();
     assert!(!pkg.fused());
     assert_eq!(pkg.chat_template(), Some("FILE WINS"));
+    assert_eq!(pkg.render_chat(&[]).unwrap(), "FILE WINS");
     assert_eq!(pkg.eos_token_ids(), &[257]);
     assert_eq!(pkg.bos_token_id(), None);
     assert_eq!(pkg.weights().tile_order(), lanes);
@@ -419,5 +441,26 @@ fn flm_style_package_loads_unfused() {
     assert_eq!(pkg.encode_prompt("hehe", false), vec![257, 256, 256]);
     assert_eq!(pkg.encode_prompt("<|im_end|>he", true), vec![257, 256]);
     assert_eq!(pkg.encode_prompt("he<|im_end|>", true), vec![257, 256, 257]);
+    // The template's own refusal and a template that does not parse are errors naming the
+    // package; so is rendering a chat for a package without a template.
+    let chat = [ChatMessage::new("user", "he")];
+    for (template, says) in [
+        (
+            "{{ raise_exception('roles must alternate') }}",
+            "roles must alternate",
+        ),
+        ("{% for %}", "syntax error"),
+    ] {
+        std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+        let pkg = Package::open(dir.join("model.q4nx")).unwrap();
+        let err = pkg.render_chat(&chat).unwrap_err();
+        assert!(matches!(err, WeightsError::ChatTemplate { .. }), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+        assert!(err.to_string().contains(&*dir.to_string_lossy()), "{err}");
+    }
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+    let pkg = Package::open(dir.join("model.q4nx")).unwrap();
+    let err = pkg.render_chat(&chat).unwrap_err().to_string();
+    assert!(err.contains("no chat template"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -35,6 +35,7 @@
 //! # let _ = (qkv, norm, ids); Ok(()) }
 //! ```
 
+pub mod chat;
 pub mod config;
 pub mod default_model;
 pub mod gguf;
@@ -45,6 +46,7 @@ pub mod package;
 pub mod safetensors;
 pub mod tokenizer;
 
+pub use chat::ChatMessage;
 pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use default_model::default_model;
 pub use mapped::MappedBytes;
@@ -108,6 +110,14 @@ pub enum WeightsError {
         /// The file the tokenizer is built from (`tokenizer.json` or a GGUF file).
         path: PathBuf,
         /// What failed.
+        what: String,
+    },
+    /// A package's chat template is missing, does not parse, or refuses the conversation.
+    #[error("{path}: chat template: {what}")]
+    ChatTemplate {
+        /// The package directory.
+        path: PathBuf,
+        /// What failed (the template engine's message, or the template's own refusal).
         what: String,
     },
     /// Anything else (e.g. an external tool failed); the message says what.

@@ -37,14 +37,7 @@ pub enum EngineError {
     Capacity(String),
 }
 
-/// One chat message, already flattened to text.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
-    pub role: String,
-    /// The message text.
-    pub content: String,
-}
+pub use xdna::weights::ChatMessage;
 
 /// Text side of a model: shared by the HTTP handlers and the engine thread.
 pub trait TextCodec: Send + Sync {
@@ -155,7 +148,7 @@ pub struct LoadSpec {
 
 use std::collections::HashMap;
 use xdna::model::{Model, ModelError, SequenceState};
-use xdna::weights::Package;
+use xdna::weights::{Package, WeightsError};
 
 fn device_err(e: ModelError) -> EngineError {
     EngineError::Device(e.to_string())
@@ -192,35 +185,13 @@ impl TextCodec for PackageCodec {
         self.pkg.tokenizer().token_bytes(id).to_vec()
     }
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
-        let tpl = self.pkg.chat_template().ok_or_else(|| {
-            EngineError::Template(format!("the model {} has no chat template", self.id))
-        })?;
-        let tok = self.pkg.tokenizer();
-        let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
-        let mut env = minijinja::Environment::new();
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        let bad = |e: minijinja::Error| EngineError::Template(e.to_string());
-        env.add_template("chat", tpl).map_err(bad)?;
-        let t = env.get_template("chat").map_err(bad)?;
-        let msgs: Vec<minijinja::Value> = messages
-            .iter()
-            .map(|m| minijinja::context! { role => m.role.clone(), content => m.content.clone() })
-            .collect();
-        t.render(minijinja::context! {
-            messages => msgs,
-            add_generation_prompt => true,
-            bos_token => name(self.pkg.bos_token_id()),
-            eos_token => name(self.eos.first().copied()),
+        // The client sees the template's message, not the server's package path.
+        self.pkg.render_chat(messages).map_err(|e| match e {
+            WeightsError::ChatTemplate { what, .. } => {
+                EngineError::Template(format!("model {}: {what}", self.id))
+            }
+            other => EngineError::Template(other.to_string()),
         })
-        .map_err(bad)
     }
 }
 

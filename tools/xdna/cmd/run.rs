@@ -8,7 +8,7 @@ use xdna::model::sampling::{Sampler, SamplingConfig};
 use xdna::model::text::{StopFilter, Utf8Stream};
 use xdna::model::ModelError;
 use xdna::spec::{FinishReason, SpecRunner, StopConditions};
-use xdna::weights::Package;
+use xdna::weights::{ChatMessage, Package};
 
 use super::spec_common::{build_drafter, print_stats, DraftOptions, DrafterKind};
 
@@ -58,40 +58,6 @@ pub struct Args {
     no_fallback: bool,
 }
 
-/// Render the package's chat template for one user message.
-pub fn apply_chat_template(pkg: &Package, user: &str) -> Result<String, ModelError> {
-    let tpl = pkg.chat_template().ok_or_else(|| ModelError::Unsupported {
-        what: format!(
-            "--chat: the package {} has no chat template",
-            pkg.dir().display()
-        ),
-    })?;
-    let tok = pkg.tokenizer();
-    let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
-    let bos = name(pkg.bos_token_id());
-    let eos = name(pkg.eos_token_ids().first().copied());
-    let mut env = minijinja::Environment::new();
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    let bad = |e: minijinja::Error| ModelError::Other(format!("chat template: {e}"));
-    env.add_template("chat", tpl).map_err(bad)?;
-    let t = env.get_template("chat").map_err(bad)?;
-    t.render(minijinja::context! {
-        messages => vec![minijinja::context! { role => "user", content => user }],
-        add_generation_prompt => true,
-        bos_token => bos,
-        eos_token => eos,
-    })
-    .map_err(bad)
-}
-
 /// Token ids of the prompt: chat template or raw, with BOS when the package says so.
 pub fn prompt_tokens(pkg: &Package, prompt: &str, chat: bool) -> Result<Vec<u32>, ModelError> {
     if prompt.is_empty() {
@@ -100,7 +66,7 @@ pub fn prompt_tokens(pkg: &Package, prompt: &str, chat: bool) -> Result<Vec<u32>
         });
     }
     let (text, special) = if chat {
-        (apply_chat_template(pkg, prompt)?, true)
+        (pkg.render_chat(&[ChatMessage::new("user", prompt)])?, true)
     } else {
         (prompt.to_string(), false)
     };
