@@ -74,8 +74,9 @@ pub trait TextCodec: Send + Sync {
 /// Most rows of one [`Engine::step`] pass (the model's `m16` verify family).
 pub const MAX_STEP_ROWS: usize = xdna::model::MAX_VERIFY_ROWS;
 /// Most prompt tokens of one [`Engine::prefill`] call: the scheduler feeds longer prompts in chunks
-/// between decode turns so a long prompt never stalls the running streams for long.
-pub const PREFILL_CHUNK: usize = 128;
+/// between decode turns so a long prompt never stalls the running streams for long (one `m128`
+/// prefill pass).
+pub const PREFILL_CHUNK: usize = xdna::model::MAX_PREFILL_ROWS;
 
 /// Compute side of a model: lives on the engine thread only.
 pub trait Engine {

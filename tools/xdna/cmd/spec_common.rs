@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use xdna::model::load::{open_model, Backend, LoadOptions};
 use xdna::model::sampling::SamplingConfig;
-use xdna::model::Model;
+use xdna::model::{Model, MAX_VERIFY_ROWS};
 use xdna::spec::{
     DraftModelDrafter, Drafter, FallbackConfig, LayerSkipDraftModel, ModelDraft, ModelEarlyExit,
     NgramConfig, NgramDrafter, SpecConfig, SpecStats, MAX_DRAFTS,
@@ -74,7 +74,7 @@ impl DraftOptions {
     pub fn validate(&self) -> xdna::Result<()> {
         if self.draft_max == 0 || self.draft_max > MAX_DRAFTS {
             return Err(xdna::Error::Usage(format!(
-                "--draft-max {} is outside 1..={MAX_DRAFTS} (a verify pass holds at most 16 rows)",
+                "--draft-max {} is outside 1..={MAX_DRAFTS} (a verify pass holds at most {MAX_VERIFY_ROWS} rows)",
                 self.draft_max
             )));
         }
