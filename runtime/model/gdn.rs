@@ -14,7 +14,7 @@
 //! those inputs ([`step`] with no output) and runs the very same code: a replay reproduces the
 //! pass's state bit for bit.
 
-use super::forward::Projection;
+use super::layers::Projection;
 use crate::weights::LinearAttnConfig;
 
 /// Weights of one Gated DeltaNet layer (Qwen3.5 layout).

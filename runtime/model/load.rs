@@ -14,7 +14,7 @@
 //! shape the model needs must be present; the error names every missing file. The xdna backend
 //! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
-use super::forward::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
+use super::layers::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::host_layout::{self, append_group_records, Packing};
 use crate::kernels::{

@@ -17,8 +17,8 @@
 //! planar full-attention `q_proj` and their value-head orders are mapped to the layout above at
 //! load ([`FlmLayout`]; docs/formats.md "Qwen3.5 layouts" gives the sources).
 
-use super::forward::{Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
 use super::gdn::GdnWeights;
+use super::layers::{Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
 use super::load::{kernel_dir, projection, LoadOptions, PackageEmbedding};
 use super::ModelError;
 use crate::kernels::{self, Executor, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNeed};

@@ -5,6 +5,8 @@
 pub mod forward;
 pub mod gdn;
 pub mod gguf_lite;
+pub mod kv_cache;
+pub mod layers;
 pub mod load;
 pub mod load_hybrid;
 pub mod ops;
@@ -12,16 +14,17 @@ pub mod perplexity;
 pub mod reference;
 pub mod replay_check;
 pub mod sampling;
+pub mod sequence;
 pub mod text;
 
 /// The kernels layer's row families (`m16` verify passes, `m128` prefill chunks).
 pub use crate::kernels::RowFamily;
 /// The model description the weights layer parses (config.json or GGUF metadata).
 pub use crate::weights::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
-pub use forward::{
-    BatchOutput, CommitFault, KvSlice, Layer, LayerStateView, Model, ModelWeights, PassStats,
-    ReplayMode, SequenceState, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS,
-};
+pub use forward::{BatchOutput, Model, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS};
+pub use kv_cache::KvSlice;
+pub use layers::{Embedding, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
+pub use sequence::{CommitFault, LayerStateView, ReplayMode, SequenceState};
 
 /// Errors of the model layer.
 #[derive(Debug, thiserror::Error)]

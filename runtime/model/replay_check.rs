@@ -9,7 +9,9 @@
 
 use std::sync::Arc;
 
-use super::forward::{CommitFault, Model, ModelWeights, ReplayMode, SequenceState};
+use super::forward::Model;
+use super::layers::ModelWeights;
+use super::sequence::{CommitFault, ReplayMode, SequenceState};
 use super::ModelError;
 
 /// What to check.
