@@ -12,7 +12,9 @@ use super::gdn::{self, GdnScratch};
 use super::kv_cache::CachedValue;
 use super::layers::{linear_dims, Layer, ModelWeights, Projection};
 use super::ops;
-use super::sequence::{commit_sequence_state, CommitFault, Pending, ReplayMode, SequenceState};
+#[cfg(feature = "fault-injection")]
+use super::sequence::CommitFault;
+use super::sequence::{commit_sequence_state, InjectedFaults, Pending, ReplayMode, SequenceState};
 use super::ModelError;
 use crate::kernels::{activation, attention, RowFamily};
 use crate::weights::ModelConfig;
@@ -134,10 +136,9 @@ pub struct Model {
     /// Last-row logits of `prefill`.
     last_logits: Vec<f32>,
     stats: PassStats,
-    /// Test hook: fail the next pass at this layer (simulates a device fault mid-pass).
-    fail_at_layer: Option<usize>,
     replay: ReplayMode,
-    commit_fault: Option<CommitFault>,
+    /// Test hooks (empty without the `fault-injection` feature).
+    faults: InjectedFaults,
 }
 
 impl Model {
@@ -225,9 +226,8 @@ impl Model {
             out,
             last_logits: vec![0.0; c.vocab],
             stats: PassStats::default(),
-            fail_at_layer: None,
             replay: ReplayMode::from_env(),
-            commit_fault: None,
+            faults: InjectedFaults::default(),
             w,
         })
     }
@@ -245,9 +245,10 @@ impl Model {
         &self.seq
     }
 
-    #[doc(hidden)]
+    /// Break the following commits on purpose (`None`: commit correctly again).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_commit_fault(&mut self, fault: Option<CommitFault>) {
-        self.commit_fault = fault;
+        self.faults.commit_fault = fault;
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -316,9 +317,11 @@ impl Model {
         Ok(())
     }
 
-    #[doc(hidden)]
+    /// Make every following pass fail when it reaches `layer`, as a device fault mid-pass would
+    /// (`None`: stop failing).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_failure_at_layer(&mut self, layer: Option<usize>) {
-        self.fail_at_layer = layer;
+        self.faults.fail_at_layer = layer;
     }
 
     fn check_taps(&self, taps: &[usize]) -> Result<(), ModelError> {
@@ -410,14 +413,7 @@ impl Model {
 
     /// Keep rows `0..n` of `seq`'s part of the last [`Model::step_sequences`] pass.
     pub fn commit_sequence(&mut self, seq: &mut SequenceState, n: usize) -> Result<(), ModelError> {
-        commit_sequence_state(
-            &self.w,
-            &mut self.s.gdn,
-            self.replay,
-            self.commit_fault,
-            seq,
-            n,
-        )
+        commit_sequence_state(&self.w, &mut self.s.gdn, self.replay, self.faults, seq, n)
     }
 
     /// Is `seq` a state this model can run: its layers, and its KV cache of the model's type?
@@ -550,7 +546,7 @@ impl Model {
             &self.w,
             &mut self.s.gdn,
             self.replay,
-            self.commit_fault,
+            self.faults,
             &mut self.seq,
             n,
         )
@@ -678,7 +674,7 @@ impl Model {
             }
         }
         for (l, layer) in self.w.layers[..self.run_layers].iter().enumerate() {
-            if self.fail_at_layer == Some(l) {
+            if self.faults.fails_at_layer(l) {
                 return Err(ModelError::Other(format!("injected failure at layer {l}")));
             }
             ops::rmsnorm(

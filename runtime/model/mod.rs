@@ -24,7 +24,9 @@ pub use crate::weights::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use forward::{BatchOutput, Model, PassStats, MAX_PREFILL_ROWS, MAX_VERIFY_ROWS};
 pub use kv_cache::KvSlice;
 pub use layers::{Embedding, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection};
-pub use sequence::{CommitFault, LayerStateView, ReplayMode, SequenceState};
+#[cfg(feature = "fault-injection")]
+pub use sequence::CommitFault;
+pub use sequence::{LayerStateView, ReplayMode, SequenceState};
 
 /// Errors of the model layer.
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use super::forward::Model;
 use super::layers::ModelWeights;
-use super::sequence::{CommitFault, ReplayMode, SequenceState};
+#[cfg(feature = "fault-injection")]
+use super::sequence::CommitFault;
+use super::sequence::{ReplayMode, SequenceState};
 use super::ModelError;
 
 /// What to check.
@@ -25,6 +27,7 @@ pub struct ReplayCheckOptions {
     /// Commit mode of the model under test.
     pub mode: ReplayMode,
     /// A deliberately broken commit (to prove the check catches it).
+    #[cfg(feature = "fault-injection")]
     pub fault: Option<CommitFault>,
     /// Largest accepted difference, relative to the largest magnitude of the compared quantity
     /// (per layer and kind of state, and for the logits).
@@ -134,6 +137,7 @@ pub fn run(w: Arc<ModelWeights>, o: &ReplayCheckOptions) -> Result<ReplayReport,
     base.set_replay_mode(ReplayMode::default());
     let mut test = Model::shared(Arc::clone(&w), ctx)?;
     test.set_replay_mode(o.mode);
+    #[cfg(feature = "fault-injection")]
     test.inject_commit_fault(o.fault);
     let prefix = &o.tokens[..o.prefix];
     let stream = &o.tokens[o.prefix..];

@@ -36,13 +36,57 @@ impl ReplayMode {
 }
 
 /// Deliberately wrong commits, for proving that `replay-check` and the tests catch them.
-#[doc(hidden)]
+#[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CommitFault {
     /// Replay one accepted row too few.
     ReplayOneFewer,
     /// After a partial acceptance keep the batch's recurrent state (no restore, no replay).
     KeepBatchState,
+}
+
+/// The faults a test injected into a model: a pass that fails at a layer, a wrong commit. Without
+/// the `fault-injection` feature it holds nothing and never fires, so production builds carry no
+/// test hook.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct InjectedFaults {
+    /// Fail the next pass at this layer (simulates a device fault mid-pass).
+    #[cfg(feature = "fault-injection")]
+    pub(super) fail_at_layer: Option<usize>,
+    #[cfg(feature = "fault-injection")]
+    pub(super) commit_fault: Option<CommitFault>,
+}
+
+impl InjectedFaults {
+    /// Whether a pass must fail at layer `layer`.
+    #[cfg_attr(not(feature = "fault-injection"), allow(unused_variables))]
+    pub(super) fn fails_at_layer(&self, layer: usize) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self.fail_at_layer == Some(layer) {
+            return true;
+        }
+        false
+    }
+
+    /// Rows a commit replays for `n` accepted rows: `n`, or one too few under
+    /// [`CommitFault::ReplayOneFewer`].
+    fn replay_rows(&self, n: usize) -> usize {
+        #[cfg(feature = "fault-injection")]
+        if self.commit_fault == Some(CommitFault::ReplayOneFewer) {
+            return n - 1;
+        }
+        n
+    }
+
+    /// Whether a partial acceptance keeps the batch's recurrent state
+    /// ([`CommitFault::KeepBatchState`]).
+    fn keeps_batch_state(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self.commit_fault == Some(CommitFault::KeepBatchState) {
+            return true;
+        }
+        false
+    }
 }
 
 /// Recurrent state of one GDN layer of one sequence, with what a rollback needs.
@@ -267,7 +311,7 @@ pub(super) fn commit_sequence_state(
     w: &ModelWeights,
     scratch: &mut Option<GdnScratch>,
     mode: ReplayMode,
-    fault: Option<CommitFault>,
+    faults: InjectedFaults,
     seq: &mut SequenceState,
     n: usize,
 ) -> Result<(), ModelError> {
@@ -284,12 +328,7 @@ pub(super) fn commit_sequence_state(
                 .iter()
                 .map(|s| s.as_ref().map(|s| s.state.clone()))
                 .collect();
-            let rows = if fault == Some(CommitFault::ReplayOneFewer) {
-                n - 1
-            } else {
-                n
-            };
-            replay_recurrent(w, scratch, seq, rows)?;
+            replay_recurrent(w, scratch, seq, faults.replay_rows(n))?;
             for (l, (slot, b)) in seq.recurrent.iter().zip(&batch).enumerate() {
                 if let (Some(slot), Some(b)) = (slot, b) {
                     let (ca, _) = gdn::max_diff(&slot.state.conv, &b.conv);
@@ -307,10 +346,9 @@ pub(super) fn commit_sequence_state(
                 }
             }
         } else if !full || mode.full_replay {
-            match fault {
-                Some(CommitFault::KeepBatchState) if !full => {}
-                Some(CommitFault::ReplayOneFewer) => replay_recurrent(w, scratch, seq, n - 1)?,
-                _ => replay_recurrent(w, scratch, seq, n)?,
+            let keep_batch_state = !full && faults.keeps_batch_state();
+            if !keep_batch_state {
+                replay_recurrent(w, scratch, seq, faults.replay_rows(n))?;
             }
         }
     }
