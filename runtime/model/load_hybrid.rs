@@ -24,6 +24,7 @@ use super::ModelError;
 use crate::kernels::{self, Executor, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNeed};
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
 use crate::weights::safetensors::{Declared, Dtype, Writer};
+use crate::weights::value_heads::gguf_to_hf;
 use crate::weights::{LayerKind, ModelConfig, Package};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -432,18 +433,6 @@ fn check_a(name: &str, a: &[f32]) -> Result<(), ModelError> {
         }
     }
     Ok(())
-}
-
-/// llama.cpp `_reorder_v_heads`: GGUF index → HF index; heads of `unit` entries, tiled
-/// (`j·hk + k`) in the GGUF, grouped (`k·r + j`) in HF. The identity when hk = hv.
-fn gguf_to_hf(idx: usize, hk: usize, hv: usize, unit: usize) -> usize {
-    if hk == hv || hk == 0 {
-        return idx;
-    }
-    let r = hv / hk;
-    let (head, e) = (idx / unit, idx % unit);
-    let (j, k) = (head / hk, head % hk);
-    (k * r + j) * unit + e
 }
 
 /// FLM `rearrange('(q g p) -> (g q p)', q = 2)`: FLM index → GGUF index over `len` entries in
