@@ -2,6 +2,7 @@
 //! (`step_batch_all` / `commit_verify_rows`), the reference forward used by tests, sampling, and
 //! streaming detokenization. See `docs/model.md`.
 
+pub mod fflm_layout;
 pub mod forward;
 pub mod gdn;
 pub mod gguf_lite;
@@ -15,6 +16,7 @@ pub mod reference;
 pub mod replay_check;
 pub mod sampling;
 pub mod sequence;
+pub mod synthetic;
 pub mod text;
 
 /// The kernels layer's row families (`m16` verify passes, `m128` prefill chunks).
