@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use super::gdn::{self, GdnScratch};
 use super::kv_cache::CachedValue;
-use super::layers::{linear_dims, Layer, ModelWeights, Projection};
+use super::layers::{
+    linear_dims, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection,
+};
 use super::ops;
 #[cfg(feature = "fault-injection")]
 use super::sequence::CommitFault;
@@ -631,306 +633,475 @@ impl Model {
     ) -> Result<(), ModelError> {
         // Wall time of a successful pass, added to `stats.pass_time` where it returns.
         let start = Instant::now();
-        let c = &self.w.config;
-        let (hd, rd, hidden) = (c.head_dim, c.rotary_dim, c.hidden);
-        let half = rd / 2;
-        let (qd, kvd, qkvn, inter) = (c.q_dim(), c.kv_dim(), c.qkv_rows(), c.intermediate);
-        let (qr, gated) = (c.q_rows(), c.attn_output_gate);
-        // Fused q rows: per head [q] or, with the output gate, [q, gate].
-        let q_stride = if gated { 2 * hd } else { hd };
-        let eps = c.rms_eps as f32;
-        let s = &mut self.s;
-        let mut m = 0;
-        for (g, seg) in segments.iter().enumerate() {
-            for (j, &t) in seg.tokens.iter().enumerate() {
-                let i = m + j;
-                let pos = seg.seq.pos + j;
-                s.row_segment[i] = g;
-                s.row_position[i] = pos;
+        let mut pass = ForwardPass {
+            w: &self.w,
+            inv_freq: &self.inv_freq,
+            scratch: &mut self.s,
+            stats: &mut self.stats,
+            out: &mut self.out,
+            family,
+            eps: self.w.config.rms_eps as f32,
+        };
+        let rows = pass.embed_rows(segments)?;
+        pass.count_rows(rows);
+        for (layer_index, layer) in self.w.layers[..self.run_layers].iter().enumerate() {
+            if self.faults.fails_at_layer(layer_index) {
+                return Err(ModelError::Other(format!(
+                    "injected failure at layer {layer_index}"
+                )));
+            }
+            pass.attention_norm(layer, rows);
+            match layer {
+                Layer::Attention(weights) => {
+                    pass.attention_block(segments, layer_index, weights, rows)?
+                }
+                Layer::Linear(weights) => {
+                    pass.recurrent_block(segments, layer_index, weights, rows, record)?
+                }
+            }
+            pass.ffn_block(layer, rows)?;
+            if taps {
+                pass.record_taps(layer_index, rows);
+            }
+        }
+        match sink {
+            Sink::SegmentLast { f } => pass.segment_last_logits(segments, &mut **f)?,
+            _ => pass.row_logits(rows, first_logit_row, sink)?,
+        }
+        self.stats.pass_time += start.elapsed();
+        Ok(())
+    }
+}
+
+/// One pass's view of a [`Model`]: the weights, the scratch buffers, the counters and the output,
+/// borrowed apart so that each step of [`Model::forward_rows`] is a method. Rows are laid out
+/// segment after segment (`hidden` values each in `scratch.x`).
+struct ForwardPass<'m> {
+    w: &'m ModelWeights,
+    inv_freq: &'m [f64],
+    scratch: &'m mut Scratch,
+    stats: &'m mut PassStats,
+    out: &'m mut BatchOutput,
+    /// The row family of the pass's layer projections.
+    family: RowFamily,
+    /// RMSNorm epsilon, as f32.
+    eps: f32,
+}
+
+impl ForwardPass<'_> {
+    /// Every segment's token embeddings into the residual stream, with each row's segment,
+    /// position and RoPE angles; the attention scores sized for the longest row. Returns the
+    /// number of rows.
+    fn embed_rows(&mut self, segments: &[Segment<'_, '_>]) -> Result<usize, ModelError> {
+        let hidden = self.w.config.hidden;
+        let half = self.w.config.rotary_dim / 2;
+        let s = &mut *self.scratch;
+        let mut rows = 0;
+        for (segment_index, segment) in segments.iter().enumerate() {
+            for (offset, &token) in segment.tokens.iter().enumerate() {
+                let row = rows + offset;
+                let position = segment.seq.pos + offset;
+                s.row_segment[row] = segment_index;
+                s.row_position[row] = position;
                 self.w
                     .embed
-                    .row(t, &mut s.x[i * hidden..(i + 1) * hidden])?;
+                    .row(token, &mut s.x[row * hidden..(row + 1) * hidden])?;
                 ops::rope_angles(
-                    pos,
-                    &self.inv_freq,
-                    &mut s.cos[i * half..(i + 1) * half],
-                    &mut s.sin[i * half..(i + 1) * half],
+                    position,
+                    self.inv_freq,
+                    &mut s.cos[row * half..(row + 1) * half],
+                    &mut s.sin[row * half..(row + 1) * half],
                 );
             }
-            m += seg.tokens.len();
+            rows += segment.tokens.len();
         }
-        let longest = s.row_position[..m].iter().max().map_or(0, |&p| p + 1);
+        let longest = s.row_position[..rows].iter().max().map_or(0, |&p| p + 1);
         if s.scores.len() < longest {
             s.scores.resize(longest, 0.0);
         }
-        match family {
+        Ok(rows)
+    }
+
+    /// The pass and its rows in the counters of its row family.
+    fn count_rows(&mut self, rows: usize) {
+        match self.family {
             RowFamily::M16 => {
                 self.stats.m16_passes += 1;
-                self.stats.m16_rows += m as u64;
+                self.stats.m16_rows += rows as u64;
             }
             RowFamily::M128 => {
                 self.stats.m128_passes += 1;
-                self.stats.m128_rows += m as u64;
+                self.stats.m128_rows += rows as u64;
             }
         }
-        for (l, layer) in self.w.layers[..self.run_layers].iter().enumerate() {
-            if self.faults.fails_at_layer(l) {
-                return Err(ModelError::Other(format!("injected failure at layer {l}")));
+    }
+
+    /// The layer's input norm: residual stream `x` → normed rows `xn`.
+    fn attention_norm(&mut self, layer: &Layer, rows: usize) {
+        let hidden = self.w.config.hidden;
+        let s = &mut *self.scratch;
+        ops::rmsnorm(
+            &s.x[..rows * hidden],
+            layer.attn_norm(),
+            self.eps,
+            &mut s.xn[..rows * hidden],
+        );
+    }
+
+    /// Softmax attention: the fused q‖k‖v projection, biases, q/k norms and RoPE, keys and values
+    /// stored at each row's position, attention over each row's own cache, the output gate, the
+    /// output projection added to the residual stream.
+    fn attention_block(
+        &mut self,
+        segments: &mut [Segment<'_, '_>],
+        layer_index: usize,
+        weights: &LayerWeights,
+        rows: usize,
+    ) -> Result<(), ModelError> {
+        let w = self.w;
+        let config = &w.config;
+        let (head_dim, rotary_dim, hidden) = (config.head_dim, config.rotary_dim, config.hidden);
+        let half = rotary_dim / 2;
+        let (q_dim, kv_dim, qkv_width) = (config.q_dim(), config.kv_dim(), config.qkv_rows());
+        let (q_rows, gated) = (config.q_rows(), config.attn_output_gate);
+        // Fused q rows: per head [q] or, with the output gate, [q, gate].
+        let q_stride = if gated { 2 * head_dim } else { head_dim };
+        let eps = self.eps;
+        let s = &mut *self.scratch;
+        timed_gemm(
+            &*weights.qkv,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.qkv[..rows * qkv_width],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        for row in 0..rows {
+            let qkv = &mut s.qkv[row * qkv_width..(row + 1) * qkv_width];
+            if let Some(bias) = &weights.qkv_bias {
+                for (value, &bias_value) in qkv.iter_mut().zip(bias) {
+                    *value += bias_value;
+                }
             }
-            ops::rmsnorm(
-                &s.x[..m * hidden],
-                layer.attn_norm(),
-                eps,
-                &mut s.xn[..m * hidden],
+            let (cos, sin) = (
+                &s.cos[row * half..(row + 1) * half],
+                &s.sin[row * half..(row + 1) * half],
             );
-            match layer {
-                Layer::Attention(lw) => {
-                    timed_gemm(
-                        &*lw.qkv,
-                        &s.xn[..m * hidden],
-                        m,
-                        &mut s.qkv[..m * qkvn],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    for i in 0..m {
-                        let row = &mut s.qkv[i * qkvn..(i + 1) * qkvn];
-                        if let Some(b) = &lw.qkv_bias {
-                            for (v, &b) in row.iter_mut().zip(b) {
-                                *v += b;
-                            }
-                        }
-                        let (cos, sin) = (
-                            &s.cos[i * half..(i + 1) * half],
-                            &s.sin[i * half..(i + 1) * half],
-                        );
-                        for h in 0..c.heads {
-                            let head = &mut row[h * q_stride..h * q_stride + hd];
-                            if let Some(nw) = &lw.q_norm {
-                                ops::rmsnorm_inplace(head, nw, eps);
-                            }
-                            ops::rope_half_split(&mut head[..rd], cos, sin);
-                        }
-                        for head in row[qr..qr + kvd].chunks_exact_mut(hd) {
-                            if let Some(nw) = &lw.k_norm {
-                                ops::rmsnorm_inplace(head, nw, eps);
-                            }
-                            ops::rope_half_split(&mut head[..rd], cos, sin);
-                        }
-                        if gated {
-                            for h in 0..c.heads {
-                                let at = i * qd + h * hd;
-                                s.q_compact[at..at + hd]
-                                    .copy_from_slice(&row[h * q_stride..h * q_stride + hd]);
-                                s.gate[at..at + hd]
-                                    .copy_from_slice(&row[h * q_stride + hd..(h + 1) * q_stride]);
-                            }
-                        }
-                        let seq = &mut *segments[s.row_segment[i]].seq;
-                        let p = s.row_position[i];
-                        seq.k_cache.store(l, p * kvd, &row[qr..qr + kvd]);
-                        seq.v_cache.store(l, p * kvd, &row[qr + kvd..qkvn]);
-                    }
-                    {
-                        // Every row's heads in one pool dispatch (rows of different sequences read
-                        // their own caches).
-                        let pass = LayerAttention {
-                            shape: attention::AttentionShape {
-                                heads: c.heads,
-                                kv_heads: c.kv_heads,
-                                head_dim: hd,
-                            },
-                            segments,
-                            layer: l,
-                            rows: m,
-                            q: if gated { &s.q_compact } else { &s.qkv },
-                            q_stride: if gated { qd } else { qkvn },
-                            row_segment: &s.row_segment,
-                            row_position: &s.row_position,
-                        };
-                        let out = &mut s.attn[..m * qd];
-                        let start = Instant::now();
-                        if self.w.f32_kv_cache {
-                            pass.run::<f32>(&mut s.scores, out);
-                        } else {
-                            pass.run::<f16>(&mut s.scores, out);
-                        }
-                        self.stats.attention_time += start.elapsed();
-                    }
-                    if gated {
-                        for (a, &g) in s.attn[..m * qd].iter_mut().zip(&s.gate[..m * qd]) {
-                            *a *= 1.0 / (1.0 + (-g).exp());
-                        }
-                    }
-                    timed_gemm(
-                        &*lw.o,
-                        &s.attn[..m * qd],
-                        m,
-                        &mut s.o[..m * hidden],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    add_rows(
-                        &mut s.x[..m * hidden],
-                        &s.o[..m * hidden],
-                        lw.o_bias.as_deref(),
-                        hidden,
-                    );
+            for head in 0..config.heads {
+                let q = &mut qkv[head * q_stride..head * q_stride + head_dim];
+                if let Some(norm) = &weights.q_norm {
+                    ops::rmsnorm_inplace(q, norm, eps);
                 }
-                Layer::Linear(lw) => {
-                    let d = linear_dims(c)?;
-                    let (cd, vd, hv) = (d.conv_dim(), d.value_dim(), d.value_heads);
-                    let (pn, ban) = (cd + vd, 2 * hv);
-                    let g = &lw.gdn;
-                    timed_gemm(
-                        &*g.in_qkvz,
-                        &s.xn[..m * hidden],
-                        m,
-                        &mut s.gdn_proj[..m * pn],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    timed_gemm(
-                        &*g.in_ba,
-                        &s.xn[..m * hidden],
-                        m,
-                        &mut s.gdn_ba[..m * ban],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    let Some(scratch) = s.gdn.as_mut() else {
-                        return Err(ModelError::State {
-                            what: "GDN layer without GDN scratch".into(),
-                        });
-                    };
-                    // The recurrence is sequential within a sequence: rows in order.
-                    for i in 0..m {
-                        let seq = &mut *segments[s.row_segment[i]].seq;
-                        let j = s.row_position[i] - seq.pos;
-                        let stride = seq.tape_stride;
-                        let Some(slot) = seq.recurrent.get_mut(l).and_then(Option::as_mut) else {
-                            return Err(ModelError::State {
-                                what: format!("sequence state has no recurrent slot for layer {l}"),
-                            });
-                        };
-                        let proj = &s.gdn_proj[i * pn..(i + 1) * pn];
-                        let ba = &s.gdn_ba[i * ban..(i + 1) * ban];
-                        if record {
-                            let t = &mut slot.tape[j * stride..(j + 1) * stride];
-                            t[..cd].copy_from_slice(&proj[..cd]);
-                            t[cd..].copy_from_slice(ba);
-                        }
-                        gdn::step(
-                            d,
-                            g,
-                            eps,
-                            &mut slot.state,
-                            &proj[..cd],
-                            ba,
-                            scratch,
-                            Some((&proj[cd..], &mut s.gdn_y[i * vd..(i + 1) * vd])),
-                        );
-                    }
-                    timed_gemm(
-                        &*g.out,
-                        &s.gdn_y[..m * vd],
-                        m,
-                        &mut s.o[..m * hidden],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
+                ops::rope_half_split(&mut q[..rotary_dim], cos, sin);
+            }
+            for k in qkv[q_rows..q_rows + kv_dim].chunks_exact_mut(head_dim) {
+                if let Some(norm) = &weights.k_norm {
+                    ops::rmsnorm_inplace(k, norm, eps);
+                }
+                ops::rope_half_split(&mut k[..rotary_dim], cos, sin);
+            }
+            if gated {
+                for head in 0..config.heads {
+                    let at = row * q_dim + head * head_dim;
+                    let q_at = head * q_stride;
+                    s.q_compact[at..at + head_dim].copy_from_slice(&qkv[q_at..q_at + head_dim]);
+                    s.gate[at..at + head_dim]
+                        .copy_from_slice(&qkv[q_at + head_dim..(head + 1) * q_stride]);
                 }
             }
-            let (ffn_norm, gate_up, down) = layer.ffn();
-            ops::rmsnorm(&s.x[..m * hidden], ffn_norm, eps, &mut s.xn[..m * hidden]);
-            timed_gemm(
-                gate_up,
-                &s.xn[..m * hidden],
-                m,
-                &mut s.gate_up[..m * 2 * inter],
-                family,
-                &mut self.stats.projection_time,
-            )?;
-            activation::swiglu(&s.gate_up[..m * 2 * inter], inter, &mut s.act[..m * inter]);
-            timed_gemm(
-                down,
-                &s.act[..m * inter],
-                m,
-                &mut s.o[..m * hidden],
-                family,
-                &mut self.stats.projection_time,
-            )?;
-            add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
-            if taps {
-                for (t, _) in self.out.taps.iter().enumerate().filter(|(_, &tl)| tl == l) {
-                    let at = t * m * hidden;
-                    self.out.tap_states[at..at + m * hidden].copy_from_slice(&s.x[..m * hidden]);
-                }
-            }
-        }
-        let vocab = c.vocab;
-        if let Sink::SegmentLast { f } = sink {
-            // The last row of each segment, up to 16 rows per lm_head GEMM.
-            let mut end = 0;
-            let mut g0 = 0;
-            while g0 < segments.len() {
-                let g1 = (g0 + MAX_VERIFY_ROWS).min(segments.len());
-                for (j, seg) in segments[g0..g1].iter().enumerate() {
-                    end += seg.tokens.len();
-                    let r = end - 1;
-                    ops::rmsnorm(
-                        &s.x[r * hidden..(r + 1) * hidden],
-                        &self.w.final_norm,
-                        eps,
-                        &mut s.head_in[j * hidden..(j + 1) * hidden],
-                    );
-                }
-                let n = g1 - g0;
-                timed_gemm(
-                    &*self.w.lm_head,
-                    &s.head_in[..n * hidden],
-                    n,
-                    &mut self.out.logits[..n * vocab],
-                    RowFamily::for_rows(n),
-                    &mut self.stats.projection_time,
-                )?;
-                for j in 0..n {
-                    f(g0 + j, &self.out.logits[j * vocab..(j + 1) * vocab]);
-                }
-                g0 = g1;
-            }
-            self.stats.pass_time += start.elapsed();
-            return Ok(());
-        }
-        // Logits for rows first_logit_row.., up to 16 rows per lm_head GEMM.
-        let mut r0 = first_logit_row;
-        while r0 < m {
-            let r1 = (r0 + MAX_VERIFY_ROWS).min(m);
-            let n = r1 - r0;
-            ops::rmsnorm(
-                &s.x[r0 * hidden..r1 * hidden],
-                &self.w.final_norm,
-                eps,
-                &mut s.head_in[..n * hidden],
+            let seq = &mut *segments[s.row_segment[row]].seq;
+            let position = s.row_position[row];
+            seq.k_cache.store(
+                layer_index,
+                position * kv_dim,
+                &qkv[q_rows..q_rows + kv_dim],
             );
-            let fam = RowFamily::for_rows(n);
+            seq.v_cache.store(
+                layer_index,
+                position * kv_dim,
+                &qkv[q_rows + kv_dim..qkv_width],
+            );
+        }
+        {
+            // Every row's heads in one pool dispatch (rows of different sequences read their own
+            // caches).
+            let attention = LayerAttention {
+                shape: attention::AttentionShape {
+                    heads: config.heads,
+                    kv_heads: config.kv_heads,
+                    head_dim,
+                },
+                segments,
+                layer: layer_index,
+                rows,
+                q: if gated { &s.q_compact } else { &s.qkv },
+                q_stride: if gated { q_dim } else { qkv_width },
+                row_segment: &s.row_segment,
+                row_position: &s.row_position,
+            };
+            let out = &mut s.attn[..rows * q_dim];
+            let start = Instant::now();
+            if w.f32_kv_cache {
+                attention.run::<f32>(&mut s.scores, out);
+            } else {
+                attention.run::<f16>(&mut s.scores, out);
+            }
+            self.stats.attention_time += start.elapsed();
+        }
+        if gated {
+            for (value, &gate) in s.attn[..rows * q_dim]
+                .iter_mut()
+                .zip(&s.gate[..rows * q_dim])
+            {
+                *value *= 1.0 / (1.0 + (-gate).exp());
+            }
+        }
+        timed_gemm(
+            &*weights.o,
+            &s.attn[..rows * q_dim],
+            rows,
+            &mut s.o[..rows * hidden],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        add_rows(
+            &mut s.x[..rows * hidden],
+            &s.o[..rows * hidden],
+            weights.o_bias.as_deref(),
+            hidden,
+        );
+        Ok(())
+    }
+
+    /// Gated DeltaNet: the qkv‖z and b‖a projections, each row through its sequence's recurrent
+    /// state in order (recording the replay tape when `record`), the output projection added to
+    /// the residual stream.
+    fn recurrent_block(
+        &mut self,
+        segments: &mut [Segment<'_, '_>],
+        layer_index: usize,
+        weights: &LinearLayerWeights,
+        rows: usize,
+        record: bool,
+    ) -> Result<(), ModelError> {
+        let config = &self.w.config;
+        let hidden = config.hidden;
+        let dims = linear_dims(config)?;
+        let (conv_dim, value_dim, value_heads) =
+            (dims.conv_dim(), dims.value_dim(), dims.value_heads);
+        let (proj_width, ba_width) = (conv_dim + value_dim, 2 * value_heads);
+        let gdn_weights = &weights.gdn;
+        let eps = self.eps;
+        let s = &mut *self.scratch;
+        timed_gemm(
+            &*gdn_weights.in_qkvz,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.gdn_proj[..rows * proj_width],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        timed_gemm(
+            &*gdn_weights.in_ba,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.gdn_ba[..rows * ba_width],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        let Some(gdn_scratch) = s.gdn.as_mut() else {
+            return Err(ModelError::State {
+                what: "GDN layer without GDN scratch".into(),
+            });
+        };
+        // The recurrence is sequential within a sequence: rows in order.
+        for row in 0..rows {
+            let seq = &mut *segments[s.row_segment[row]].seq;
+            // The row's index in its sequence's part of the pass (its tape row).
+            let offset = s.row_position[row] - seq.pos;
+            let stride = seq.tape_stride;
+            let Some(slot) = seq.recurrent.get_mut(layer_index).and_then(Option::as_mut) else {
+                return Err(ModelError::State {
+                    what: format!("sequence state has no recurrent slot for layer {layer_index}"),
+                });
+            };
+            let proj = &s.gdn_proj[row * proj_width..(row + 1) * proj_width];
+            let ba = &s.gdn_ba[row * ba_width..(row + 1) * ba_width];
+            if record {
+                let tape = &mut slot.tape[offset * stride..(offset + 1) * stride];
+                tape[..conv_dim].copy_from_slice(&proj[..conv_dim]);
+                tape[conv_dim..].copy_from_slice(ba);
+            }
+            gdn::step(
+                dims,
+                gdn_weights,
+                eps,
+                &mut slot.state,
+                &proj[..conv_dim],
+                ba,
+                gdn_scratch,
+                Some((
+                    &proj[conv_dim..],
+                    &mut s.gdn_y[row * value_dim..(row + 1) * value_dim],
+                )),
+            );
+        }
+        timed_gemm(
+            &*gdn_weights.out,
+            &s.gdn_y[..rows * value_dim],
+            rows,
+            &mut s.o[..rows * hidden],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        add_rows(
+            &mut s.x[..rows * hidden],
+            &s.o[..rows * hidden],
+            None,
+            hidden,
+        );
+        Ok(())
+    }
+
+    /// The feed-forward block: norm, gate‖up, SwiGLU, down, added to the residual stream.
+    fn ffn_block(&mut self, layer: &Layer, rows: usize) -> Result<(), ModelError> {
+        let (hidden, intermediate) = (self.w.config.hidden, self.w.config.intermediate);
+        let s = &mut *self.scratch;
+        let (ffn_norm, gate_up, down) = layer.ffn();
+        ops::rmsnorm(
+            &s.x[..rows * hidden],
+            ffn_norm,
+            self.eps,
+            &mut s.xn[..rows * hidden],
+        );
+        timed_gemm(
+            gate_up,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.gate_up[..rows * 2 * intermediate],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        activation::swiglu(
+            &s.gate_up[..rows * 2 * intermediate],
+            intermediate,
+            &mut s.act[..rows * intermediate],
+        );
+        timed_gemm(
+            down,
+            &s.act[..rows * intermediate],
+            rows,
+            &mut s.o[..rows * hidden],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        add_rows(
+            &mut s.x[..rows * hidden],
+            &s.o[..rows * hidden],
+            None,
+            hidden,
+        );
+        Ok(())
+    }
+
+    /// The residual stream after layer `layer_index`, for every tap that asked for that layer.
+    fn record_taps(&mut self, layer_index: usize, rows: usize) {
+        let hidden = self.w.config.hidden;
+        let x = &self.scratch.x[..rows * hidden];
+        for (tap, _) in self
+            .out
+            .taps
+            .iter()
+            .enumerate()
+            .filter(|(_, &tap_layer)| tap_layer == layer_index)
+        {
+            let at = tap * rows * hidden;
+            self.out.tap_states[at..at + rows * hidden].copy_from_slice(x);
+        }
+    }
+
+    /// Output head for a multi-sequence prefill: the last row of each segment, up to 16 rows per
+    /// lm_head GEMM; `on_logits(segment, logits)`.
+    fn segment_last_logits(
+        &mut self,
+        segments: &[Segment<'_, '_>],
+        on_logits: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), ModelError> {
+        let (hidden, vocab) = (self.w.config.hidden, self.w.config.vocab);
+        let s = &mut *self.scratch;
+        // Rows of the segments before `first_segment` plus those of the group so far.
+        let mut end = 0;
+        let mut first_segment = 0;
+        while first_segment < segments.len() {
+            let end_segment = (first_segment + MAX_VERIFY_ROWS).min(segments.len());
+            for (group_row, segment) in segments[first_segment..end_segment].iter().enumerate() {
+                end += segment.tokens.len();
+                let last_row = end - 1;
+                ops::rmsnorm(
+                    &s.x[last_row * hidden..(last_row + 1) * hidden],
+                    &self.w.final_norm,
+                    self.eps,
+                    &mut s.head_in[group_row * hidden..(group_row + 1) * hidden],
+                );
+            }
+            let count = end_segment - first_segment;
             timed_gemm(
                 &*self.w.lm_head,
-                &s.head_in[..n * hidden],
-                n,
-                &mut self.out.logits[..n * vocab],
-                fam,
+                &s.head_in[..count * hidden],
+                count,
+                &mut self.out.logits[..count * vocab],
+                RowFamily::for_rows(count),
+                &mut self.stats.projection_time,
+            )?;
+            for group_row in 0..count {
+                on_logits(
+                    first_segment + group_row,
+                    &self.out.logits[group_row * vocab..(group_row + 1) * vocab],
+                );
+            }
+            first_segment = end_segment;
+        }
+        Ok(())
+    }
+
+    /// Output head: logits for rows `first_logit_row..rows`, up to 16 rows per lm_head GEMM, kept
+    /// in the output ([`Sink::Batch`]) or handed to the callback ([`Sink::Callback`]).
+    fn row_logits(
+        &mut self,
+        rows: usize,
+        first_logit_row: usize,
+        sink: &mut Sink<'_>,
+    ) -> Result<(), ModelError> {
+        let (hidden, vocab) = (self.w.config.hidden, self.w.config.vocab);
+        let s = &mut *self.scratch;
+        let mut first = first_logit_row;
+        while first < rows {
+            let end = (first + MAX_VERIFY_ROWS).min(rows);
+            let count = end - first;
+            ops::rmsnorm(
+                &s.x[first * hidden..end * hidden],
+                &self.w.final_norm,
+                self.eps,
+                &mut s.head_in[..count * hidden],
+            );
+            timed_gemm(
+                &*self.w.lm_head,
+                &s.head_in[..count * hidden],
+                count,
+                &mut self.out.logits[..count * vocab],
+                RowFamily::for_rows(count),
                 &mut self.stats.projection_time,
             )?;
             if let Sink::Callback { base, f } = sink {
-                for i in 0..n {
-                    f(*base + r0 + i, &self.out.logits[i * vocab..(i + 1) * vocab]);
+                for offset in 0..count {
+                    f(
+                        *base + first + offset,
+                        &self.out.logits[offset * vocab..(offset + 1) * vocab],
+                    );
                 }
             }
-            r0 = r1;
+            first = end;
         }
-        self.stats.pass_time += start.elapsed();
         Ok(())
     }
 }
