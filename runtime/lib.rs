@@ -31,6 +31,8 @@
 //!
 //! One token from `open_model` to the ioctl and back: `docs/life-of-a-token.md`.
 
+#![warn(missing_docs)]
+
 pub mod cli;
 pub mod device;
 pub mod error;

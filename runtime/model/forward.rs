@@ -39,6 +39,7 @@ pub struct BatchOutput {
 }
 
 impl BatchOutput {
+    /// Rows of the pass.
     pub fn rows(&self) -> usize {
         self.rows
     }
@@ -64,9 +65,13 @@ impl BatchOutput {
 /// Counters for stats lines, and where the passes' wall time went (for `xdna bench decode`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PassStats {
+    /// Verify passes (`m16` family) run.
     pub m16_passes: u64,
+    /// Prefill chunks (`m128` family) run.
     pub m128_passes: u64,
+    /// Rows of those verify passes.
     pub m16_rows: u64,
+    /// Rows of those prefill chunks.
     pub m128_rows: u64,
     /// Wall time of the passes that succeeded (embedding lookup to logits).
     pub pass_time: Duration,
@@ -238,6 +243,7 @@ impl Model {
     pub fn replay_mode(&self) -> ReplayMode {
         self.replay
     }
+    /// Change how commits treat recurrent layers.
     pub fn set_replay_mode(&mut self, mode: ReplayMode) {
         self.replay = mode;
     }
@@ -253,9 +259,11 @@ impl Model {
         self.faults.commit_fault = fault;
     }
 
+    /// The model description.
     pub fn config(&self) -> &ModelConfig {
         &self.w.config
     }
+    /// The weights.
     pub fn weights(&self) -> &ModelWeights {
         &self.w
     }
@@ -271,9 +279,11 @@ impl Model {
     pub fn position(&self) -> usize {
         self.seq.pos
     }
+    /// Positions the model's own state can hold.
     pub fn context(&self) -> usize {
         self.seq.ctx
     }
+    /// Pass counters and where their time went.
     pub fn stats(&self) -> PassStats {
         self.stats
     }

@@ -7,7 +7,9 @@ use half::f16;
 /// Cached keys or values of one layer, in the model's cache type.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvSlice<'a> {
+    /// The fast path's f16 cache.
     F16(&'a [f16]),
+    /// An exact run's f32 cache.
     F32(&'a [f32]),
 }
 

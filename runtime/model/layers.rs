@@ -9,10 +9,13 @@ use crate::weights::{LayerKind, LinearAttnConfig, ModelConfig};
 
 /// A weight matrix `[N = rows, K = cols]` that multiplies activations: `y[m×N] = x[m×K] · Wᵀ`.
 pub trait Projection: Send + Sync {
+    /// Output rows `N`.
     fn rows(&self) -> usize;
+    /// Input columns `K`.
     fn cols(&self) -> usize;
     /// Bytes of weights read by one pass over the matrix.
     fn weight_bytes(&self) -> usize;
+    /// `y[m×N] = x[m×K] · Wᵀ` for `m` rows of the row family `family`.
     fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: RowFamily)
         -> Result<(), ModelError>;
     /// The tile format when the matrix runs on a per-shape kernel (for kernel-set checks).
@@ -23,32 +26,45 @@ pub trait Projection: Send + Sync {
 
 /// The token embedding table, decoded one row at a time.
 pub trait Embedding: Send + Sync {
+    /// Decode token `token`'s row into `out` (`hidden` values).
     fn row(&self, token: u32, out: &mut [f32]) -> Result<(), ModelError>;
 }
 
 /// Weights of one full-attention decoder layer (the Llama family's only kind).
 pub struct LayerWeights {
+    /// The input RMSNorm weight.
     pub attn_norm: Vec<f32>,
     /// Fused q‖k‖v, `[(heads + 2 kv_heads) head_dim, hidden]`, HF half-split rotary layout.
     pub qkv: Box<dyn Projection>,
+    /// Bias of the fused q‖k‖v rows (Qwen2).
     pub qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weight of q (Qwen3).
     pub q_norm: Option<Vec<f32>>,
+    /// Per-head RMSNorm weight of k (Qwen3).
     pub k_norm: Option<Vec<f32>>,
     /// Input `heads × head_dim`; with an output gate the fused q rows are per head `[q, gate]`.
     pub o: Box<dyn Projection>,
+    /// Bias of the output projection.
     pub o_bias: Option<Vec<f32>>,
+    /// The RMSNorm weight before the feed-forward block.
     pub ffn_norm: Vec<f32>,
     /// Fused gate‖up, `[2 intermediate, hidden]`.
     pub gate_up: Box<dyn Projection>,
+    /// The feed-forward output projection, `[hidden, intermediate]`.
     pub down: Box<dyn Projection>,
 }
 
 /// Weights of one Gated DeltaNet decoder layer (hybrid models).
 pub struct LinearLayerWeights {
+    /// The input RMSNorm weight.
     pub attn_norm: Vec<f32>,
+    /// The Gated DeltaNet token mixer.
     pub gdn: GdnWeights,
+    /// The RMSNorm weight before the feed-forward block.
     pub ffn_norm: Vec<f32>,
+    /// Fused gate‖up, `[2 intermediate, hidden]`.
     pub gate_up: Box<dyn Projection>,
+    /// The feed-forward output projection, `[hidden, intermediate]`.
     pub down: Box<dyn Projection>,
 }
 
@@ -61,6 +77,7 @@ pub enum Layer {
 }
 
 impl Layer {
+    /// The layer's token-mixer kind.
     pub fn kind(&self) -> LayerKind {
         match self {
             Layer::Attention(_) => LayerKind::Attention,
@@ -95,9 +112,13 @@ impl Layer {
 
 /// Everything the fast forward needs.
 pub struct ModelWeights {
+    /// The model description.
     pub config: ModelConfig,
+    /// The decoder layers, in order.
     pub layers: Vec<Layer>,
+    /// The final RMSNorm weight.
     pub final_norm: Vec<f32>,
+    /// The token embedding table.
     pub embed: Box<dyn Embedding>,
     /// Separate lm_head, or the embedding matrix itself when tied.
     pub lm_head: Box<dyn Projection>,

@@ -21,6 +21,7 @@ use super::ModelError;
 pub struct ReplayCheckOptions {
     /// The token stream: `prefix` tokens are prefilled, the next `max_m + 1` are verified.
     pub tokens: Vec<u32>,
+    /// Tokens prefilled before the verify passes.
     pub prefix: usize,
     /// Largest pass (≤ 16).
     pub max_m: usize,
@@ -37,16 +38,25 @@ pub struct ReplayCheckOptions {
 /// Largest differences of one layer over every (M, n).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct LayerDiff {
+    /// The layer.
     pub layer: usize,
+    /// `"attention"` or `"linear"`.
     pub kind: &'static str,
+    /// Largest absolute difference of the committed keys and values.
     pub kv_abs: f32,
+    /// The same, relative to their largest magnitude.
     pub kv_rel: f32,
+    /// Largest absolute difference of the conv window.
     pub conv_abs: f32,
+    /// The same, relative to its largest magnitude.
     pub conv_rel: f32,
+    /// Largest absolute difference of the recurrent state.
     pub recurrent_abs: f32,
+    /// The same, relative to its largest magnitude.
     pub recurrent_rel: f32,
-    /// The (M, n) with the largest relative difference of this layer.
+    /// The pass size M of the (M, n) with the largest relative difference of this layer.
     pub worst_m: usize,
+    /// The accepted rows n of that (M, n).
     pub worst_n: usize,
 }
 
@@ -55,14 +65,20 @@ pub struct LayerDiff {
 pub struct ReplayReport {
     /// `"pass"` or `"fail"`.
     pub verdict: &'static str,
+    /// (M, n) cases run.
     pub cases: usize,
+    /// The tolerance the verdict used.
     pub tolerance: f32,
+    /// Largest absolute difference of the next token's logits.
     pub logits_abs: f32,
+    /// The same, relative to their largest magnitude.
     pub logits_rel: f32,
+    /// Per layer: its largest differences.
     pub layers: Vec<LayerDiff>,
 }
 
 impl ReplayReport {
+    /// Whether every difference was within the tolerance.
     pub fn passed(&self) -> bool {
         self.verdict == "pass"
     }

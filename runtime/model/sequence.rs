@@ -101,12 +101,13 @@ pub(super) struct RecurrentSlot {
 
 /// Read-only view of one layer's state (for `replay-check` and tests).
 pub struct LayerStateView<'a> {
-    /// Keys / values of positions `0..P` (attention layers), as cached.
+    /// Keys of positions `0..P` (attention layers), as cached.
     pub keys: Option<KvSlice<'a>>,
+    /// Values of positions `0..P` (attention layers), as cached.
     pub values: Option<KvSlice<'a>>,
-    /// The conv window (last K − 1 inputs, oldest first) and the recurrent state `[Hv, d_k, d_v]`
-    /// (GDN layers).
+    /// The conv window: the last K − 1 inputs, oldest first (GDN layers).
     pub conv: Option<&'a [f32]>,
+    /// The recurrent state `[Hv, d_k, d_v]` (GDN layers).
     pub recurrent: Option<&'a [f32]>,
 }
 

@@ -48,20 +48,35 @@ pub enum SynthArch {
 /// Shape and seed of a synthetic package (defaults: a 6-layer hybrid, 2 attention layers).
 #[derive(Clone, Debug)]
 pub struct SynthOptions {
+    /// Hybrid or Llama.
     pub arch: SynthArch,
+    /// Decoder layers.
     pub layers: usize,
+    /// Hidden size.
     pub hidden: usize,
+    /// Feed-forward intermediate size.
     pub intermediate: usize,
+    /// Attention (query) heads.
     pub heads: usize,
+    /// Key/value heads.
     pub kv_heads: usize,
+    /// Attention head dimension.
     pub head_dim: usize,
+    /// Vocabulary size (≥ 257).
     pub vocab: usize,
+    /// Every N-th layer is full attention (hybrid).
     pub full_attention_interval: usize,
+    /// Gated DeltaNet key heads (hybrid).
     pub linear_key_heads: usize,
+    /// Gated DeltaNet value heads (hybrid).
     pub linear_value_heads: usize,
+    /// Gated DeltaNet key head dimension (hybrid).
     pub linear_key_head_dim: usize,
+    /// Gated DeltaNet value head dimension (hybrid).
     pub linear_value_head_dim: usize,
+    /// Causal convolution width (hybrid).
     pub conv_kernel: usize,
+    /// Seed of the weights.
     pub seed: u64,
 }
 
