@@ -9,6 +9,9 @@
 //!
 //! - The model description (config.json or GGUF metadata, parsed once): [`weights::config`]
 //!   ([`weights::ModelConfig`]). Packages, GGUF and Q4NX readers, the tokenizer: [`weights`].
+//!   A package's chat template rendered over a conversation: [`weights::chat`]
+//!   ([`weights::Package::render_chat`]). The Qwen3.5 value-head order, both directions:
+//!   [`weights::value_heads`].
 //! - Weight tile formats and their byte layouts: [`tiles`] (`docs/formats.md`).
 //! - The row family of a pass (`m16` verify passes, `m128` prefill chunks):
 //!   [`kernels::RowFamily`].
@@ -18,7 +21,8 @@
 //! - Kernel ELF files and kernel sets: [`kernels::elf`], [`kernels::KernelSet`]
 //!   (`docs/kernel-elf.md`); running them on the NPU: [`kernels::DeviceExecutor`].
 //! - The forward pass and a sequence's state (KV cache, recurrent state), verify passes, commit
-//!   and replay: [`model`] (its module docs map the parts; `docs/model.md`).
+//!   and replay: [`model`] (its module docs map the parts; `docs/model.md`). Fault injection for
+//!   tests is compiled only with the cargo feature `fault-injection`.
 //! - Sampling (settings, logit processor, generator): [`model::sampling`].
 //! - Speculative decoding (drafters, acceptance rule, the loop): [`spec`] (`docs/speculative.md`).
 //! - The device layer (device, heap, buffers, contexts, commands): [`device`] (`docs/device.md`,
@@ -31,7 +35,10 @@
 //!
 //! One token from `open_model` to the ioctl and back: `docs/life-of-a-token.md`.
 
+// Unsafe code lives only in the modules whose job it is (FFI, the device layer, the SIMD kernels,
+// file mappings), each allowing it with its reason; every block carries a `// SAFETY:` comment.
 #![deny(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod cli;
 pub mod device;

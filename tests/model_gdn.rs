@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use xdna::model::load::{load, open_package, LoadOptions};
-use xdna::model::load_hybrid::{write_synthetic, SynthArch, SynthOptions};
 use xdna::model::reference::HybridReference;
+use xdna::model::synthetic::{write_synthetic, SynthArch, SynthOptions};
 use xdna::model::{LayerKind, Model, ModelError};
 
 #[path = "support/scratch_dir.rs"]

@@ -6,8 +6,9 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use xdna::model::fflm_layout::FlmLayout;
 use xdna::model::load::{load, open_package, LoadOptions};
-use xdna::model::load_hybrid::{write_synthetic, FlmLayout, SynthOptions};
+use xdna::model::synthetic::{write_synthetic, SynthOptions};
 use xdna::model::{LayerKind, Model, ModelConfig};
 use xdna::weights::safetensors::{Declared, Dtype, Writer};
 

@@ -11,8 +11,8 @@ use scratch_dir::scratch_path;
 use std::path::PathBuf;
 use std::sync::Arc;
 use xdna::model::load::{load, open_package, LoadOptions};
-use xdna::model::load_hybrid::{write_synthetic, SynthOptions};
 use xdna::model::replay_check::{self, ReplayCheckOptions};
+use xdna::model::synthetic::{write_synthetic, SynthOptions};
 use xdna::model::{CommitFault, Model, ModelError, ModelWeights, ReplayMode};
 
 fn hybrid_weights() -> Arc<ModelWeights> {

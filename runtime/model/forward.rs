@@ -1,4 +1,5 @@
-//! The fast forward pass and the model state (position, KV cache, the verify contract).
+//! The fast forward pass: [`Model`] runs batches of rows (one or several sequences) through every
+//! layer and the lm_head, and keeps the verify contract (a pass, then a commit).
 //!
 //! Projections go through [`Projection`] objects built by the loader on top of the kernels layer;
 //! everything else (norms, RoPE, attention, SwiGLU) runs on the host in scratch buffers sized at
@@ -7,246 +8,24 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::gdn::{self, GdnScratch, GdnState, GdnWeights};
+use super::gdn::{self, GdnScratch};
+use super::kv_cache::CachedValue;
+use super::layers::{
+    linear_dims, Layer, LayerWeights, LinearLayerWeights, ModelWeights, Projection,
+};
 use super::ops;
+#[cfg(feature = "fault-injection")]
+use super::sequence::CommitFault;
+use super::sequence::{commit_sequence_state, InjectedFaults, Pending, ReplayMode, SequenceState};
 use super::ModelError;
 use crate::kernels::{activation, attention, RowFamily};
-use crate::weights::{LayerKind, LinearAttnConfig, ModelConfig};
+use crate::weights::ModelConfig;
 use half::f16;
 
 /// Most rows of a verify pass (`m16` family).
 pub const MAX_VERIFY_ROWS: usize = RowFamily::M16.max_rows();
 /// Most rows of one prefill chunk (`m128` family).
 pub const MAX_PREFILL_ROWS: usize = RowFamily::M128.max_rows();
-
-/// A weight matrix `[N = rows, K = cols]` that multiplies activations: `y[m×N] = x[m×K] · Wᵀ`.
-pub trait Projection: Send + Sync {
-    fn rows(&self) -> usize;
-    fn cols(&self) -> usize;
-    /// Bytes of weights read by one pass over the matrix.
-    fn weight_bytes(&self) -> usize;
-    fn gemm(&self, x: &[f32], m: usize, y: &mut [f32], family: RowFamily)
-        -> Result<(), ModelError>;
-    /// The tile format when the matrix runs on a per-shape kernel (for kernel-set checks).
-    fn tiled_format(&self) -> Option<crate::tiles::WeightFormat> {
-        None
-    }
-}
-
-/// The token embedding table, decoded one row at a time.
-pub trait Embedding: Send + Sync {
-    fn row(&self, token: u32, out: &mut [f32]) -> Result<(), ModelError>;
-}
-
-/// Weights of one full-attention decoder layer (the Llama family's only kind).
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    /// Fused q‖k‖v, `[(heads + 2 kv_heads) head_dim, hidden]`, HF half-split rotary layout.
-    pub qkv: Box<dyn Projection>,
-    pub qkv_bias: Option<Vec<f32>>,
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
-    /// Input `heads × head_dim`; with an output gate the fused q rows are per head `[q, gate]`.
-    pub o: Box<dyn Projection>,
-    pub o_bias: Option<Vec<f32>>,
-    pub ffn_norm: Vec<f32>,
-    /// Fused gate‖up, `[2 intermediate, hidden]`.
-    pub gate_up: Box<dyn Projection>,
-    pub down: Box<dyn Projection>,
-}
-
-/// Weights of one Gated DeltaNet decoder layer (hybrid models).
-pub struct LinearLayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub gdn: GdnWeights,
-    pub ffn_norm: Vec<f32>,
-    pub gate_up: Box<dyn Projection>,
-    pub down: Box<dyn Projection>,
-}
-
-/// One decoder layer: its token mixer decides what state it keeps.
-pub enum Layer {
-    /// Softmax attention: KV cache, rolled back by truncation.
-    Attention(LayerWeights),
-    /// Gated DeltaNet: conv window + recurrent state, rolled back by snapshot and replay.
-    Linear(LinearLayerWeights),
-}
-
-impl Layer {
-    pub fn kind(&self) -> LayerKind {
-        match self {
-            Layer::Attention(_) => LayerKind::Attention,
-            Layer::Linear(_) => LayerKind::Linear,
-        }
-    }
-    fn attn_norm(&self) -> &[f32] {
-        match self {
-            Layer::Attention(l) => &l.attn_norm,
-            Layer::Linear(l) => &l.attn_norm,
-        }
-    }
-    fn ffn(&self) -> (&[f32], &dyn Projection, &dyn Projection) {
-        match self {
-            Layer::Attention(l) => (&l.ffn_norm, &*l.gate_up, &*l.down),
-            Layer::Linear(l) => (&l.ffn_norm, &*l.gate_up, &*l.down),
-        }
-    }
-    fn projections(&self) -> Vec<&dyn Projection> {
-        match self {
-            Layer::Attention(l) => vec![&*l.qkv, &*l.o, &*l.gate_up, &*l.down],
-            Layer::Linear(l) => vec![
-                &*l.gdn.in_qkvz,
-                &*l.gdn.in_ba,
-                &*l.gdn.out,
-                &*l.gate_up,
-                &*l.down,
-            ],
-        }
-    }
-}
-
-/// Everything the fast forward needs.
-pub struct ModelWeights {
-    pub config: ModelConfig,
-    pub layers: Vec<Layer>,
-    pub final_norm: Vec<f32>,
-    pub embed: Box<dyn Embedding>,
-    /// Separate lm_head, or the embedding matrix itself when tied.
-    pub lm_head: Box<dyn Projection>,
-    /// Human-readable backend name (for stats lines).
-    pub backend: String,
-    /// Keep the KV cache in f32 instead of f16: exact runs (`LoadOptions::exact`), whose
-    /// comparisons with the f64 reference are about the model code, not f16 rounding.
-    pub f32_kv_cache: bool,
-}
-
-impl ModelWeights {
-    /// Weight bytes streamed by one decode step (every projection once, plus one embedding row).
-    pub fn bytes_per_token(&self) -> usize {
-        let per_layer: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| l.projections())
-            .map(|p| p.weight_bytes())
-            .sum();
-        per_layer + self.lm_head.weight_bytes()
-    }
-
-    fn check_shapes(&self) -> Result<(), ModelError> {
-        let c = &self.config;
-        let check = |what: String, p: &dyn Projection, n: usize, k: usize| {
-            if p.rows() != n || p.cols() != k {
-                Err(ModelError::Shape {
-                    what: format!(
-                        "{what}: expected [{n}, {k}], got [{}, {}]",
-                        p.rows(),
-                        p.cols()
-                    ),
-                })
-            } else {
-                Ok(())
-            }
-        };
-        if self.layers.len() != c.layers {
-            return Err(ModelError::Shape {
-                what: format!(
-                    "{} layers loaded, config says {}",
-                    self.layers.len(),
-                    c.layers
-                ),
-            });
-        }
-        for (i, layer) in self.layers.iter().enumerate() {
-            if layer.kind() != c.layer_kind(i) {
-                return Err(ModelError::Shape {
-                    what: format!(
-                        "layer {i} loaded as {:?}, config says {:?}",
-                        layer.kind(),
-                        c.layer_kind(i)
-                    ),
-                });
-            }
-            let (_, gate_up, down) = layer.ffn();
-            check(
-                format!("layer {i} gate_up"),
-                gate_up,
-                2 * c.intermediate,
-                c.hidden,
-            )?;
-            check(format!("layer {i} down"), down, c.hidden, c.intermediate)?;
-            let l = match layer {
-                Layer::Attention(l) => l,
-                Layer::Linear(l) => {
-                    let d = linear_dims(c)?;
-                    let g = &l.gdn;
-                    let (cd, vd, hv) = (d.conv_dim(), d.value_dim(), d.value_heads);
-                    check(
-                        format!("layer {i} in_proj_qkv‖z"),
-                        &*g.in_qkvz,
-                        cd + vd,
-                        c.hidden,
-                    )?;
-                    check(
-                        format!("layer {i} in_proj_b‖a"),
-                        &*g.in_ba,
-                        2 * hv,
-                        c.hidden,
-                    )?;
-                    check(format!("layer {i} out_proj"), &*g.out, c.hidden, vd)?;
-                    let vecs = [
-                        ("input_layernorm", &l.attn_norm, c.hidden),
-                        ("post_attention_layernorm", &l.ffn_norm, c.hidden),
-                        ("conv1d", &g.conv, cd * d.conv_kernel),
-                        ("dt_bias", &g.dt_bias, hv),
-                        ("A", &g.a, hv),
-                        ("norm", &g.norm, d.value_head_dim),
-                    ];
-                    for (name, v, n) in vecs {
-                        if v.len() != n {
-                            return Err(ModelError::Shape {
-                                what: format!(
-                                    "layer {i} {name}: expected {n} values, got {}",
-                                    v.len()
-                                ),
-                            });
-                        }
-                    }
-                    continue;
-                }
-            };
-            check(format!("layer {i} qkv"), &*l.qkv, c.qkv_rows(), c.hidden)?;
-            check(format!("layer {i} o_proj"), &*l.o, c.hidden, c.q_dim())?;
-            let vecs = [
-                ("input_layernorm", Some(&l.attn_norm), c.hidden),
-                ("post_attention_layernorm", Some(&l.ffn_norm), c.hidden),
-                ("qkv bias", l.qkv_bias.as_ref(), c.qkv_rows()),
-                ("o bias", l.o_bias.as_ref(), c.hidden),
-                ("q_norm", l.q_norm.as_ref(), c.head_dim),
-                ("k_norm", l.k_norm.as_ref(), c.head_dim),
-            ];
-            for (name, v, n) in vecs {
-                if let Some(v) = v {
-                    if v.len() != n {
-                        return Err(ModelError::Shape {
-                            what: format!("layer {i} {name}: expected {n} values, got {}", v.len()),
-                        });
-                    }
-                }
-            }
-        }
-        check("lm_head".into(), &*self.lm_head, c.vocab, c.hidden)?;
-        if self.final_norm.len() != c.hidden {
-            return Err(ModelError::Shape {
-                what: format!(
-                    "model.norm: expected {} values, got {}",
-                    c.hidden,
-                    self.final_norm.len()
-                ),
-            });
-        }
-        Ok(())
-    }
-}
 
 /// The result of a batched pass: logits (one row per input row) and hidden states at tap layers.
 #[derive(Default)]
@@ -260,6 +39,7 @@ pub struct BatchOutput {
 }
 
 impl BatchOutput {
+    /// Rows of the pass.
     pub fn rows(&self) -> usize {
         self.rows
     }
@@ -282,23 +62,16 @@ impl BatchOutput {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-enum Pending {
-    /// No pass outstanding.
-    #[default]
-    Idle,
-    /// A verify pass of `len` rows ran and waits for `commit_verify_rows`.
-    Pass { len: usize },
-    /// The last pass failed: committed state is intact; call `recover()` (or `reset()`).
-    Failed,
-}
-
 /// Counters for stats lines, and where the passes' wall time went (for `xdna bench decode`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PassStats {
+    /// Verify passes (`m16` family) run.
     pub m16_passes: u64,
+    /// Prefill chunks (`m128` family) run.
     pub m128_passes: u64,
+    /// Rows of those verify passes.
     pub m16_rows: u64,
+    /// Rows of those prefill chunks.
     pub m128_rows: u64,
     /// Wall time of the passes that succeeded (embedding lookup to logits).
     pub pass_time: Duration,
@@ -321,452 +94,6 @@ fn timed_gemm(
     let result = p.gemm(x, m, y, family);
     *spent += start.elapsed();
     result
-}
-
-/// How `commit_verify_rows` treats recurrent layers (see `docs/model.md`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ReplayMode {
-    /// On full acceptance also restore + replay and compare with the batch state
-    /// (`NPU_REPLAY_CHECK=1`); a disagreement fails the commit naming the layer.
-    pub check: bool,
-    /// Always restore the snapshot and replay, even on full acceptance
-    /// (`NPU_COMMIT_FULL_REPLAY=1`).
-    pub full_replay: bool,
-}
-
-impl ReplayMode {
-    /// From `NPU_REPLAY_CHECK` and `NPU_COMMIT_FULL_REPLAY` (`1` / `true` turn them on).
-    pub fn from_env() -> Self {
-        let on = |k: &str| {
-            std::env::var(k)
-                .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
-                .unwrap_or(false)
-        };
-        ReplayMode {
-            check: on("NPU_REPLAY_CHECK"),
-            full_replay: on("NPU_COMMIT_FULL_REPLAY"),
-        }
-    }
-}
-
-/// Deliberately wrong commits, for proving that `replay-check` and the tests catch them.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CommitFault {
-    /// Replay one accepted row too few.
-    ReplayOneFewer,
-    /// After a partial acceptance keep the batch's recurrent state (no restore, no replay).
-    KeepBatchState,
-}
-
-/// Recurrent state of one GDN layer of one sequence, with what a rollback needs.
-#[derive(Default)]
-struct RecurrentSlot {
-    state: GdnState,
-    /// The state at `P` before the pending pass.
-    snapshot: GdnState,
-    /// Replay inputs recorded by the pass, per row: `mixed` (conv input) ‖ b ‖ a.
-    tape: Vec<f32>,
-}
-
-/// Read-only view of one layer's state (for `replay-check` and tests).
-pub struct LayerStateView<'a> {
-    /// Keys / values of positions `0..P` (attention layers), as cached.
-    pub keys: Option<KvSlice<'a>>,
-    pub values: Option<KvSlice<'a>>,
-    /// The conv window (last K − 1 inputs, oldest first) and the recurrent state `[Hv, d_k, d_v]`
-    /// (GDN layers).
-    pub conv: Option<&'a [f32]>,
-    pub recurrent: Option<&'a [f32]>,
-}
-
-/// Cached keys or values of one layer, in the model's cache type.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum KvSlice<'a> {
-    F16(&'a [f16]),
-    F32(&'a [f32]),
-}
-
-impl KvSlice<'_> {
-    /// The values as f32 (exact for both types).
-    pub fn to_f32_vec(&self) -> Vec<f32> {
-        match self {
-            KvSlice::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
-            KvSlice::F32(v) => v.to_vec(),
-        }
-    }
-}
-
-/// Every layer's keys (or values) of one sequence: `[ctx, kv_heads, head_dim]` per attention
-/// layer, empty for GDN layers.
-enum KvCache {
-    /// The fast path's cache (llama.cpp's default type): half the bytes attention streams.
-    F16(Vec<Vec<f16>>),
-    /// Exact runs' cache ([`ModelWeights::f32_kv_cache`]).
-    F32(Vec<Vec<f32>>),
-}
-
-impl Default for KvCache {
-    fn default() -> Self {
-        KvCache::F16(Vec::new())
-    }
-}
-
-impl KvCache {
-    fn new(f32_cache: bool, layers: usize, len: impl Fn(usize) -> usize) -> KvCache {
-        if f32_cache {
-            KvCache::F32((0..layers).map(|l| vec![0.0; len(l)]).collect())
-        } else {
-            KvCache::F16((0..layers).map(|l| vec![f16::ZERO; len(l)]).collect())
-        }
-    }
-
-    fn layers(&self) -> usize {
-        match self {
-            KvCache::F16(v) => v.len(),
-            KvCache::F32(v) => v.len(),
-        }
-    }
-
-    fn is_f32(&self) -> bool {
-        matches!(self, KvCache::F32(_))
-    }
-
-    /// Layer `l`'s first `len` values (`None` past the last layer or for a GDN layer).
-    fn view(&self, l: usize, len: usize) -> Option<KvSlice<'_>> {
-        match self {
-            KvCache::F16(v) => v
-                .get(l)
-                .filter(|b| !b.is_empty())
-                .map(|b| KvSlice::F16(&b[..len])),
-            KvCache::F32(v) => v
-                .get(l)
-                .filter(|b| !b.is_empty())
-                .map(|b| KvSlice::F32(&b[..len])),
-        }
-    }
-
-    /// Store `src` at values `at..at + src.len()` of layer `l`.
-    fn store(&mut self, l: usize, at: usize, src: &[f32]) {
-        match self {
-            KvCache::F16(v) => attention::store_kv_row(src, &mut v[l][at..at + src.len()]),
-            KvCache::F32(v) => v[l][at..at + src.len()].copy_from_slice(src),
-        }
-    }
-}
-
-/// A cache element type the forward can attend over: how to find its layers in a [`KvCache`].
-trait CachedValue: attention::KvValue {
-    /// Layer `l` of `cache` (empty when `cache` holds the other type; batches are checked to
-    /// match the model's type first).
-    fn layer(cache: &KvCache, l: usize) -> &[Self];
-}
-
-impl CachedValue for f16 {
-    fn layer(cache: &KvCache, l: usize) -> &[f16] {
-        match cache {
-            KvCache::F16(v) => &v[l],
-            KvCache::F32(_) => &[],
-        }
-    }
-}
-
-impl CachedValue for f32 {
-    fn layer(cache: &KvCache, l: usize) -> &[f32] {
-        match cache {
-            KvCache::F32(v) => &v[l],
-            KvCache::F16(_) => &[],
-        }
-    }
-}
-
-/// The decoding state of one sequence: its KV cache, recurrent state, committed position `P` and
-/// pending pass.
-///
-/// A [`Model`] owns one (the state its single-sequence methods use); a server keeps one per active
-/// request and runs several of them in one batched pass with [`Model::step_sequences`].
-#[derive(Default)]
-pub struct SequenceState {
-    ctx: usize,
-    kv_dim: usize,
-    k_cache: KvCache,
-    v_cache: KvCache,
-    /// Per layer: GDN state (None for attention layers).
-    recurrent: Vec<Option<RecurrentSlot>>,
-    /// Floats per row of a slot's tape.
-    tape_stride: usize,
-    pos: usize,
-    pending: Pending,
-}
-
-impl SequenceState {
-    fn new(
-        config: &ModelConfig,
-        layers: usize,
-        ctx: usize,
-        f32_kv_cache: bool,
-    ) -> Result<Self, ModelError> {
-        if ctx == 0 || ctx > config.max_position_embeddings {
-            return Err(ModelError::Context {
-                what: format!(
-                    "context {ctx} out of range 1..={} (max_position_embeddings)",
-                    config.max_position_embeddings
-                ),
-            });
-        }
-        let kvd = config.kv_dim();
-        let is_attn = |l: usize| config.layer_kind(l) == LayerKind::Attention;
-        let kv_len = |l: usize| if is_attn(l) { ctx * kvd } else { 0 };
-        let mut tape_stride = 0;
-        let mut recurrent = Vec::with_capacity(layers);
-        for l in 0..layers {
-            if is_attn(l) {
-                recurrent.push(None);
-                continue;
-            }
-            let d = linear_dims(config)?;
-            tape_stride = d.conv_dim() + 2 * d.value_heads;
-            recurrent.push(Some(RecurrentSlot {
-                state: GdnState::zeros(d),
-                snapshot: GdnState::zeros(d),
-                tape: vec![0.0; MAX_VERIFY_ROWS * tape_stride],
-            }));
-        }
-        Ok(SequenceState {
-            ctx,
-            kv_dim: kvd,
-            k_cache: KvCache::new(f32_kv_cache, layers, kv_len),
-            v_cache: KvCache::new(f32_kv_cache, layers, kv_len),
-            recurrent,
-            tape_stride,
-            pos: 0,
-            pending: Pending::Idle,
-        })
-    }
-
-    /// Whether any layer of this state is recurrent.
-    pub fn has_recurrent(&self) -> bool {
-        self.recurrent.iter().any(Option::is_some)
-    }
-
-    /// Layers this state covers.
-    pub fn layers(&self) -> usize {
-        self.k_cache.layers()
-    }
-
-    /// The committed state of layer `l` (`None` past the last layer).
-    pub fn layer_state(&self, l: usize) -> Option<LayerStateView<'_>> {
-        if l >= self.layers() {
-            return None;
-        }
-        let kv_len = self.pos * self.kv_dim;
-        let slot = self.recurrent.get(l).and_then(Option::as_ref);
-        Some(LayerStateView {
-            keys: self.k_cache.view(l, kv_len),
-            values: self.v_cache.view(l, kv_len),
-            conv: slot.map(|s| &s.state.conv[..]),
-            recurrent: slot.map(|s| &s.state.s[..]),
-        })
-    }
-
-    /// Copy every recurrent state to its snapshot (the state at `P`).
-    fn snapshot(&mut self) {
-        for slot in self.recurrent.iter_mut().flatten() {
-            slot.snapshot.copy_from(&slot.state);
-        }
-    }
-
-    /// Put every recurrent state back to its snapshot.
-    fn restore_snapshot(&mut self) {
-        for slot in self.recurrent.iter_mut().flatten() {
-            slot.state.copy_from(&slot.snapshot);
-        }
-    }
-
-    /// Rows of the pending pass, or the error for a commit without one.
-    fn pending_len(&self) -> Result<usize, ModelError> {
-        match self.pending {
-            Pending::Pass { len } => Ok(len),
-            Pending::Idle => Err(ModelError::State {
-                what: "commit_verify_rows without a pass".into(),
-            }),
-            Pending::Failed => Err(ModelError::State {
-                what: "commit_verify_rows after a failed pass".into(),
-            }),
-        }
-    }
-
-    /// Committed position `P` (tokens whose keys and values are kept).
-    pub fn position(&self) -> usize {
-        self.pos
-    }
-
-    /// Positions this state can hold.
-    pub fn context(&self) -> usize {
-        self.ctx
-    }
-
-    /// Rows of the pass waiting for a commit, if any.
-    pub fn pending_rows(&self) -> Option<usize> {
-        match self.pending {
-            Pending::Pass { len } => Some(len),
-            _ => None,
-        }
-    }
-
-    /// Forget everything: `P = 0`, no pending pass.
-    pub fn reset(&mut self) {
-        self.pos = 0;
-        self.pending = Pending::Idle;
-        for slot in self.recurrent.iter_mut().flatten() {
-            slot.state.clear();
-            slot.snapshot.clear();
-        }
-    }
-
-    /// Acknowledge a failed pass; the committed state (which the failure left untouched) is kept.
-    pub fn recover(&mut self) {
-        if self.pending == Pending::Failed {
-            self.pending = Pending::Idle;
-        }
-    }
-
-    fn check_ready(&self) -> Result<(), ModelError> {
-        match self.pending {
-            Pending::Idle => Ok(()),
-            Pending::Pass { len } => Err(ModelError::State {
-                what: format!("a pass of {len} rows is waiting for commit_verify_rows"),
-            }),
-            Pending::Failed => Err(ModelError::State {
-                what: "the previous pass failed; call recover() or reset() first".into(),
-            }),
-        }
-    }
-
-    fn check_tokens(&self, tokens: &[u32], vocab: usize) -> Result<(), ModelError> {
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::Token { token: t, vocab });
-        }
-        if self.pos + tokens.len() > self.ctx {
-            return Err(ModelError::Context {
-                what: format!(
-                    "{} tokens at position {} exceed the context of {}",
-                    tokens.len(),
-                    self.pos,
-                    self.ctx
-                ),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// The GDN dimensions of a config that has recurrent layers.
-fn linear_dims(c: &ModelConfig) -> Result<&LinearAttnConfig, ModelError> {
-    c.linear.as_ref().ok_or_else(|| ModelError::Shape {
-        what: "recurrent layers without linear_* dimensions in the config".into(),
-    })
-}
-
-/// Keep rows `0..n` of `seq`'s pending pass: `P += n`. KV rows `P+n..` are stale from here on
-/// (attention only reads positions below its row's, and the next pass overwrites them).
-/// Recurrent layers keep the batch's state on full acceptance, otherwise restore the snapshot and
-/// replay the `n` accepted rows from the tape (recurrent layers only).
-fn commit_sequence_state(
-    w: &ModelWeights,
-    scratch: &mut Option<GdnScratch>,
-    mode: ReplayMode,
-    fault: Option<CommitFault>,
-    seq: &mut SequenceState,
-    n: usize,
-) -> Result<(), ModelError> {
-    let len = seq.pending_len()?;
-    if n == 0 || n > len {
-        return Err(ModelError::Commit { n, len });
-    }
-    if seq.has_recurrent() {
-        let full = n == len;
-        if full && mode.check && !mode.full_replay {
-            // Diagnostic: the replay must reproduce the batch's state.
-            let batch: Vec<Option<GdnState>> = seq
-                .recurrent
-                .iter()
-                .map(|s| s.as_ref().map(|s| s.state.clone()))
-                .collect();
-            let rows = if fault == Some(CommitFault::ReplayOneFewer) {
-                n - 1
-            } else {
-                n
-            };
-            replay_recurrent(w, scratch, seq, rows)?;
-            for (l, (slot, b)) in seq.recurrent.iter().zip(&batch).enumerate() {
-                if let (Some(slot), Some(b)) = (slot, b) {
-                    let (ca, _) = gdn::max_diff(&slot.state.conv, &b.conv);
-                    let (sa, _) = gdn::max_diff(&slot.state.s, &b.s);
-                    if ca > REPLAY_CHECK_TOLERANCE || sa > REPLAY_CHECK_TOLERANCE {
-                        seq.restore_snapshot();
-                        seq.pending = Pending::Failed;
-                        return Err(ModelError::State {
-                            what: format!(
-                                "NPU_REPLAY_CHECK: layer {l}: replayed state differs from the batch state (conv max |Δ| {ca:e}, recurrent max |Δ| {sa:e}); committed state at P = {} kept",
-                                seq.pos
-                            ),
-                        });
-                    }
-                }
-            }
-        } else if !full || mode.full_replay {
-            match fault {
-                Some(CommitFault::KeepBatchState) if !full => {}
-                Some(CommitFault::ReplayOneFewer) => replay_recurrent(w, scratch, seq, n - 1)?,
-                _ => replay_recurrent(w, scratch, seq, n)?,
-            }
-        }
-    }
-    seq.pos += n;
-    seq.pending = Pending::Idle;
-    Ok(())
-}
-
-/// Largest state difference `NPU_REPLAY_CHECK` accepts (the replay runs the pass's own code, so
-/// it is exact today; the margin is for a future device replay kernel).
-const REPLAY_CHECK_TOLERANCE: f32 = 1e-5;
-
-/// Restore every GDN layer's snapshot and run the first `rows` recorded rows through it.
-fn replay_recurrent(
-    w: &ModelWeights,
-    scratch: &mut Option<GdnScratch>,
-    seq: &mut SequenceState,
-    rows: usize,
-) -> Result<(), ModelError> {
-    let c = &w.config;
-    let eps = c.rms_eps as f32;
-    let stride = seq.tape_stride;
-    for (l, slot) in seq.recurrent.iter_mut().enumerate() {
-        let Some(slot) = slot else { continue };
-        let (Some(Layer::Linear(lw)), Some(sc)) = (w.layers.get(l), scratch.as_mut()) else {
-            return Err(ModelError::State {
-                what: format!("layer {l} has recurrent state but no Gated DeltaNet weights"),
-            });
-        };
-        let d = linear_dims(c)?;
-        let cd = d.conv_dim();
-        slot.state.copy_from(&slot.snapshot);
-        for j in 0..rows {
-            let row = &slot.tape[j * stride..(j + 1) * stride];
-            gdn::step(
-                d,
-                &lw.gdn,
-                eps,
-                &mut slot.state,
-                &row[..cd],
-                &row[cd..],
-                sc,
-                None,
-            );
-        }
-    }
-    Ok(())
 }
 
 struct Scratch {
@@ -816,10 +143,9 @@ pub struct Model {
     /// Last-row logits of `prefill`.
     last_logits: Vec<f32>,
     stats: PassStats,
-    /// Test hook: fail the next pass at this layer (simulates a device fault mid-pass).
-    fail_at_layer: Option<usize>,
     replay: ReplayMode,
-    commit_fault: Option<CommitFault>,
+    /// Test hooks (empty without the `fault-injection` feature).
+    faults: InjectedFaults,
 }
 
 impl Model {
@@ -907,9 +233,8 @@ impl Model {
             out,
             last_logits: vec![0.0; c.vocab],
             stats: PassStats::default(),
-            fail_at_layer: None,
             replay: ReplayMode::from_env(),
-            commit_fault: None,
+            faults: InjectedFaults::default(),
             w,
         })
     }
@@ -918,6 +243,7 @@ impl Model {
     pub fn replay_mode(&self) -> ReplayMode {
         self.replay
     }
+    /// Change how commits treat recurrent layers.
     pub fn set_replay_mode(&mut self, mode: ReplayMode) {
         self.replay = mode;
     }
@@ -927,14 +253,17 @@ impl Model {
         &self.seq
     }
 
-    #[doc(hidden)]
+    /// Break the following commits on purpose (`None`: commit correctly again).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_commit_fault(&mut self, fault: Option<CommitFault>) {
-        self.commit_fault = fault;
+        self.faults.commit_fault = fault;
     }
 
+    /// The model description.
     pub fn config(&self) -> &ModelConfig {
         &self.w.config
     }
+    /// The weights.
     pub fn weights(&self) -> &ModelWeights {
         &self.w
     }
@@ -950,9 +279,11 @@ impl Model {
     pub fn position(&self) -> usize {
         self.seq.pos
     }
+    /// Positions the model's own state can hold.
     pub fn context(&self) -> usize {
         self.seq.ctx
     }
+    /// Pass counters and where their time went.
     pub fn stats(&self) -> PassStats {
         self.stats
     }
@@ -998,9 +329,11 @@ impl Model {
         Ok(())
     }
 
-    #[doc(hidden)]
+    /// Make every following pass fail when it reaches `layer`, as a device fault mid-pass would
+    /// (`None`: stop failing).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_failure_at_layer(&mut self, layer: Option<usize>) {
-        self.fail_at_layer = layer;
+        self.faults.fail_at_layer = layer;
     }
 
     fn check_taps(&self, taps: &[usize]) -> Result<(), ModelError> {
@@ -1092,14 +425,7 @@ impl Model {
 
     /// Keep rows `0..n` of `seq`'s part of the last [`Model::step_sequences`] pass.
     pub fn commit_sequence(&mut self, seq: &mut SequenceState, n: usize) -> Result<(), ModelError> {
-        commit_sequence_state(
-            &self.w,
-            &mut self.s.gdn,
-            self.replay,
-            self.commit_fault,
-            seq,
-            n,
-        )
+        commit_sequence_state(&self.w, &mut self.s.gdn, self.replay, self.faults, seq, n)
     }
 
     /// Is `seq` a state this model can run: its layers, and its KV cache of the model's type?
@@ -1232,7 +558,7 @@ impl Model {
             &self.w,
             &mut self.s.gdn,
             self.replay,
-            self.commit_fault,
+            self.faults,
             &mut self.seq,
             n,
         )
@@ -1317,306 +643,475 @@ impl Model {
     ) -> Result<(), ModelError> {
         // Wall time of a successful pass, added to `stats.pass_time` where it returns.
         let start = Instant::now();
-        let c = &self.w.config;
-        let (hd, rd, hidden) = (c.head_dim, c.rotary_dim, c.hidden);
-        let half = rd / 2;
-        let (qd, kvd, qkvn, inter) = (c.q_dim(), c.kv_dim(), c.qkv_rows(), c.intermediate);
-        let (qr, gated) = (c.q_rows(), c.attn_output_gate);
-        // Fused q rows: per head [q] or, with the output gate, [q, gate].
-        let q_stride = if gated { 2 * hd } else { hd };
-        let eps = c.rms_eps as f32;
-        let s = &mut self.s;
-        let mut m = 0;
-        for (g, seg) in segments.iter().enumerate() {
-            for (j, &t) in seg.tokens.iter().enumerate() {
-                let i = m + j;
-                let pos = seg.seq.pos + j;
-                s.row_segment[i] = g;
-                s.row_position[i] = pos;
+        let mut pass = ForwardPass {
+            w: &self.w,
+            inv_freq: &self.inv_freq,
+            scratch: &mut self.s,
+            stats: &mut self.stats,
+            out: &mut self.out,
+            family,
+            eps: self.w.config.rms_eps as f32,
+        };
+        let rows = pass.embed_rows(segments)?;
+        pass.count_rows(rows);
+        for (layer_index, layer) in self.w.layers[..self.run_layers].iter().enumerate() {
+            if self.faults.fails_at_layer(layer_index) {
+                return Err(ModelError::Other(format!(
+                    "injected failure at layer {layer_index}"
+                )));
+            }
+            pass.attention_norm(layer, rows);
+            match layer {
+                Layer::Attention(weights) => {
+                    pass.attention_block(segments, layer_index, weights, rows)?
+                }
+                Layer::Linear(weights) => {
+                    pass.recurrent_block(segments, layer_index, weights, rows, record)?
+                }
+            }
+            pass.ffn_block(layer, rows)?;
+            if taps {
+                pass.record_taps(layer_index, rows);
+            }
+        }
+        match sink {
+            Sink::SegmentLast { f } => pass.segment_last_logits(segments, &mut **f)?,
+            _ => pass.row_logits(rows, first_logit_row, sink)?,
+        }
+        self.stats.pass_time += start.elapsed();
+        Ok(())
+    }
+}
+
+/// One pass's view of a [`Model`]: the weights, the scratch buffers, the counters and the output,
+/// borrowed apart so that each step of [`Model::forward_rows`] is a method. Rows are laid out
+/// segment after segment (`hidden` values each in `scratch.x`).
+struct ForwardPass<'m> {
+    w: &'m ModelWeights,
+    inv_freq: &'m [f64],
+    scratch: &'m mut Scratch,
+    stats: &'m mut PassStats,
+    out: &'m mut BatchOutput,
+    /// The row family of the pass's layer projections.
+    family: RowFamily,
+    /// RMSNorm epsilon, as f32.
+    eps: f32,
+}
+
+impl ForwardPass<'_> {
+    /// Every segment's token embeddings into the residual stream, with each row's segment,
+    /// position and RoPE angles; the attention scores sized for the longest row. Returns the
+    /// number of rows.
+    fn embed_rows(&mut self, segments: &[Segment<'_, '_>]) -> Result<usize, ModelError> {
+        let hidden = self.w.config.hidden;
+        let half = self.w.config.rotary_dim / 2;
+        let s = &mut *self.scratch;
+        let mut rows = 0;
+        for (segment_index, segment) in segments.iter().enumerate() {
+            for (offset, &token) in segment.tokens.iter().enumerate() {
+                let row = rows + offset;
+                let position = segment.seq.pos + offset;
+                s.row_segment[row] = segment_index;
+                s.row_position[row] = position;
                 self.w
                     .embed
-                    .row(t, &mut s.x[i * hidden..(i + 1) * hidden])?;
+                    .row(token, &mut s.x[row * hidden..(row + 1) * hidden])?;
                 ops::rope_angles(
-                    pos,
-                    &self.inv_freq,
-                    &mut s.cos[i * half..(i + 1) * half],
-                    &mut s.sin[i * half..(i + 1) * half],
+                    position,
+                    self.inv_freq,
+                    &mut s.cos[row * half..(row + 1) * half],
+                    &mut s.sin[row * half..(row + 1) * half],
                 );
             }
-            m += seg.tokens.len();
+            rows += segment.tokens.len();
         }
-        let longest = s.row_position[..m].iter().max().map_or(0, |&p| p + 1);
+        let longest = s.row_position[..rows].iter().max().map_or(0, |&p| p + 1);
         if s.scores.len() < longest {
             s.scores.resize(longest, 0.0);
         }
-        match family {
+        Ok(rows)
+    }
+
+    /// The pass and its rows in the counters of its row family.
+    fn count_rows(&mut self, rows: usize) {
+        match self.family {
             RowFamily::M16 => {
                 self.stats.m16_passes += 1;
-                self.stats.m16_rows += m as u64;
+                self.stats.m16_rows += rows as u64;
             }
             RowFamily::M128 => {
                 self.stats.m128_passes += 1;
-                self.stats.m128_rows += m as u64;
+                self.stats.m128_rows += rows as u64;
             }
         }
-        for (l, layer) in self.w.layers[..self.run_layers].iter().enumerate() {
-            if self.fail_at_layer == Some(l) {
-                return Err(ModelError::Other(format!("injected failure at layer {l}")));
+    }
+
+    /// The layer's input norm: residual stream `x` → normed rows `xn`.
+    fn attention_norm(&mut self, layer: &Layer, rows: usize) {
+        let hidden = self.w.config.hidden;
+        let s = &mut *self.scratch;
+        ops::rmsnorm(
+            &s.x[..rows * hidden],
+            layer.attn_norm(),
+            self.eps,
+            &mut s.xn[..rows * hidden],
+        );
+    }
+
+    /// Softmax attention: the fused q‖k‖v projection, biases, q/k norms and RoPE, keys and values
+    /// stored at each row's position, attention over each row's own cache, the output gate, the
+    /// output projection added to the residual stream.
+    fn attention_block(
+        &mut self,
+        segments: &mut [Segment<'_, '_>],
+        layer_index: usize,
+        weights: &LayerWeights,
+        rows: usize,
+    ) -> Result<(), ModelError> {
+        let w = self.w;
+        let config = &w.config;
+        let (head_dim, rotary_dim, hidden) = (config.head_dim, config.rotary_dim, config.hidden);
+        let half = rotary_dim / 2;
+        let (q_dim, kv_dim, qkv_width) = (config.q_dim(), config.kv_dim(), config.qkv_rows());
+        let (q_rows, gated) = (config.q_rows(), config.attn_output_gate);
+        // Fused q rows: per head [q] or, with the output gate, [q, gate].
+        let q_stride = if gated { 2 * head_dim } else { head_dim };
+        let eps = self.eps;
+        let s = &mut *self.scratch;
+        timed_gemm(
+            &*weights.qkv,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.qkv[..rows * qkv_width],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        for row in 0..rows {
+            let qkv = &mut s.qkv[row * qkv_width..(row + 1) * qkv_width];
+            if let Some(bias) = &weights.qkv_bias {
+                for (value, &bias_value) in qkv.iter_mut().zip(bias) {
+                    *value += bias_value;
+                }
             }
-            ops::rmsnorm(
-                &s.x[..m * hidden],
-                layer.attn_norm(),
-                eps,
-                &mut s.xn[..m * hidden],
+            let (cos, sin) = (
+                &s.cos[row * half..(row + 1) * half],
+                &s.sin[row * half..(row + 1) * half],
             );
-            match layer {
-                Layer::Attention(lw) => {
-                    timed_gemm(
-                        &*lw.qkv,
-                        &s.xn[..m * hidden],
-                        m,
-                        &mut s.qkv[..m * qkvn],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    for i in 0..m {
-                        let row = &mut s.qkv[i * qkvn..(i + 1) * qkvn];
-                        if let Some(b) = &lw.qkv_bias {
-                            for (v, &b) in row.iter_mut().zip(b) {
-                                *v += b;
-                            }
-                        }
-                        let (cos, sin) = (
-                            &s.cos[i * half..(i + 1) * half],
-                            &s.sin[i * half..(i + 1) * half],
-                        );
-                        for h in 0..c.heads {
-                            let head = &mut row[h * q_stride..h * q_stride + hd];
-                            if let Some(nw) = &lw.q_norm {
-                                ops::rmsnorm_inplace(head, nw, eps);
-                            }
-                            ops::rope_half_split(&mut head[..rd], cos, sin);
-                        }
-                        for head in row[qr..qr + kvd].chunks_exact_mut(hd) {
-                            if let Some(nw) = &lw.k_norm {
-                                ops::rmsnorm_inplace(head, nw, eps);
-                            }
-                            ops::rope_half_split(&mut head[..rd], cos, sin);
-                        }
-                        if gated {
-                            for h in 0..c.heads {
-                                let at = i * qd + h * hd;
-                                s.q_compact[at..at + hd]
-                                    .copy_from_slice(&row[h * q_stride..h * q_stride + hd]);
-                                s.gate[at..at + hd]
-                                    .copy_from_slice(&row[h * q_stride + hd..(h + 1) * q_stride]);
-                            }
-                        }
-                        let seq = &mut *segments[s.row_segment[i]].seq;
-                        let p = s.row_position[i];
-                        seq.k_cache.store(l, p * kvd, &row[qr..qr + kvd]);
-                        seq.v_cache.store(l, p * kvd, &row[qr + kvd..qkvn]);
-                    }
-                    {
-                        // Every row's heads in one pool dispatch (rows of different sequences read
-                        // their own caches).
-                        let pass = LayerAttention {
-                            shape: attention::AttentionShape {
-                                heads: c.heads,
-                                kv_heads: c.kv_heads,
-                                head_dim: hd,
-                            },
-                            segments,
-                            layer: l,
-                            rows: m,
-                            q: if gated { &s.q_compact } else { &s.qkv },
-                            q_stride: if gated { qd } else { qkvn },
-                            row_segment: &s.row_segment,
-                            row_position: &s.row_position,
-                        };
-                        let out = &mut s.attn[..m * qd];
-                        let start = Instant::now();
-                        if self.w.f32_kv_cache {
-                            pass.run::<f32>(&mut s.scores, out);
-                        } else {
-                            pass.run::<f16>(&mut s.scores, out);
-                        }
-                        self.stats.attention_time += start.elapsed();
-                    }
-                    if gated {
-                        for (a, &g) in s.attn[..m * qd].iter_mut().zip(&s.gate[..m * qd]) {
-                            *a *= 1.0 / (1.0 + (-g).exp());
-                        }
-                    }
-                    timed_gemm(
-                        &*lw.o,
-                        &s.attn[..m * qd],
-                        m,
-                        &mut s.o[..m * hidden],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    add_rows(
-                        &mut s.x[..m * hidden],
-                        &s.o[..m * hidden],
-                        lw.o_bias.as_deref(),
-                        hidden,
-                    );
+            for head in 0..config.heads {
+                let q = &mut qkv[head * q_stride..head * q_stride + head_dim];
+                if let Some(norm) = &weights.q_norm {
+                    ops::rmsnorm_inplace(q, norm, eps);
                 }
-                Layer::Linear(lw) => {
-                    let d = linear_dims(c)?;
-                    let (cd, vd, hv) = (d.conv_dim(), d.value_dim(), d.value_heads);
-                    let (pn, ban) = (cd + vd, 2 * hv);
-                    let g = &lw.gdn;
-                    timed_gemm(
-                        &*g.in_qkvz,
-                        &s.xn[..m * hidden],
-                        m,
-                        &mut s.gdn_proj[..m * pn],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    timed_gemm(
-                        &*g.in_ba,
-                        &s.xn[..m * hidden],
-                        m,
-                        &mut s.gdn_ba[..m * ban],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    let Some(scratch) = s.gdn.as_mut() else {
-                        return Err(ModelError::State {
-                            what: "GDN layer without GDN scratch".into(),
-                        });
-                    };
-                    // The recurrence is sequential within a sequence: rows in order.
-                    for i in 0..m {
-                        let seq = &mut *segments[s.row_segment[i]].seq;
-                        let j = s.row_position[i] - seq.pos;
-                        let stride = seq.tape_stride;
-                        let Some(slot) = seq.recurrent.get_mut(l).and_then(Option::as_mut) else {
-                            return Err(ModelError::State {
-                                what: format!("sequence state has no recurrent slot for layer {l}"),
-                            });
-                        };
-                        let proj = &s.gdn_proj[i * pn..(i + 1) * pn];
-                        let ba = &s.gdn_ba[i * ban..(i + 1) * ban];
-                        if record {
-                            let t = &mut slot.tape[j * stride..(j + 1) * stride];
-                            t[..cd].copy_from_slice(&proj[..cd]);
-                            t[cd..].copy_from_slice(ba);
-                        }
-                        gdn::step(
-                            d,
-                            g,
-                            eps,
-                            &mut slot.state,
-                            &proj[..cd],
-                            ba,
-                            scratch,
-                            Some((&proj[cd..], &mut s.gdn_y[i * vd..(i + 1) * vd])),
-                        );
-                    }
-                    timed_gemm(
-                        &*g.out,
-                        &s.gdn_y[..m * vd],
-                        m,
-                        &mut s.o[..m * hidden],
-                        family,
-                        &mut self.stats.projection_time,
-                    )?;
-                    add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
+                ops::rope_half_split(&mut q[..rotary_dim], cos, sin);
+            }
+            for k in qkv[q_rows..q_rows + kv_dim].chunks_exact_mut(head_dim) {
+                if let Some(norm) = &weights.k_norm {
+                    ops::rmsnorm_inplace(k, norm, eps);
+                }
+                ops::rope_half_split(&mut k[..rotary_dim], cos, sin);
+            }
+            if gated {
+                for head in 0..config.heads {
+                    let at = row * q_dim + head * head_dim;
+                    let q_at = head * q_stride;
+                    s.q_compact[at..at + head_dim].copy_from_slice(&qkv[q_at..q_at + head_dim]);
+                    s.gate[at..at + head_dim]
+                        .copy_from_slice(&qkv[q_at + head_dim..(head + 1) * q_stride]);
                 }
             }
-            let (ffn_norm, gate_up, down) = layer.ffn();
-            ops::rmsnorm(&s.x[..m * hidden], ffn_norm, eps, &mut s.xn[..m * hidden]);
-            timed_gemm(
-                gate_up,
-                &s.xn[..m * hidden],
-                m,
-                &mut s.gate_up[..m * 2 * inter],
-                family,
-                &mut self.stats.projection_time,
-            )?;
-            activation::swiglu(&s.gate_up[..m * 2 * inter], inter, &mut s.act[..m * inter]);
-            timed_gemm(
-                down,
-                &s.act[..m * inter],
-                m,
-                &mut s.o[..m * hidden],
-                family,
-                &mut self.stats.projection_time,
-            )?;
-            add_rows(&mut s.x[..m * hidden], &s.o[..m * hidden], None, hidden);
-            if taps {
-                for (t, _) in self.out.taps.iter().enumerate().filter(|(_, &tl)| tl == l) {
-                    let at = t * m * hidden;
-                    self.out.tap_states[at..at + m * hidden].copy_from_slice(&s.x[..m * hidden]);
-                }
-            }
-        }
-        let vocab = c.vocab;
-        if let Sink::SegmentLast { f } = sink {
-            // The last row of each segment, up to 16 rows per lm_head GEMM.
-            let mut end = 0;
-            let mut g0 = 0;
-            while g0 < segments.len() {
-                let g1 = (g0 + MAX_VERIFY_ROWS).min(segments.len());
-                for (j, seg) in segments[g0..g1].iter().enumerate() {
-                    end += seg.tokens.len();
-                    let r = end - 1;
-                    ops::rmsnorm(
-                        &s.x[r * hidden..(r + 1) * hidden],
-                        &self.w.final_norm,
-                        eps,
-                        &mut s.head_in[j * hidden..(j + 1) * hidden],
-                    );
-                }
-                let n = g1 - g0;
-                timed_gemm(
-                    &*self.w.lm_head,
-                    &s.head_in[..n * hidden],
-                    n,
-                    &mut self.out.logits[..n * vocab],
-                    RowFamily::for_rows(n),
-                    &mut self.stats.projection_time,
-                )?;
-                for j in 0..n {
-                    f(g0 + j, &self.out.logits[j * vocab..(j + 1) * vocab]);
-                }
-                g0 = g1;
-            }
-            self.stats.pass_time += start.elapsed();
-            return Ok(());
-        }
-        // Logits for rows first_logit_row.., up to 16 rows per lm_head GEMM.
-        let mut r0 = first_logit_row;
-        while r0 < m {
-            let r1 = (r0 + MAX_VERIFY_ROWS).min(m);
-            let n = r1 - r0;
-            ops::rmsnorm(
-                &s.x[r0 * hidden..r1 * hidden],
-                &self.w.final_norm,
-                eps,
-                &mut s.head_in[..n * hidden],
+            let seq = &mut *segments[s.row_segment[row]].seq;
+            let position = s.row_position[row];
+            seq.k_cache.store(
+                layer_index,
+                position * kv_dim,
+                &qkv[q_rows..q_rows + kv_dim],
             );
-            let fam = RowFamily::for_rows(n);
+            seq.v_cache.store(
+                layer_index,
+                position * kv_dim,
+                &qkv[q_rows + kv_dim..qkv_width],
+            );
+        }
+        {
+            // Every row's heads in one pool dispatch (rows of different sequences read their own
+            // caches).
+            let attention = LayerAttention {
+                shape: attention::AttentionShape {
+                    heads: config.heads,
+                    kv_heads: config.kv_heads,
+                    head_dim,
+                },
+                segments,
+                layer: layer_index,
+                rows,
+                q: if gated { &s.q_compact } else { &s.qkv },
+                q_stride: if gated { q_dim } else { qkv_width },
+                row_segment: &s.row_segment,
+                row_position: &s.row_position,
+            };
+            let out = &mut s.attn[..rows * q_dim];
+            let start = Instant::now();
+            if w.f32_kv_cache {
+                attention.run::<f32>(&mut s.scores, out);
+            } else {
+                attention.run::<f16>(&mut s.scores, out);
+            }
+            self.stats.attention_time += start.elapsed();
+        }
+        if gated {
+            for (value, &gate) in s.attn[..rows * q_dim]
+                .iter_mut()
+                .zip(&s.gate[..rows * q_dim])
+            {
+                *value *= 1.0 / (1.0 + (-gate).exp());
+            }
+        }
+        timed_gemm(
+            &*weights.o,
+            &s.attn[..rows * q_dim],
+            rows,
+            &mut s.o[..rows * hidden],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        add_rows(
+            &mut s.x[..rows * hidden],
+            &s.o[..rows * hidden],
+            weights.o_bias.as_deref(),
+            hidden,
+        );
+        Ok(())
+    }
+
+    /// Gated DeltaNet: the qkv‖z and b‖a projections, each row through its sequence's recurrent
+    /// state in order (recording the replay tape when `record`), the output projection added to
+    /// the residual stream.
+    fn recurrent_block(
+        &mut self,
+        segments: &mut [Segment<'_, '_>],
+        layer_index: usize,
+        weights: &LinearLayerWeights,
+        rows: usize,
+        record: bool,
+    ) -> Result<(), ModelError> {
+        let config = &self.w.config;
+        let hidden = config.hidden;
+        let dims = linear_dims(config)?;
+        let (conv_dim, value_dim, value_heads) =
+            (dims.conv_dim(), dims.value_dim(), dims.value_heads);
+        let (proj_width, ba_width) = (conv_dim + value_dim, 2 * value_heads);
+        let gdn_weights = &weights.gdn;
+        let eps = self.eps;
+        let s = &mut *self.scratch;
+        timed_gemm(
+            &*gdn_weights.in_qkvz,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.gdn_proj[..rows * proj_width],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        timed_gemm(
+            &*gdn_weights.in_ba,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.gdn_ba[..rows * ba_width],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        let Some(gdn_scratch) = s.gdn.as_mut() else {
+            return Err(ModelError::State {
+                what: "GDN layer without GDN scratch".into(),
+            });
+        };
+        // The recurrence is sequential within a sequence: rows in order.
+        for row in 0..rows {
+            let seq = &mut *segments[s.row_segment[row]].seq;
+            // The row's index in its sequence's part of the pass (its tape row).
+            let offset = s.row_position[row] - seq.pos;
+            let stride = seq.tape_stride;
+            let Some(slot) = seq.recurrent.get_mut(layer_index).and_then(Option::as_mut) else {
+                return Err(ModelError::State {
+                    what: format!("sequence state has no recurrent slot for layer {layer_index}"),
+                });
+            };
+            let proj = &s.gdn_proj[row * proj_width..(row + 1) * proj_width];
+            let ba = &s.gdn_ba[row * ba_width..(row + 1) * ba_width];
+            if record {
+                let tape = &mut slot.tape[offset * stride..(offset + 1) * stride];
+                tape[..conv_dim].copy_from_slice(&proj[..conv_dim]);
+                tape[conv_dim..].copy_from_slice(ba);
+            }
+            gdn::step(
+                dims,
+                gdn_weights,
+                eps,
+                &mut slot.state,
+                &proj[..conv_dim],
+                ba,
+                gdn_scratch,
+                Some((
+                    &proj[conv_dim..],
+                    &mut s.gdn_y[row * value_dim..(row + 1) * value_dim],
+                )),
+            );
+        }
+        timed_gemm(
+            &*gdn_weights.out,
+            &s.gdn_y[..rows * value_dim],
+            rows,
+            &mut s.o[..rows * hidden],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        add_rows(
+            &mut s.x[..rows * hidden],
+            &s.o[..rows * hidden],
+            None,
+            hidden,
+        );
+        Ok(())
+    }
+
+    /// The feed-forward block: norm, gate‖up, SwiGLU, down, added to the residual stream.
+    fn ffn_block(&mut self, layer: &Layer, rows: usize) -> Result<(), ModelError> {
+        let (hidden, intermediate) = (self.w.config.hidden, self.w.config.intermediate);
+        let s = &mut *self.scratch;
+        let (ffn_norm, gate_up, down) = layer.ffn();
+        ops::rmsnorm(
+            &s.x[..rows * hidden],
+            ffn_norm,
+            self.eps,
+            &mut s.xn[..rows * hidden],
+        );
+        timed_gemm(
+            gate_up,
+            &s.xn[..rows * hidden],
+            rows,
+            &mut s.gate_up[..rows * 2 * intermediate],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        activation::swiglu(
+            &s.gate_up[..rows * 2 * intermediate],
+            intermediate,
+            &mut s.act[..rows * intermediate],
+        );
+        timed_gemm(
+            down,
+            &s.act[..rows * intermediate],
+            rows,
+            &mut s.o[..rows * hidden],
+            self.family,
+            &mut self.stats.projection_time,
+        )?;
+        add_rows(
+            &mut s.x[..rows * hidden],
+            &s.o[..rows * hidden],
+            None,
+            hidden,
+        );
+        Ok(())
+    }
+
+    /// The residual stream after layer `layer_index`, for every tap that asked for that layer.
+    fn record_taps(&mut self, layer_index: usize, rows: usize) {
+        let hidden = self.w.config.hidden;
+        let x = &self.scratch.x[..rows * hidden];
+        for (tap, _) in self
+            .out
+            .taps
+            .iter()
+            .enumerate()
+            .filter(|(_, &tap_layer)| tap_layer == layer_index)
+        {
+            let at = tap * rows * hidden;
+            self.out.tap_states[at..at + rows * hidden].copy_from_slice(x);
+        }
+    }
+
+    /// Output head for a multi-sequence prefill: the last row of each segment, up to 16 rows per
+    /// lm_head GEMM; `on_logits(segment, logits)`.
+    fn segment_last_logits(
+        &mut self,
+        segments: &[Segment<'_, '_>],
+        on_logits: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(), ModelError> {
+        let (hidden, vocab) = (self.w.config.hidden, self.w.config.vocab);
+        let s = &mut *self.scratch;
+        // Rows of the segments before `first_segment` plus those of the group so far.
+        let mut end = 0;
+        let mut first_segment = 0;
+        while first_segment < segments.len() {
+            let end_segment = (first_segment + MAX_VERIFY_ROWS).min(segments.len());
+            for (group_row, segment) in segments[first_segment..end_segment].iter().enumerate() {
+                end += segment.tokens.len();
+                let last_row = end - 1;
+                ops::rmsnorm(
+                    &s.x[last_row * hidden..(last_row + 1) * hidden],
+                    &self.w.final_norm,
+                    self.eps,
+                    &mut s.head_in[group_row * hidden..(group_row + 1) * hidden],
+                );
+            }
+            let count = end_segment - first_segment;
             timed_gemm(
                 &*self.w.lm_head,
-                &s.head_in[..n * hidden],
-                n,
-                &mut self.out.logits[..n * vocab],
-                fam,
+                &s.head_in[..count * hidden],
+                count,
+                &mut self.out.logits[..count * vocab],
+                RowFamily::for_rows(count),
+                &mut self.stats.projection_time,
+            )?;
+            for group_row in 0..count {
+                on_logits(
+                    first_segment + group_row,
+                    &self.out.logits[group_row * vocab..(group_row + 1) * vocab],
+                );
+            }
+            first_segment = end_segment;
+        }
+        Ok(())
+    }
+
+    /// Output head: logits for rows `first_logit_row..rows`, up to 16 rows per lm_head GEMM, kept
+    /// in the output ([`Sink::Batch`]) or handed to the callback ([`Sink::Callback`]).
+    fn row_logits(
+        &mut self,
+        rows: usize,
+        first_logit_row: usize,
+        sink: &mut Sink<'_>,
+    ) -> Result<(), ModelError> {
+        let (hidden, vocab) = (self.w.config.hidden, self.w.config.vocab);
+        let s = &mut *self.scratch;
+        let mut first = first_logit_row;
+        while first < rows {
+            let end = (first + MAX_VERIFY_ROWS).min(rows);
+            let count = end - first;
+            ops::rmsnorm(
+                &s.x[first * hidden..end * hidden],
+                &self.w.final_norm,
+                self.eps,
+                &mut s.head_in[..count * hidden],
+            );
+            timed_gemm(
+                &*self.w.lm_head,
+                &s.head_in[..count * hidden],
+                count,
+                &mut self.out.logits[..count * vocab],
+                RowFamily::for_rows(count),
                 &mut self.stats.projection_time,
             )?;
             if let Sink::Callback { base, f } = sink {
-                for i in 0..n {
-                    f(*base + r0 + i, &self.out.logits[i * vocab..(i + 1) * vocab]);
+                for offset in 0..count {
+                    f(
+                        *base + first + offset,
+                        &self.out.logits[offset * vocab..(offset + 1) * vocab],
+                    );
                 }
             }
-            r0 = r1;
+            first = end;
         }
-        self.stats.pass_time += start.elapsed();
         Ok(())
     }
 }

@@ -14,7 +14,7 @@
 //! those inputs ([`step`] with no output) and runs the very same code: a replay reproduces the
 //! pass's state bit for bit.
 
-use super::forward::Projection;
+use super::layers::Projection;
 use crate::weights::LinearAttnConfig;
 
 /// Weights of one Gated DeltaNet layer (Qwen3.5 layout).
@@ -45,16 +45,19 @@ pub struct GdnState {
 }
 
 impl GdnState {
+    /// An all-zero state (conv window and recurrent state) for `d`'s dimensions.
     pub fn zeros(d: &LinearAttnConfig) -> Self {
         GdnState {
             conv: vec![0.0; d.conv_state_len()],
             s: vec![0.0; d.state_len()],
         }
     }
+    /// Back to all zeros.
     pub fn clear(&mut self) {
         self.conv.fill(0.0);
         self.s.fill(0.0);
     }
+    /// Copy `other` into this state (same dimensions).
     pub fn copy_from(&mut self, other: &GdnState) {
         self.conv.copy_from_slice(&other.conv);
         self.s.copy_from_slice(&other.s);
@@ -67,6 +70,7 @@ pub struct GdnScratch {
 }
 
 impl GdnScratch {
+    /// The scratch for `d`'s dimensions.
     pub fn new(d: &LinearAttnConfig) -> Self {
         GdnScratch {
             conv_out: vec![0.0; d.conv_dim()],

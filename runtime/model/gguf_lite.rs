@@ -13,20 +13,27 @@ use std::path::{Path, PathBuf};
 /// A metadata value.
 #[derive(Clone, Debug)]
 pub enum Meta {
+    /// An integer of any width and sign.
     Int(i64),
+    /// An f32 or f64.
     Float(f64),
+    /// A boolean.
     Bool(bool),
+    /// A string.
     Str(String),
+    /// An array of values.
     Array(Vec<Meta>),
 }
 
 impl Meta {
+    /// The value as an integer, if it is one.
     pub fn as_i64(&self) -> Option<i64> {
         match self {
             Meta::Int(i) => Some(*i),
             _ => None,
         }
     }
+    /// The value as a float (integers converted).
     pub fn as_f64(&self) -> Option<f64> {
         match self {
             Meta::Float(f) => Some(*f),
@@ -34,6 +41,7 @@ impl Meta {
             _ => None,
         }
     }
+    /// The value as a string, if it is one.
     pub fn as_str(&self) -> Option<&str> {
         match self {
             Meta::Str(s) => Some(s),
@@ -45,19 +53,24 @@ impl Meta {
 /// One tensor of the file.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
+    /// The tensor's name.
     pub name: String,
     /// GGML dims, fastest first: `dims[0]` = columns.
     pub dims: Vec<usize>,
+    /// The GGML type id.
     pub ggml_type: u32,
     /// Absolute byte offset in the file.
     pub offset: usize,
+    /// Bytes of data.
     pub bytes: usize,
 }
 
 impl TensorInfo {
+    /// Columns (`dims[0]`).
     pub fn cols(&self) -> usize {
         self.dims.first().copied().unwrap_or(1)
     }
+    /// Rows: the product of the other dims.
     pub fn rows(&self) -> usize {
         self.dims.iter().skip(1).product::<usize>().max(1)
     }
@@ -65,9 +78,12 @@ impl TensorInfo {
 
 /// An opened GGUF file (memory-mapped).
 pub struct GgufLite {
+    /// The file's path.
     pub path: PathBuf,
     map: memmap2::Mmap,
+    /// Metadata by key.
     pub meta: HashMap<String, Meta>,
+    /// Tensor descriptions by name.
     pub tensors: HashMap<String, TensorInfo>,
 }
 
@@ -163,6 +179,7 @@ impl Cursor<'_> {
 }
 
 impl GgufLite {
+    /// Open and parse the header of the GGUF file at `path`.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let map = crate::weights::map_file(path)?;
         let mut c = Cursor {
@@ -240,6 +257,7 @@ impl GgufLite {
         })
     }
 
+    /// The description of tensor `name`.
     pub fn info(&self, name: &str) -> Result<&TensorInfo, ModelError> {
         self.tensors
             .get(name)
@@ -284,6 +302,7 @@ impl GgufLite {
         Ok(out)
     }
 
+    /// The metadata value `key` as a string.
     pub fn meta_str(&self, key: &str) -> Option<&str> {
         self.meta.get(key).and_then(Meta::as_str)
     }

@@ -14,7 +14,7 @@
 //! shape the model needs must be present; the error names every missing file. The xdna backend
 //! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
-use super::forward::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
+use super::layers::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::host_layout::{self, append_group_records, Packing};
 use crate::kernels::{
@@ -31,13 +31,16 @@ use std::sync::Arc;
 pub enum Backend {
     /// The NPU if an amdxdna device opens, else host.
     Auto,
+    /// The host executor.
     Host,
+    /// The NPU through the amdxdna driver (fails when no device opens).
     Xdna,
 }
 
 /// Options of [`load`].
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
+    /// Which executor runs the projections.
     pub backend: Backend,
     /// Kernel set directory; `None`: `<package>/kernels` if present.
     pub kernels: Option<PathBuf>,
@@ -256,7 +259,7 @@ pub(super) fn projection(
 /// q8 / q4_1 tiles and plain formats).
 ///
 /// The table is read through the package's file mapping and never held: each lookup releases the
-/// pages it mapped. A page fault maps far more than its page (see [`MAX_FAULT_MAP_BYTES`]), so
+/// pages it mapped. A page fault maps far more than its page (see `MAX_FAULT_MAP_BYTES`), so
 /// without the release a few dozen distinct tokens would leave megabytes of the table resident, a
 /// second copy of a tied lm_head already held as records or device buffers.
 pub struct PackageEmbedding {

@@ -8,9 +8,11 @@ use super::ModelError;
 /// The outcome of a perplexity run.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PerplexityResult {
+    /// The perplexity over every scored token.
     pub ppl: f64,
     /// Tokens scored (predictions).
     pub tokens: usize,
+    /// Chunks evaluated.
     pub chunks: usize,
     /// Running estimate after each chunk.
     pub per_chunk: Vec<f64>,

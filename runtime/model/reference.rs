@@ -32,6 +32,7 @@ struct RefLayer {
 
 /// The reference model (weights in f32, no state: each call runs a whole sequence).
 pub struct Reference {
+    /// The model description.
     pub config: ModelConfig,
     gguf: GgufLite,
     layers: Vec<RefLayer>,
@@ -482,6 +483,7 @@ pub struct HybridRefState {
 /// Slow reference of a hybrid package (decoded from the package's tensors by the weights layer,
 /// f64 arithmetic, whole sequence per call, no state carried between calls).
 pub struct HybridReference {
+    /// The model description.
     pub config: ModelConfig,
     layers: Vec<HybridRefLayer>,
     embed: Vec<f32>,
@@ -507,6 +509,7 @@ fn sigmoid64(x: f64) -> f64 {
 }
 
 impl HybridReference {
+    /// Decode a hybrid package's tensors to f32.
     pub fn load(pkg: &crate::weights::Package) -> Result<Self, ModelError> {
         let c = pkg.config().clone();
         let m = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>, ModelError> {

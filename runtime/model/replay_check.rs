@@ -9,7 +9,11 @@
 
 use std::sync::Arc;
 
-use super::forward::{CommitFault, Model, ModelWeights, ReplayMode, SequenceState};
+use super::forward::Model;
+use super::layers::ModelWeights;
+#[cfg(feature = "fault-injection")]
+use super::sequence::CommitFault;
+use super::sequence::{ReplayMode, SequenceState};
 use super::ModelError;
 
 /// What to check.
@@ -17,12 +21,14 @@ use super::ModelError;
 pub struct ReplayCheckOptions {
     /// The token stream: `prefix` tokens are prefilled, the next `max_m + 1` are verified.
     pub tokens: Vec<u32>,
+    /// Tokens prefilled before the verify passes.
     pub prefix: usize,
     /// Largest pass (≤ 16).
     pub max_m: usize,
     /// Commit mode of the model under test.
     pub mode: ReplayMode,
     /// A deliberately broken commit (to prove the check catches it).
+    #[cfg(feature = "fault-injection")]
     pub fault: Option<CommitFault>,
     /// Largest accepted difference, relative to the largest magnitude of the compared quantity
     /// (per layer and kind of state, and for the logits).
@@ -32,16 +38,25 @@ pub struct ReplayCheckOptions {
 /// Largest differences of one layer over every (M, n).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct LayerDiff {
+    /// The layer.
     pub layer: usize,
+    /// `"attention"` or `"linear"`.
     pub kind: &'static str,
+    /// Largest absolute difference of the committed keys and values.
     pub kv_abs: f32,
+    /// The same, relative to their largest magnitude.
     pub kv_rel: f32,
+    /// Largest absolute difference of the conv window.
     pub conv_abs: f32,
+    /// The same, relative to its largest magnitude.
     pub conv_rel: f32,
+    /// Largest absolute difference of the recurrent state.
     pub recurrent_abs: f32,
+    /// The same, relative to its largest magnitude.
     pub recurrent_rel: f32,
-    /// The (M, n) with the largest relative difference of this layer.
+    /// The pass size M of the (M, n) with the largest relative difference of this layer.
     pub worst_m: usize,
+    /// The accepted rows n of that (M, n).
     pub worst_n: usize,
 }
 
@@ -50,14 +65,20 @@ pub struct LayerDiff {
 pub struct ReplayReport {
     /// `"pass"` or `"fail"`.
     pub verdict: &'static str,
+    /// (M, n) cases run.
     pub cases: usize,
+    /// The tolerance the verdict used.
     pub tolerance: f32,
+    /// Largest absolute difference of the next token's logits.
     pub logits_abs: f32,
+    /// The same, relative to their largest magnitude.
     pub logits_rel: f32,
+    /// Per layer: its largest differences.
     pub layers: Vec<LayerDiff>,
 }
 
 impl ReplayReport {
+    /// Whether every difference was within the tolerance.
     pub fn passed(&self) -> bool {
         self.verdict == "pass"
     }
@@ -132,6 +153,7 @@ pub fn run(w: Arc<ModelWeights>, o: &ReplayCheckOptions) -> Result<ReplayReport,
     base.set_replay_mode(ReplayMode::default());
     let mut test = Model::shared(Arc::clone(&w), ctx)?;
     test.set_replay_mode(o.mode);
+    #[cfg(feature = "fault-injection")]
     test.inject_commit_fault(o.fault);
     let prefix = &o.tokens[..o.prefix];
     let stream = &o.tokens[o.prefix..];

@@ -6,7 +6,7 @@
 //! Why in the model layer: its users span the layers. The speculative layer's acceptance rule and
 //! draft models call it (spec may call model), and so do the tools' plain decoding and
 //! `replay-check`'s random tokens, which need nothing of spec. It uses nothing of the model but
-//! [`fastexp`](super::fastexp).
+//! [`fastexp`].
 //!
 //! Plain sampling is the zero-draft case of speculative sampling: [`Sampler::sample`] draws with
 //! [`LogitProcessor::sample`] and the next uniform of its [`Rng`], the very call `spec::decide`
@@ -29,20 +29,29 @@ pub enum SamplingError {
     /// A sampling setting is out of range.
     #[error("invalid sampling setting: {field} = {value} ({expected})")]
     InvalidConfig {
+        /// The setting.
         field: &'static str,
+        /// Its value.
         value: String,
+        /// The range it must lie in.
         expected: &'static str,
     },
     /// A logit is NaN or +∞.
     #[error("logit row {row}, token {token} is {value} (NaN or +inf)")]
     NonFiniteLogit {
+        /// Row of the logits.
         row: usize,
+        /// Token id of the logit.
         token: usize,
+        /// The logit.
         value: f32,
     },
     /// Every logit of a row is −∞, or the row is empty: there is no token to pick.
     #[error("logit row {row} has no finite logit")]
-    NoFiniteLogit { row: usize },
+    NoFiniteLogit {
+        /// Row of the logits.
+        row: usize,
+    },
 }
 
 impl SamplingError {
@@ -118,6 +127,7 @@ pub struct Rng {
 }
 
 impl Rng {
+    /// A generator seeded with `seed` (the same seed, the same stream).
     pub fn new(seed: u64) -> Self {
         let mut z = seed;
         let mut next = || {
@@ -132,6 +142,7 @@ impl Rng {
         }
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         let s = &mut self.s;
         let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
@@ -290,7 +301,7 @@ fn zero_as_positive(logit: f32) -> f32 {
 /// Turns logits into the sampling distribution of a [`SamplingConfig`], reusing its buffers.
 ///
 /// A token's weight is `exp((l − max) / T)` (the argument in f64, so a tiny temperature gives −∞
-/// and weight 0, never NaN; the exponential in f32 by [`fastexp`](super::fastexp), vectorized).
+/// and weight 0, never NaN; the exponential in f32 by [`fastexp`], vectorized).
 /// Top-k keeps the k best by (logit desc, id asc), selected without sorting the vocabulary; only
 /// those k are sorted. Top-p keeps the shortest prefix in that order whose mass reaches `top_p` of
 /// the total. After a top-k cut that is a walk of the sorted k; without one, it is found without

@@ -56,6 +56,7 @@ pub struct StopFilter {
 }
 
 impl StopFilter {
+    /// A filter for `stops` (empty strings are ignored).
     pub fn new(stops: Vec<String>) -> Self {
         StopFilter {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
@@ -64,6 +65,7 @@ impl StopFilter {
         }
     }
 
+    /// Whether a stop string was seen (nothing more is passed through).
     pub fn stopped(&self) -> bool {
         self.stopped
     }

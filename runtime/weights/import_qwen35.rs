@@ -26,15 +26,17 @@
 use super::config::{LayerKind, LinearAttnConfig, ModelConfig};
 use super::gguf::{GgmlType, GgufFile};
 use super::import::{Part, Planned};
+use super::value_heads;
 use super::WeightsError;
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
 
 /// llama.cpp's `general.architecture` of dense Qwen3.5 (`MODEL_ARCH.QWEN35`).
 pub const ARCH: &str = "qwen35";
 
-/// GGUF index of Hugging Face index `idx` on a value-head axis of `unit`-wide heads.
+/// GGUF index of Hugging Face index `idx` on a value-head axis of `unit`-wide heads
+/// (llama.cpp `_reorder_v_heads`, [`value_heads`](super::value_heads)).
 fn v_src(d: &LinearAttnConfig, idx: usize, unit: usize) -> usize {
-    hf_to_gguf(idx, d.key_heads, d.value_heads, unit)
+    value_heads::hf_to_gguf(idx, d.key_heads, d.value_heads, unit)
 }
 
 /// GGUF row of each Hugging Face row of `in_proj_qkv` (= conv channel): q, k as they are.
@@ -53,19 +55,6 @@ fn qkv_rows(d: &LinearAttnConfig) -> Vec<usize> {
 
 fn value_map(d: &LinearAttnConfig, unit: usize, len: usize) -> Vec<usize> {
     (0..len).map(|i| v_src(d, i, unit)).collect()
-}
-
-/// llama.cpp `_reorder_v_heads` as an index map: the GGUF index holding Hugging Face index `idx`
-/// of an axis of `hv` heads of `unit` entries (HF grouped `k·r + j` → GGUF tiled `j·hk + k`, with
-/// r = hv / hk). The identity when hk = hv.
-pub fn hf_to_gguf(idx: usize, hk: usize, hv: usize, unit: usize) -> usize {
-    if hk == hv || hk == 0 || unit == 0 {
-        return idx;
-    }
-    let r = hv / hk;
-    let (head, e) = (idx / unit, idx % unit);
-    let (k, j) = (head / r, head % r);
-    (j * hk + k) * unit + e
 }
 
 /// `Some(map)` unless it is the identity.

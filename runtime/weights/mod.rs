@@ -18,6 +18,8 @@
 //! - [`import`]: `xdna pack import`: GGUF → package (fused QKV / gate-up, f16-scale q4_1 tiles).
 //! - [`import_qwen35`]: the import's plan for Qwen3.5 (`qwen35`) hybrid GGUFs: llama.cpp's
 //!   converter transforms undone into the Hugging Face layout the hybrid loader reads.
+//! - [`value_heads`]: the Qwen3.5 value-head order, Hugging Face grouped ↔ llama.cpp tiled, both
+//!   directions (used by the import and the FastFlowLM loader).
 //! - [`tokenizer`]: byte-level BPE ([`Tokenizer`]) with the `smollm` / GPT-2 pre-tokenizer.
 //! - [`default_model`](mod@default_model): fetch + import the default model (SmolLM2-135M-Instruct Q4_1).
 //!
@@ -45,6 +47,7 @@ pub mod mapped;
 pub mod package;
 pub mod safetensors;
 pub mod tokenizer;
+pub mod value_heads;
 
 pub use chat::ChatMessage;
 pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use xdna::cli::ModelArgs;
 use xdna::model::load::{load, open_package};
 use xdna::model::replay_check::{self, ReplayCheckOptions};
-use xdna::model::{CommitFault, ReplayMode};
+#[cfg(feature = "fault-injection")]
+use xdna::model::CommitFault;
+use xdna::model::ReplayMode;
 
 #[derive(Parser)]
 #[command(
@@ -40,7 +42,8 @@ struct Args {
     /// Use exact projections (f32 activations, f64 sums).
     #[arg(long)]
     exact: bool,
-    /// Deliberately break the commit (replay-fewer | keep-batch) to see the check fail.
+    /// Deliberately break the commit (replay-fewer | keep-batch) to see the check fail (needs a
+    /// build with the `fault-injection` feature).
     #[arg(long, hide = true)]
     fault: Option<String>,
     #[arg(long)]
@@ -61,6 +64,15 @@ fn main() {
 }
 
 fn run(a: &Args) -> Result<bool, String> {
+    #[cfg(feature = "fault-injection")]
+    let fault = parse_fault(a.fault.as_deref())?;
+    #[cfg(not(feature = "fault-injection"))]
+    if let Some(f) = &a.fault {
+        return Err(format!(
+            "--fault {f:?}: this replay-check was built without the `fault-injection` feature \
+             (rebuild with `--features fault-injection`)"
+        ));
+    }
     let path = match &a.model.path {
         Some(p) => p.clone(),
         None => xdna::weights::default_model().map_err(|e| e.to_string())?,
@@ -97,16 +109,6 @@ fn run(a: &Args) -> Result<bool, String> {
         },
         m => return Err(format!("--mode {m:?}: expected env, keep, check or full")),
     };
-    let fault = match a.fault.as_deref() {
-        None => None,
-        Some("replay-fewer") => Some(CommitFault::ReplayOneFewer),
-        Some("keep-batch") => Some(CommitFault::KeepBatchState),
-        Some(f) => {
-            return Err(format!(
-                "--fault {f:?}: expected replay-fewer or keep-batch"
-            ))
-        }
-    };
     let report = replay_check::run(
         w,
         &ReplayCheckOptions {
@@ -114,6 +116,7 @@ fn run(a: &Args) -> Result<bool, String> {
             prefix: a.prefix,
             max_m: a.max_m,
             mode,
+            #[cfg(feature = "fault-injection")]
             fault,
             tolerance: a.tolerance,
         },
@@ -175,4 +178,17 @@ fn run(a: &Args) -> Result<bool, String> {
         println!("verdict: {}", report.verdict);
     }
     Ok(report.passed())
+}
+
+/// The `--fault` negative control: which commit to break.
+#[cfg(feature = "fault-injection")]
+fn parse_fault(fault: Option<&str>) -> Result<Option<CommitFault>, String> {
+    match fault {
+        None => Ok(None),
+        Some("replay-fewer") => Ok(Some(CommitFault::ReplayOneFewer)),
+        Some("keep-batch") => Ok(Some(CommitFault::KeepBatchState)),
+        Some(f) => Err(format!(
+            "--fault {f:?}: expected replay-fewer or keep-batch"
+        )),
+    }
 }

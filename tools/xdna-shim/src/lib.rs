@@ -19,6 +19,9 @@
 // block says why it is sound.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
+// The shim has no public Rust API (it is a cdylib of C symbols): its module map names its private
+// modules on purpose.
+#![allow(rustdoc::private_intra_doc_links)]
 
 mod config;
 mod device;

@@ -79,7 +79,7 @@ struct SynthArgs {
 }
 
 fn synth(a: SynthArgs) -> xdna::Result<()> {
-    use xdna::model::load_hybrid::{self, SynthArch, SynthOptions};
+    use xdna::model::synthetic::{self, SynthArch, SynthOptions};
     let arch = match a.arch.as_str() {
         "qwen3_5" | "qwen3.5" => SynthArch::Qwen35,
         "llama" => SynthArch::Llama,
@@ -109,13 +109,13 @@ fn synth(a: SynthArgs) -> xdna::Result<()> {
         conv_kernel: d.conv_kernel,
         seed: a.seed,
     };
-    let c = load_hybrid::write_synthetic(&a.output, &o)?;
+    let c = synthetic::write_synthetic(&a.output, &o)?;
     let keys = match arch {
-        SynthArch::Qwen35 => load_hybrid::synthetic_kernel_keys(&c, load_hybrid::SYNTH_FORMAT),
+        SynthArch::Qwen35 => synthetic::synthetic_kernel_keys(&c, synthetic::SYNTH_FORMAT),
         SynthArch::Llama => super::kernels::package_keys(
             &a.output,
-            &[load_hybrid::SYNTH_FORMAT],
-            &[load_hybrid::SYNTH_FORMAT],
+            &[synthetic::SYNTH_FORMAT],
+            &[synthetic::SYNTH_FORMAT],
         )?,
     };
     let kernels = a.output.join("kernels");
