@@ -866,20 +866,15 @@ impl ForwardPass<'_> {
                 *value *= 1.0 / (1.0 + (-gate).exp());
             }
         }
-        timed_gemm(
+        project_into_residual(
             &*weights.o,
             &s.attn[..rows * q_dim],
-            rows,
             &mut s.o[..rows * hidden],
+            &mut s.x[..rows * hidden],
+            weights.o_bias.as_deref(),
             self.family,
             &mut self.stats.projection_time,
         )?;
-        add_rows(
-            &mut s.x[..rows * hidden],
-            &s.o[..rows * hidden],
-            weights.o_bias.as_deref(),
-            hidden,
-        );
         Ok(())
     }
 
@@ -956,20 +951,15 @@ impl ForwardPass<'_> {
                 )),
             );
         }
-        timed_gemm(
+        project_into_residual(
             &*gdn_weights.out,
             &s.gdn_y[..rows * value_dim],
-            rows,
             &mut s.o[..rows * hidden],
+            &mut s.x[..rows * hidden],
+            None,
             self.family,
             &mut self.stats.projection_time,
         )?;
-        add_rows(
-            &mut s.x[..rows * hidden],
-            &s.o[..rows * hidden],
-            None,
-            hidden,
-        );
         Ok(())
     }
 
@@ -997,20 +987,15 @@ impl ForwardPass<'_> {
             intermediate,
             &mut s.act[..rows * intermediate],
         );
-        timed_gemm(
+        project_into_residual(
             down,
             &s.act[..rows * intermediate],
-            rows,
             &mut s.o[..rows * hidden],
+            &mut s.x[..rows * hidden],
+            None,
             self.family,
             &mut self.stats.projection_time,
         )?;
-        add_rows(
-            &mut s.x[..rows * hidden],
-            &s.o[..rows * hidden],
-            None,
-            hidden,
-        );
         Ok(())
     }
 
@@ -1156,6 +1141,24 @@ enum Sink<'a> {
     },
     /// Only each segment's last row: `f(segment, logits)` (a multi-sequence prefill).
     SegmentLast { f: &'a mut dyn FnMut(usize, &[f32]) },
+}
+
+/// `residual += proj(input) (+ bias)`, row by row: an output projection (attention's O, the
+/// recurrent block's out, the FFN's down) computed into the `out` scratch and added to the
+/// residual stream. The row count is `residual`'s rows of `proj.rows()` features.
+fn project_into_residual(
+    proj: &dyn Projection,
+    input: &[f32],
+    out: &mut [f32],
+    residual: &mut [f32],
+    bias: Option<&[f32]>,
+    family: RowFamily,
+    spent: &mut Duration,
+) -> Result<(), ModelError> {
+    let hidden = proj.rows();
+    timed_gemm(proj, input, residual.len() / hidden, out, family, spent)?;
+    add_rows(residual, out, bias, hidden);
+    Ok(())
 }
 
 fn add_rows(x: &mut [f32], d: &[f32], bias: Option<&[f32]>, hidden: usize) {
