@@ -293,6 +293,92 @@ fn gguf_errors_name_the_file_and_the_key() {
     assert!(e.contains("general.architecture"), "{e}");
 }
 
+/// A `qwen35` GGUF's metadata (no weights but the embedding): 6 blocks, the last an MTP block.
+fn tiny_qwen35_gguf(edit: impl FnOnce(&mut GgufWriter)) -> GgufWriter {
+    let mut w = GgufWriter::new();
+    w.str("general.architecture", "qwen35");
+    for (key, v) in [
+        ("embedding_length", 64),
+        ("feed_forward_length", 128),
+        ("block_count", 6),
+        ("nextn_predict_layers", 1),
+        ("attention.head_count", 4),
+        ("attention.head_count_kv", 2),
+        ("attention.key_length", 16),
+        ("ssm.time_step_rank", 4),
+        ("ssm.group_count", 2),
+        ("ssm.inner_size", 64),
+        ("ssm.state_size", 16),
+        ("ssm.conv_kernel", 4),
+    ] {
+        w.u32(&format!("qwen35.{key}"), v);
+    }
+    w.f32("qwen35.attention.layer_norm_rms_epsilon", 1e-6);
+    edit(&mut w);
+    w.tensor(
+        "token_embd.weight",
+        &[64, 300],
+        GGML_F32,
+        &vec![0u8; 64 * 300 * 4],
+    );
+    w
+}
+
+/// Which layers of a `qwen35` GGUF are recurrent: the file's `attention.recurrent_layers`
+/// flags when it has them (any pattern), else every `full_attention_interval`-th layer is full
+/// attention (default 4), as llama.cpp reads them.
+#[test]
+fn qwen35_gguf_layer_pattern_comes_from_its_recurrent_layer_flags() {
+    use xdna::weights::LayerKind::{Attention as A, Linear as L};
+    let kinds = |name: &str, edit: fn(&mut GgufWriter)| {
+        gguf_description(name, &tiny_qwen35_gguf(edit)).map(|c| c.layer_kinds)
+    };
+    assert_eq!(kinds("q35_default", |_| {}).unwrap(), [L, L, L, A, L]);
+    assert_eq!(
+        kinds("q35_interval", |w| w
+            .u32("qwen35.full_attention_interval", 2))
+        .unwrap(),
+        [L, A, L, A, L]
+    );
+    // Not an every-n-th pattern; the MTP block's flag is past the decoder's layers. The flags win
+    // over an interval that disagrees.
+    assert_eq!(
+        kinds("q35_flags", |w| {
+            w.u32("qwen35.full_attention_interval", 4);
+            w.bool_array(
+                "qwen35.attention.recurrent_layers",
+                &[true, false, false, true, true, false],
+            );
+        })
+        .unwrap(),
+        [L, A, A, L, L]
+    );
+    assert_eq!(
+        kinds("q35_int_flags", |w| w.i32_array(
+            "qwen35.attention.recurrent_layers",
+            &[0, 1, 1, 1, 0, 0]
+        ))
+        .unwrap(),
+        [A, L, L, L, A]
+    );
+    let e = kinds("q35_short", |w| {
+        w.bool_array("qwen35.attention.recurrent_layers", &[true; 5])
+    })
+    .expect_err("5 flags for 6 blocks");
+    assert!(
+        e.contains("\"qwen35.attention.recurrent_layers\"") && e.contains("5 flags for 6 blocks"),
+        "{e}"
+    );
+    let e = kinds("q35_bad_flag", |w| {
+        w.str_array(
+            "qwen35.attention.recurrent_layers",
+            &vec!["yes".to_string(); 6],
+        )
+    })
+    .expect_err("string flags");
+    assert!(e.contains("flag 0"), "{e}");
+}
+
 /// The default model: its GGUF metadata and the `config.json` that `xdna pack import` writes
 /// from it describe the same model, bit for bit.
 #[test]

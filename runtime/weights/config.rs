@@ -13,7 +13,7 @@
 //! Every missing or ill-typed field is a typed error naming the field and the file it was read
 //! from.
 
-use super::gguf::GgufFile;
+use super::gguf::{GgufFile, Value as GgufValue};
 use super::WeightsError;
 use crate::kernels::ShapeNeed;
 use crate::tiles::WeightFormat;
@@ -875,7 +875,16 @@ fn qwen35_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
                 format!("{blocks} blocks with {nextn} MTP layers leave no decoder layer"),
             )
         })?;
-    let interval = f.get_u64(&k("full_attention_interval")).unwrap_or(4).max(1) as usize;
+    // The file's own per-layer flags win; without them, llama.cpp's qwen35 rule: every
+    // `full_attention_interval`-th layer (default 4) is full attention.
+    let layer_kinds = match f.metadata(&k("attention.recurrent_layers")) {
+        Some(flags) => recurrent_layer_flags(flags, blocks, layers)
+            .map_err(|problem| bad(&k("attention.recurrent_layers"), problem))?,
+        None => {
+            let interval = f.get_u64(&k("full_attention_interval")).unwrap_or(4).max(1);
+            every_nth_layer_attention(layers, interval as usize)
+        }
+    };
     let value_heads = req("ssm.time_step_rank")?;
     let key_heads = req("ssm.group_count")?;
     let inner = req("ssm.inner_size")?;
@@ -915,7 +924,7 @@ fn qwen35_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
         o_bias: false,
         mlp_bias: false,
         qk_norm: true,
-        layer_kinds: every_nth_layer_attention(layers, interval),
+        layer_kinds,
         linear: Some(LinearAttnConfig {
             key_heads,
             value_heads,
@@ -931,6 +940,46 @@ fn qwen35_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     })
+}
+
+/// The layer kinds a hybrid GGUF's `attention.recurrent_layers` states: one flag per block
+/// (`block_count` of them, trailing MTP blocks included), true (or a non-zero integer) for a
+/// recurrent layer; the first `layers` are the decoder's. A single flag applies to every layer.
+fn recurrent_layer_flags(
+    flags: &GgufValue,
+    blocks: usize,
+    layers: usize,
+) -> Result<Vec<LayerKind>, String> {
+    let kind = |recurrent: bool| {
+        if recurrent {
+            LayerKind::Linear
+        } else {
+            LayerKind::Attention
+        }
+    };
+    match flags {
+        GgufValue::Array(items) => {
+            if items.len() != blocks {
+                return Err(format!(
+                    "{} flags for {blocks} blocks (block_count)",
+                    items.len()
+                ));
+            }
+            items[..layers]
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_bool()
+                        .map(kind)
+                        .ok_or_else(|| format!("flag {i} is {v:?}, not a boolean or an integer"))
+                })
+                .collect()
+        }
+        single => single
+            .as_bool()
+            .map(|recurrent| vec![kind(recurrent); layers])
+            .ok_or_else(|| format!("{single:?} is not a boolean, an integer or an array of them")),
+    }
 }
 
 /// Typed access to one JSON object of a `config.json` (the top level or a nested object such as

@@ -8,6 +8,7 @@
 pub const T_U32: u32 = 4;
 pub const T_I32: u32 = 5;
 pub const T_F32: u32 = 6;
+pub const T_BOOL: u32 = 7;
 pub const T_STRING: u32 = 8;
 pub const T_ARRAY: u32 = 9;
 
@@ -71,6 +72,12 @@ impl GgufWriter {
         for x in v {
             b.extend_from_slice(&x.to_le_bytes());
         }
+        self.kv_raw(key, T_ARRAY, &b);
+    }
+    pub fn bool_array(&mut self, key: &str, v: &[bool]) {
+        let mut b = T_BOOL.to_le_bytes().to_vec();
+        b.extend_from_slice(&(v.len() as u64).to_le_bytes());
+        b.extend(v.iter().map(|&x| u8::from(x)));
         self.kv_raw(key, T_ARRAY, &b);
     }
     pub fn str_array(&mut self, key: &str, v: &[String]) {
