@@ -212,6 +212,27 @@ fn wrap_keeps_the_toolchain_sections_and_sets_the_flag() {
     assert_eq!(wrap_elf(&toolchain, &desc), wrap_elf(&toolchain, &desc));
 }
 
+/// Found by the `kernel_elf` fuzz target: a toolchain ELF whose configuration note is too short
+/// to state a partition size was wrapped into a file the reader then refused. Both refuse it now.
+#[test]
+fn wrap_refuses_what_the_reader_refuses() {
+    let input = include_bytes!("../fuzz/corpus/kernel_elf/short_configuration_note.elf");
+    let desc = KernelDesc::gemm(Q41H, M16, 576, 960);
+    let why = ElfReason::BadDescriptor("configuration note shorter than 4 bytes".into());
+    assert_eq!(wrap_elf(input, &desc), Err(why));
+    // Also found by it: a section name table of type NOBITS, whose names the reader took from
+    // the file while the wrapper copied no bytes of it, so an old section took the new name.
+    let input = include_bytes!("../fuzz/corpus/kernel_elf/name_table_of_type_nobits.elf");
+    assert!(matches!(
+        elf::parse_elf(input),
+        Err(ElfReason::BadSectionNameTable(_))
+    ));
+    assert!(matches!(
+        wrap_elf(input, &desc),
+        Err(ElfReason::BadSectionNameTable(_))
+    ));
+}
+
 #[test]
 fn family_selection() {
     assert_eq!(RowFamily::for_rows(1), M16);

@@ -43,6 +43,9 @@ fn corpus() -> Vec<String> {
         "123abc456def789",
         "   123   ",
         "!!!   ???",
+        // Found by the tokenizer fuzz target: replacement characters around a control character.
+        "caf=V\u{FFFD}\u{1d}}S\u{FFFD}\u{FFFD}2345",
+        "\u{1d}\u{0}\u{7f}\u{1}x",
         CHATML,
     ]
     .iter()
@@ -113,8 +116,12 @@ fn smollm_encode_matches_tokenizers_crate_exactly() {
             want_plain,
             "allow_special=false: {text:?}"
         );
-        // Decode round-trips byte-exactly and agrees with the reference decoder.
-        assert_eq!(ours.decode(&got), text);
+        // Decode round-trips byte-exactly (where the vocabulary spells every byte: SmolLM2's
+        // lacks a few control bytes, which both tokenizers drop) and agrees with the reference
+        // decoder.
+        if text.bytes().all(|b| ours.has_byte(b)) {
+            assert_eq!(ours.decode(&got), text);
+        }
         assert_eq!(
             ours.decode(&got),
             hf.decode(&got, false).unwrap(),

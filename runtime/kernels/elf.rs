@@ -565,6 +565,14 @@ pub fn parse_elf(bytes: &[u8]) -> Result<ParsedElf, ElfReason> {
         (e <= bytes.len()).then_some((o, s))
     };
     let strtab = &raw[shstrndx];
+    // Names are read from this table and `wrap_elf` copies it: both need real bytes of type
+    // SHT_STRTAB (a NOBITS "table" has none in the file).
+    if strtab.sh_type != SHT_STRTAB {
+        return Err(ElfReason::BadSectionNameTable(format!(
+            "section {shstrndx} has type {}, not SHT_STRTAB ({SHT_STRTAB})",
+            strtab.sh_type
+        )));
+    }
     let Some((str_off, str_size)) = in_file(strtab.offset, strtab.size) else {
         return Err(ElfReason::SectionOutOfBounds(".shstrtab".into()));
     };
@@ -644,16 +652,26 @@ pub fn read_kernel_bytes(bytes: &[u8]) -> Result<KernelDesc, ElfReason> {
             "flag says control code is present but there is no .ctrltext".into(),
         ));
     }
-    if let Some(config) = elf.section(CONFIG_SECTION) {
-        let (_, _, payload) = decode_note(&bytes[config.offset..config.offset + config.size])?;
-        if payload.len() < 4 {
-            return Err(ElfReason::BadDescriptor(
-                "configuration note shorter than 4 bytes".into(),
-            ));
-        }
-        desc.partition_columns = read_u32(payload, 0);
+    if let Some(columns) = configured_partition_columns(&elf, bytes)? {
+        desc.partition_columns = columns;
     }
     Ok(desc)
+}
+
+/// The partition size the file's `.note.xrt.configuration` states, if it has one; a note too
+/// short to hold it is refused (by the reader and by `wrap_elf` alike, so a wrapped file always
+/// reads back).
+fn configured_partition_columns(elf: &ParsedElf, bytes: &[u8]) -> Result<Option<u32>, ElfReason> {
+    let Some(config) = elf.section(CONFIG_SECTION) else {
+        return Ok(None);
+    };
+    let (_, _, payload) = decode_note(&bytes[config.offset..config.offset + config.size])?;
+    if payload.len() < 4 {
+        return Err(ElfReason::BadDescriptor(
+            "configuration note shorter than 4 bytes".into(),
+        ));
+    }
+    Ok(Some(read_u32(payload, 0)))
 }
 
 /// Read and validate a kernel file; errors name the file.
@@ -684,11 +702,8 @@ pub fn wrap_elf(input: &[u8], desc: &KernelDesc) -> Result<Vec<u8>, ElfReason> {
     }
     let mut desc = desc.clone();
     desc.has_control_code = true;
-    if let Some(config) = elf.section(CONFIG_SECTION) {
-        let (_, _, payload) = decode_note(&input[config.offset..config.offset + config.size])?;
-        if payload.len() >= 4 {
-            desc.partition_columns = read_u32(payload, 0);
-        }
+    if let Some(columns) = configured_partition_columns(&elf, input)? {
+        desc.partition_columns = columns;
     }
     let mut out = input.to_vec();
     pad_to(&mut out, 4);

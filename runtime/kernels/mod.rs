@@ -93,6 +93,9 @@ pub enum ElfReason {
     /// A header, table or name runs past the end of the file; says which.
     #[error("truncated: {0}")]
     Truncated(String),
+    /// The section name table (`e_shstrndx`) is not a string table.
+    #[error("section name table: {0}")]
+    BadSectionNameTable(String),
     /// The named section's bytes lie outside the file.
     #[error("section {0:?} lies outside the file")]
     SectionOutOfBounds(String),

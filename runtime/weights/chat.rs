@@ -24,10 +24,9 @@ impl ChatMessage {
 
 impl Package {
     /// The prompt text of `messages` followed by the assistant's turn: the package's chat
-    /// template rendered as Hugging Face's `apply_chat_template(..., add_generation_prompt=True)`
-    /// renders it (`messages`, `add_generation_prompt`, `bos_token`, `eos_token` and
-    /// `raise_exception` in scope). A package without a template, a template that does not
-    /// parse, and a conversation the template refuses are errors naming the package.
+    /// template rendered by [`render_chat_template`] with the package's BOS and EOS tokens. A
+    /// package without a template, a template that does not parse, and a conversation the
+    /// template refuses are errors naming the package.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, WeightsError> {
         let error = |what: String| WeightsError::ChatTemplate {
             path: self.dir().to_path_buf(),
@@ -46,30 +45,50 @@ impl Package {
                 .unwrap_or("")
                 .to_string()
         };
-        let mut env = minijinja::Environment::new();
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        let render_error = |e: minijinja::Error| error(e.to_string());
-        env.add_template("chat", template).map_err(render_error)?;
-        let messages: Vec<minijinja::Value> = messages
-            .iter()
-            .map(|m| minijinja::context! { role => m.role.clone(), content => m.content.clone() })
-            .collect();
-        env.get_template("chat")
-            .map_err(render_error)?
-            .render(minijinja::context! {
-                messages => messages,
-                add_generation_prompt => true,
-                bos_token => token_text(self.bos_token_id()),
-                eos_token => token_text(self.eos_token_ids().first().copied()),
-            })
-            .map_err(render_error)
+        render_chat_template(
+            template,
+            messages,
+            &token_text(self.bos_token_id()),
+            &token_text(self.eos_token_ids().first().copied()),
+        )
+        .map_err(error)
     }
+}
+
+/// `template` rendered over `messages` followed by the assistant's turn, as Hugging Face's
+/// `apply_chat_template(..., add_generation_prompt=True)` renders it: `messages` (each with
+/// `role` and `content`), `add_generation_prompt`, `bos_token`, `eos_token` and
+/// `raise_exception` in scope. The error is the template engine's message, or the template's own
+/// refusal.
+pub fn render_chat_template(
+    template: &str,
+    messages: &[ChatMessage],
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, String> {
+    let mut env = minijinja::Environment::new();
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    let render_error = |e: minijinja::Error| e.to_string();
+    env.add_template("chat", template).map_err(render_error)?;
+    let messages: Vec<minijinja::Value> = messages
+        .iter()
+        .map(|m| minijinja::context! { role => m.role.clone(), content => m.content.clone() })
+        .collect();
+    env.get_template("chat")
+        .map_err(render_error)?
+        .render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => bos_token,
+            eos_token => eos_token,
+        })
+        .map_err(render_error)
 }

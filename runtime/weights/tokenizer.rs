@@ -397,6 +397,11 @@ impl Tokenizer {
     pub fn pre_tokenizer(&self) -> PreTokenizer {
         self.pre
     }
+    /// Whether the vocabulary has a token for byte `b` alone. Text made only of such bytes
+    /// encodes losslessly; a byte without one is dropped, as Hugging Face's BPE drops it.
+    pub fn has_byte(&self, b: u8) -> bool {
+        self.byte_ids[b as usize].is_some()
+    }
     /// The bytes token `id` stands for (empty for unknown ids).
     pub fn token_bytes(&self, id: u32) -> &[u8] {
         self.bytes
@@ -572,12 +577,9 @@ impl Tokenizer {
         use std::collections::BinaryHeap;
         const NONE: usize = usize::MAX;
         let mut ids: Vec<u32> = Vec::with_capacity(piece.len());
-        for &b in piece {
-            match self.byte_ids[b as usize] {
-                Some(id) => ids.push(id),
-                None => return, // vocabulary lacks this byte: HF drops it too (no unk, no fallback)
-            }
-        }
+        // A byte the vocabulary lacks is dropped alone, as HF `BPE::merge_word` drops a symbol it
+        // cannot look up (no unk, no byte fallback); its neighbours still merge across the gap.
+        ids.extend(piece.iter().filter_map(|&b| self.byte_ids[b as usize]));
         let n = ids.len();
         if n < 2 {
             out.extend_from_slice(&ids);
