@@ -157,6 +157,19 @@ fn errors_name_the_file_and_the_field() {
         "{e}"
     );
     assert!(e.contains("missing"), "{e}");
+    // Found by the config_json fuzz target: the layer list was allocated from any count.
+    for absurd in [
+        serde_json::json!(11111111111111111112u64),
+        serde_json::json!(1025),
+    ] {
+        let mut many = v.clone();
+        many["num_hidden_layers"] = absurd;
+        let e = err(&many);
+        assert!(
+            e.contains("\"num_hidden_layers\"") && e.contains("at most 1024 layers"),
+            "{e}"
+        );
+    }
     let mut ill_typed = v.clone();
     ill_typed["rope_parameters"]["rope_theta"] = serde_json::json!("big");
     let e = err(&ill_typed);
@@ -285,6 +298,27 @@ fn gguf_errors_name_the_file_and_the_key() {
     .expect_err("yarn");
     assert!(
         e.contains("\"llama.rope.scaling.type\"") && e.contains("yarn"),
+        "{e}"
+    );
+    let mut huge = GgufWriter::new();
+    huge.str("general.architecture", "qwen3");
+    for (key, v) in [
+        ("embedding_length", 64),
+        ("feed_forward_length", 128),
+        ("block_count", 4_000_000_000),
+        ("attention.head_count", 4),
+    ] {
+        huge.u32(&format!("qwen3.{key}"), v);
+    }
+    huge.tensor(
+        "token_embd.weight",
+        &[64, 300],
+        GGML_F32,
+        &vec![0u8; 64 * 300 * 4],
+    );
+    let e = gguf_description("gguf_blocks", &huge).expect_err("four billion blocks");
+    assert!(
+        e.contains("\"qwen3.block_count\"") && e.contains("at most 1024 layers"),
         "{e}"
     );
     let mut no_arch = GgufWriter::new();

@@ -255,6 +255,9 @@ impl ModelConfig {
         let hybrid = HYBRID_MODEL_TYPES.contains(&model_type.as_str());
         let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
         let layers = f.usize("num_hidden_layers")?;
+        if layers > MAX_LAYERS {
+            return Err(f.bad("num_hidden_layers", MAX_LAYERS_EXPECTED));
+        }
         let (layer_kinds, linear) = if hybrid {
             parse_hybrid_layers(&f, layers)?
         } else {
@@ -798,7 +801,17 @@ fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, Wei
             ))
         }
     };
-    let layers = f.require_u64(&k("block_count"))? as usize;
+    let layers = f.require_u64(&k("block_count"))?;
+    let layers = usize::try_from(layers)
+        .ok()
+        .filter(|&l| l <= MAX_LAYERS)
+        .ok_or_else(|| {
+            config_error(
+                f.path(),
+                &k("block_count"),
+                format!("expected {MAX_LAYERS_EXPECTED}, got {layers}"),
+            )
+        })?;
     Ok(ModelConfig {
         model_type: arch.to_string(),
         hidden,
@@ -865,6 +878,12 @@ fn qwen35_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
         }
     }
     let blocks = req("block_count")?;
+    if blocks > MAX_LAYERS {
+        return Err(bad(
+            &k("block_count"),
+            format!("expected {MAX_LAYERS_EXPECTED}, got {blocks}"),
+        ));
+    }
     let nextn = f.get_u64(&k("nextn_predict_layers")).unwrap_or(0) as usize;
     let layers = blocks
         .checked_sub(nextn)
@@ -981,6 +1000,11 @@ fn recurrent_layer_flags(
             .ok_or_else(|| format!("{single:?} is not a boolean, an integer or an array of them")),
     }
 }
+
+/// The most decoder layers a description may state (the largest published models have under
+/// 200): the layer list is allocated from this number before any weight is read.
+const MAX_LAYERS: usize = 1024;
+const MAX_LAYERS_EXPECTED: &str = "at most 1024 layers";
 
 /// Typed access to one JSON object of a `config.json` (the top level or a nested object such as
 /// `rope_parameters`, whose fields errors name as `rope_parameters.factor`).
