@@ -19,6 +19,7 @@
 //! - [`synthetic`]: small deterministic random-weight packages (`xdna pack synth`).
 //! - [`reference`](mod@reference): the slow reference forward, the tests' oracle; [`gguf_lite`] its own GGUF
 //!   reader.
+//! - [`logprobs`]: log-softmax of a logit row: a token's log-probability and the top alternatives.
 //! - [`perplexity`]: perplexity by llama.cpp's method.
 //! - [`replay_check`]: does a verify pass + partial commit equal plain sequential steps?
 //! - [`sampling`]: sampling settings, the logit processor and the generator.
@@ -32,6 +33,7 @@ pub mod kv_cache;
 pub mod layers;
 pub mod load;
 pub mod load_hybrid;
+pub mod logprobs;
 pub mod ops;
 pub mod perplexity;
 pub mod reference;

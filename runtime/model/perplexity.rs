@@ -86,13 +86,11 @@ fn mean_and_variance(v: &[f64]) -> Option<(f64, f64)> {
 
 /// `-log softmax(logits)[target]`, in f64.
 pub fn nll(logits: &[f32], target: u32) -> f64 {
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
     let lt = logits
         .get(target as usize)
         .copied()
         .unwrap_or(f32::NEG_INFINITY) as f64;
-    -(lt - max - sum.ln())
+    -(lt - super::logprobs::log_sum_exp(logits))
 }
 
 /// Receives `(row, logits)` for each scored row.

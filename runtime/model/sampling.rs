@@ -120,6 +120,48 @@ impl Default for SamplingConfig {
     }
 }
 
+/// Additive changes to a logit row before it is sampled: OpenAI's `logit_bias` and its presence
+/// and frequency penalties, `logit[t] += bias[t] − count(t)·frequency − [count(t) > 0]·presence`,
+/// where `count(t)` is how often `t` was generated so far. Log-probabilities are reported from the
+/// raw logits, before these.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogitAdjustments {
+    /// `(token, bias)` pairs, each bias in [−100, 100].
+    pub bias: Vec<(u32, f32)>,
+    /// Subtracted once from every token generated at least once.
+    pub presence_penalty: f32,
+    /// Subtracted from every token once per time it was generated.
+    pub frequency_penalty: f32,
+}
+
+impl LogitAdjustments {
+    /// True when applying would change nothing.
+    pub fn is_empty(&self) -> bool {
+        self.bias.iter().all(|&(_, b)| b == 0.0)
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+
+    /// Apply to `logits`, with `counts` the generated tokens and how often each occurred. Token
+    /// ids past the row are ignored (the caller validated them against the vocabulary).
+    pub fn apply(&self, logits: &mut [f32], counts: &std::collections::HashMap<u32, u32>) {
+        for &(t, b) in &self.bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
+            for (&t, &c) in counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    if c > 0 {
+                        *l -= c as f32 * self.frequency_penalty + self.presence_penalty;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// xoshiro256** seeded by SplitMix64 (Blackman & Vigna).
 #[derive(Clone, Debug)]
 pub struct Rng {
@@ -548,6 +590,22 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logit_adjustments_by_hand() {
+        let adj = LogitAdjustments {
+            bias: vec![(0, 5.0), (3, -100.0), (99, 1.0)],
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+        };
+        let mut logits = vec![1.0f32, 2.0, 3.0, 4.0];
+        let counts: std::collections::HashMap<u32, u32> = [(1, 2), (2, 0)].into_iter().collect();
+        adj.apply(&mut logits, &counts);
+        // 0: +5; 1: −(2·0.25 + 0.5); 2: never generated; 3: −100; 99 is past the row.
+        assert_eq!(logits, vec![6.0, 1.0, 3.0, -96.0]);
+        assert!(!adj.is_empty());
+        assert!(LogitAdjustments::default().is_empty());
+    }
 
     #[test]
     fn splitmix_xoshiro_known_values() {

@@ -1,9 +1,9 @@
 //! HTTP handlers: request validation, submission to the engine queue, JSON and SSE responses.
 
-use super::engine::{ChatMessage, SamplingConfig, TextCodec};
+use super::engine::{ChatMessage, LogitAdjustments, SamplingConfig, TextCodec};
 use super::error::ApiError;
 use super::metrics::Metrics;
-use super::scheduler::{Event, Finish, GenRequest};
+use super::scheduler::{Event, Finish, GenRequest, LoggedToken};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -106,6 +106,11 @@ pub fn endpoint_label(path: &str) -> &'static str {
         "/detokenize" => "/detokenize",
         "/completion" => "/completion",
         "/metrics" => "/metrics",
+        "/api/generate" => "/api/generate",
+        "/api/chat" => "/api/chat",
+        "/api/tags" => "/api/tags",
+        "/api/show" => "/api/show",
+        "/api/version" => "/api/version",
         _ => "other",
     }
 }
@@ -131,7 +136,11 @@ fn json_response(status: StatusCode, v: &Value) -> Response {
 }
 
 /// Read a JSON object body within the size limit.
-async fn read_json(app: &App, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+pub(crate) async fn read_json(
+    app: &App,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Value, ApiError> {
     let limit = app.cfg.body_limit;
     if let Some(len) = headers
         .get(header::CONTENT_LENGTH)
@@ -271,6 +280,12 @@ pub struct Params {
     /// Speculative decoding for this request: drafts per round (`None` = plain decoding), from
     /// the request's `speculative` field or else the server default.
     pub speculate: Option<usize>,
+    /// Report log-probabilities with this many alternatives per token (`None`: none).
+    pub logprobs: Option<usize>,
+    /// `echo`: the prompt's text (and, with `logprobs`, its tokens) comes first.
+    pub echo: Option<String>,
+    /// `logit_bias`, `presence_penalty`, `frequency_penalty`.
+    pub adjust: LogitAdjustments,
 }
 
 fn check_model(app: &App, v: &Value) -> Result<(), ApiError> {
@@ -352,7 +367,10 @@ fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
 /// Validate a generation request body.
 pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError> {
     let codec = &*app.codec;
+    super::fields::check(v, kind)?;
+    super::fields::check_defaults(v, kind)?;
     check_model(app, v)?;
+    let echo = kind == Kind::Completions && opt_bool(v, "echo")?.unwrap_or(false);
     // The prompt.
     let prompt: Vec<u32> = match kind {
         Kind::Chat => {
@@ -381,10 +399,14 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
                 }
                 [] => return Err(ApiError::invalid("prompt", "`prompt` is empty").code("invalid_value")),
                 xs if xs.iter().all(Value::is_number) => token_list(codec, xs, "prompt")?,
+                // One prompt of token ids in a batch of one (lm-evaluation-harness sends this).
+                [Value::Array(ids)] if !ids.is_empty() && ids.iter().all(Value::is_number) => {
+                    token_list(codec, ids, "prompt")?
+                }
                 _ => {
                     return Err(ApiError::invalid(
                         "prompt",
-                        "`prompt` must be a string, one string in an array, or an array of token ids (n = 1 only)",
+                        "`prompt` must be a string, an array of token ids, or an array holding one of those (one prompt per request)",
                     )
                     .code("invalid_type"))
                 }
@@ -395,6 +417,13 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt has no tokens").code("invalid_value"));
     }
+    let echo = echo.then(|| match field(v, "prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            a[0].as_str().unwrap_or_default().to_string()
+        }
+        _ => codec.detokenize(&prompt),
+    });
     let ctx = codec.context_len();
     if prompt.len() >= ctx {
         return Err(ApiError::invalid(
@@ -417,6 +446,8 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         Kind::Llama => ("n_predict", opt_i64(v, "n_predict")?.filter(|&n| n >= 0)),
     };
     let max_tokens = match requested {
+        // Scoring a prompt (lm-evaluation-harness): its log-probabilities, nothing generated.
+        Some(0) if echo.is_some() => 0,
         Some(n) if n <= 0 => {
             return Err(
                 ApiError::invalid(key, format!("`{key}` must be at least 1, got {n}"))
@@ -450,9 +481,18 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid("top_p", "`top_p` must be in (0, 1]").code("invalid_value"));
     }
-    let top_k = match kind {
-        Kind::Llama => opt_i64(v, "top_k")?.unwrap_or(0).max(0) as usize,
-        _ => 0,
+    let top_k = match opt_i64(v, "top_k")? {
+        None => 0,
+        // llama.cpp reads ≤ 0 as "no limit"; vLLM's −1 means the same.
+        Some(k) if kind == Kind::Llama || k == -1 => k.max(0) as usize,
+        Some(k) if k >= 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be ≥ 0 (or −1 for no limit), got {k}"),
+            )
+            .code("invalid_value"))
+        }
     };
     let seed = match opt_i64(v, "seed")? {
         Some(s) if s >= 0 => s as u64,
@@ -461,11 +501,6 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
             unix_now() ^ app.next_id().wrapping_mul(0x9E37_79B9_7F4A_7C15)
         }
     };
-    if let Some(n) = opt_i64(v, "n")? {
-        if n != 1 {
-            return Err(ApiError::invalid("n", "only `n` = 1 is supported").code("invalid_value"));
-        }
-    }
     let stop = stop_list(v, "stop")?;
     let stream = opt_bool(v, "stream")?.unwrap_or(false);
     let include_usage = match field(v, "stream_options") {
@@ -473,6 +508,19 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         Some(o) => opt_bool(o, "include_usage")?.unwrap_or(false),
     };
     let speculate = speculative(v, app.cfg.speculate)?;
+    let logprobs = logprobs_setting(v, kind)?;
+    let adjust = LogitAdjustments {
+        bias: logit_bias(v, codec.vocab_size())?,
+        presence_penalty: penalty(v, "presence_penalty")?,
+        frequency_penalty: penalty(v, "frequency_penalty")?,
+    };
+    if !adjust.is_empty() && field(v, "speculative").is_some() && speculate.is_some() {
+        return Err(ApiError::invalid(
+            "speculative",
+            "speculative decoding cannot be combined with `logit_bias` or penalties (their logits change row by row)",
+        )
+        .code("invalid_value"));
+    }
     Ok(Params {
         prompt,
         max_tokens,
@@ -486,7 +534,99 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         stream,
         include_usage,
         speculate,
+        logprobs,
+        echo,
+        adjust,
     })
+}
+
+/// Most alternatives per token: `/v1/completions` `logprobs` (as OpenAI), chat `top_logprobs`.
+pub const MAX_COMPLETION_LOGPROBS: i64 = 5;
+/// See [`MAX_COMPLETION_LOGPROBS`].
+pub const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
+
+/// Completions: `logprobs: k` (0..=5). Chat: `logprobs: true` with `top_logprobs: k` (0..=20).
+fn logprobs_setting(v: &Value, kind: Kind) -> Result<Option<usize>, ApiError> {
+    let range = |key: &str, k: i64, max: i64| {
+        if (0..=max).contains(&k) {
+            Ok(k as usize)
+        } else {
+            Err(
+                ApiError::invalid(key, format!("`{key}` must be in 0..={max}, got {k}"))
+                    .code("invalid_value"),
+            )
+        }
+    };
+    match kind {
+        Kind::Completions => opt_i64(v, "logprobs")?
+            .map(|k| range("logprobs", k, MAX_COMPLETION_LOGPROBS))
+            .transpose(),
+        Kind::Chat => {
+            let on = opt_bool(v, "logprobs")?.unwrap_or(false);
+            let top = opt_i64(v, "top_logprobs")?;
+            match (on, top) {
+                (false, Some(_)) => Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                )
+                .code("invalid_value")),
+                (false, None) => Ok(None),
+                (true, k) => Ok(Some(range(
+                    "top_logprobs",
+                    k.unwrap_or(0),
+                    MAX_CHAT_TOP_LOGPROBS,
+                )?)),
+            }
+        }
+        Kind::Llama => Ok(None),
+    }
+}
+
+/// `logit_bias`: an object from token ids (as strings) to biases in [−100, 100].
+fn logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    const P: &str = "logit_bias";
+    let Some(x) = field(v, P) else {
+        return Ok(Vec::new());
+    };
+    let Some(map) = x.as_object() else {
+        return Err(ApiError::invalid(
+            P,
+            format!("`{P}` must be an object from token ids to numbers, got {x}"),
+        )
+        .code("invalid_type"));
+    };
+    map.iter()
+        .map(|(k, b)| {
+            let token = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
+            let Some(token) = token else {
+                return Err(ApiError::invalid(
+                    P,
+                    format!("`{P}` key {k:?} is not a token id in 0..{vocab}"),
+                )
+                .code("invalid_value"));
+            };
+            match b.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((token, b as f32)),
+                _ => Err(ApiError::invalid(
+                    P,
+                    format!("`{P}[{k:?}]` must be a number in [-100, 100], got {b}"),
+                )
+                .code("invalid_value")),
+            }
+        })
+        .collect()
+}
+
+/// `presence_penalty` / `frequency_penalty`: in [−2, 2], default 0.
+fn penalty(v: &Value, key: &str) -> Result<f32, ApiError> {
+    match opt_f64(v, key)? {
+        None => Ok(0.0),
+        Some(p) if (-2.0..=2.0).contains(&p) => Ok(p as f32),
+        Some(p) => Err(
+            ApiError::invalid(key, format!("`{key}` must be in [-2, 2], got {p}"))
+                .code("invalid_value"),
+        ),
+    }
 }
 
 /// Default drafts per round when speculation is asked for without `draft_max`.
@@ -553,7 +693,7 @@ impl Drop for CancelGuard {
     }
 }
 
-fn submit(
+pub(crate) fn submit(
     app: &App,
     p: &Params,
 ) -> Result<(mpsc::UnboundedReceiver<Event>, CancelGuard, Instant), ApiError> {
@@ -574,6 +714,9 @@ fn submit(
         events: tx,
         speculate: p.speculate,
         ignore_eos: false,
+        logprobs: p.logprobs,
+        prompt_logprobs: p.echo.is_some() && p.logprobs.is_some(),
+        adjust: p.adjust.clone(),
     };
     let guard = app
         .queue
@@ -606,6 +749,10 @@ struct Outcome {
     completion_tokens: usize,
     eos: bool,
     stopped_word: bool,
+    /// An echoed prompt's token log-probabilities.
+    prompt_lp: Vec<LoggedToken>,
+    /// The generated tokens' log-probabilities.
+    lp: Vec<LoggedToken>,
 }
 
 async fn collect(
@@ -613,6 +760,7 @@ async fn collect(
     deadline: Instant,
 ) -> Result<Outcome, ApiError> {
     let mut text = String::new();
+    let (mut prompt_lp, mut lp) = (Vec::new(), Vec::new());
     // The engine enforces the deadline; this backstop covers an engine stuck in a pass.
     let backstop = tokio::time::Instant::from_std(deadline) + Duration::from_secs(5);
     loop {
@@ -623,6 +771,8 @@ async fn collect(
         };
         match ev {
             Event::Text(t) => text.push_str(&t),
+            Event::PromptLogprobs(v) => prompt_lp = v,
+            Event::Logprobs(v) => lp.extend(v),
             Event::Error(m) => return Err(ApiError::engine(m)),
             Event::Done {
                 finish,
@@ -641,6 +791,8 @@ async fn collect(
                         completion_tokens,
                         eos,
                         stopped_word,
+                        prompt_lp,
+                        lp,
                     }),
                 }
             }
@@ -652,6 +804,64 @@ fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
+/// A log-probability as JSON: −∞ (a token the row gives no mass) as −9999, as vLLM reports it.
+fn lp_json(lp: f32) -> Value {
+    json!(if lp.is_finite() { lp } else { -9999.0 })
+}
+
+/// The OpenAI completions `logprobs` object of `entries` (text offsets moved by `base`): the
+/// sampled (or prompt) token is always among `top_logprobs`, as OpenAI and vLLM report it.
+fn completion_logprobs(codec: &dyn TextCodec, entries: &[LoggedToken], base: usize) -> Value {
+    let text = |t: u32| String::from_utf8_lossy(&codec.token_bytes(t)).into_owned();
+    let mut tokens = Vec::with_capacity(entries.len());
+    let mut token_logprobs = Vec::with_capacity(entries.len());
+    let mut top_logprobs = Vec::with_capacity(entries.len());
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for e in entries {
+        tokens.push(Value::String(text(e.lp.token)));
+        text_offset.push(json!(base + e.offset));
+        match e.lp.logprob {
+            None => {
+                token_logprobs.push(Value::Null);
+                top_logprobs.push(Value::Null);
+            }
+            Some(lp) => {
+                token_logprobs.push(lp_json(lp));
+                let mut top = serde_json::Map::new();
+                for &(t, l) in e.lp.top.iter().chain(std::iter::once(&(e.lp.token, lp))) {
+                    // Two tokens may print alike (partial UTF-8); the likelier one keeps the key.
+                    top.entry(text(t)).or_insert_with(|| lp_json(l));
+                }
+                top_logprobs.push(Value::Object(top));
+            }
+        }
+    }
+    json!({
+        "tokens": tokens, "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs, "text_offset": text_offset,
+    })
+}
+
+/// The OpenAI chat `logprobs` object of `entries`.
+fn chat_logprobs(codec: &dyn TextCodec, entries: &[LoggedToken]) -> Value {
+    let item = |t: u32, lp: f32| {
+        let bytes = codec.token_bytes(t);
+        json!({
+            "token": String::from_utf8_lossy(&bytes), "logprob": lp_json(lp), "bytes": bytes,
+        })
+    };
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let lp = e.lp.logprob.unwrap_or(0.0);
+            let mut v = item(e.lp.token, lp);
+            v["top_logprobs"] = e.lp.top.iter().map(|&(t, l)| item(t, l)).collect();
+            v
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
 /// Build one streamed chunk's JSON.
 struct Shape {
     kind: Kind,
@@ -661,15 +871,32 @@ struct Shape {
     include_usage: bool,
     prompt_len: usize,
     started: Instant,
+    codec: Arc<dyn TextCodec>,
+    /// Log-probabilities were asked for.
+    logprobs: bool,
+    /// `echo`: the prompt's text.
+    echo: Option<String>,
 }
 
 impl Shape {
-    fn text_chunk(&self, text: &str, first: bool) -> Value {
+    /// Characters of the echoed prompt (where the completion's text offsets start).
+    fn echo_chars(&self) -> usize {
+        self.echo.as_ref().map_or(0, |e| e.chars().count())
+    }
+    fn chunk_logprobs(&self, entries: &[LoggedToken], base: usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
         match self.kind {
-            Kind::Completions => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": null}]
-            }),
+            Kind::Chat => chat_logprobs(&*self.codec, entries),
+            _ => completion_logprobs(&*self.codec, entries, base),
+        }
+    }
+    /// A chunk of generated text with the log-probabilities of its tokens.
+    fn text_chunk(&self, text: &str, first: bool, entries: &[LoggedToken]) -> Value {
+        let logprobs = self.chunk_logprobs(entries, self.echo_chars());
+        match self.kind {
+            Kind::Completions => self.completion_chunk(text, logprobs),
             Kind::Chat => {
                 let delta = if first {
                     json!({"role": "assistant", "content": text})
@@ -678,11 +905,22 @@ impl Shape {
                 };
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}]
                 })
             }
             Kind::Llama => json!({"content": text, "stop": false}),
         }
+    }
+    fn completion_chunk(&self, text: &str, logprobs: Value) -> Value {
+        json!({
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": null}]
+        })
+    }
+    /// The echoed prompt as the stream's first chunk (with its tokens' log-probabilities).
+    fn echo_chunk(&self, prompt_lp: &[LoggedToken]) -> Option<Value> {
+        let text = self.echo.as_deref()?;
+        Some(self.completion_chunk(text, self.chunk_logprobs(prompt_lp, 0)))
     }
     fn final_chunks(
         &self,
@@ -749,14 +987,33 @@ impl Shape {
     fn whole(&self, o: &Outcome) -> Value {
         let fr = o.finish.openai();
         match self.kind {
-            Kind::Completions => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": o.text, "logprobs": null, "finish_reason": fr}],
-                "usage": usage(o.prompt_tokens, o.completion_tokens)
-            }),
+            Kind::Completions => {
+                let text = match &self.echo {
+                    Some(prompt) => format!("{prompt}{}", o.text),
+                    None => o.text.clone(),
+                };
+                let logprobs = if self.logprobs {
+                    let mut all = completion_logprobs(&*self.codec, &o.prompt_lp, 0);
+                    let gen = completion_logprobs(&*self.codec, &o.lp, self.echo_chars());
+                    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                        if let (Some(a), Some(b)) = (all[key].as_array_mut(), gen[key].as_array()) {
+                            a.extend(b.iter().cloned());
+                        }
+                    }
+                    all
+                } else {
+                    Value::Null
+                };
+                json!({
+                    "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": fr}],
+                    "usage": usage(o.prompt_tokens, o.completion_tokens)
+                })
+            }
             Kind::Chat => json!({
                 "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": null, "finish_reason": fr}],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
+                             "logprobs": self.chunk_logprobs(&o.lp, 0), "finish_reason": fr}],
                 "usage": usage(o.prompt_tokens, o.completion_tokens)
             }),
             Kind::Llama => self.llama_final(
@@ -782,9 +1039,17 @@ struct StreamState {
     first: bool,
     ended: bool,
     backstop: tokio::time::Instant,
+    /// Log-probabilities of the tokens the next text chunk carries.
+    lp: Vec<LoggedToken>,
 }
 
-fn sse_response(s: StreamState) -> Response {
+fn sse_response(mut s: StreamState) -> Response {
+    if !s.shape.logprobs {
+        // Without log-probabilities the echoed prompt needs nothing from the engine.
+        if let Some(c) = s.shape.echo_chunk(&[]) {
+            s.out.push_back(sse(&c));
+        }
+    }
     let stream = futures_util::stream::unfold(s, |mut st| async move {
         loop {
             if let Some(b) = st.out.pop_front() {
@@ -799,8 +1064,15 @@ fn sse_response(s: StreamState) -> Response {
                 Err(_) => Event::Error("the request timed out".into()),
             };
             match ev {
+                Event::PromptLogprobs(v) => {
+                    if let Some(c) = st.shape.echo_chunk(&v) {
+                        st.out.push_back(sse(&c));
+                    }
+                }
+                Event::Logprobs(v) => st.lp.extend(v),
                 Event::Text(t) => {
-                    let c = st.shape.text_chunk(&t, st.first);
+                    let c = st.shape.text_chunk(&t, st.first, &st.lp);
+                    st.lp.clear();
                     st.first = false;
                     st.out.push_back(sse(&c));
                 }
@@ -822,9 +1094,12 @@ fn sse_response(s: StreamState) -> Response {
                     if finish == Finish::Timeout {
                         st.out.push_back(sse(&ApiError::timeout().body()));
                     }
-                    if st.first && st.shape.kind == Kind::Chat {
-                        // Always announce the role once.
-                        st.out.push_back(sse(&st.shape.text_chunk("", true)));
+                    if (st.first && st.shape.kind == Kind::Chat) || !st.lp.is_empty() {
+                        // The role is announced once; tokens with no text of their own still
+                        // report their log-probabilities.
+                        let c = st.shape.text_chunk("", st.first, &st.lp);
+                        st.lp.clear();
+                        st.out.push_back(sse(&c));
                     }
                     for c in st
                         .shape
@@ -870,6 +1145,9 @@ async fn generate(
         include_usage: p.include_usage,
         prompt_len: p.prompt.len(),
         started: Instant::now(),
+        codec: app.codec.clone(),
+        logprobs: p.logprobs.is_some(),
+        echo: p.echo,
     };
     if p.stream {
         Ok(sse_response(StreamState {
@@ -880,6 +1158,7 @@ async fn generate(
             first: true,
             ended: false,
             backstop: tokio::time::Instant::from_std(deadline) + Duration::from_secs(5),
+            lp: Vec::new(),
         }))
     } else {
         let o = collect(rx, deadline).await?;

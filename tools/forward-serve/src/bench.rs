@@ -116,6 +116,9 @@ fn submit(
         events: etx,
         speculate: None,
         ignore_eos: true,
+        logprobs: None,
+        prompt_logprobs: false,
+        adjust: Default::default(),
     };
     metrics
         .queue_depth
@@ -129,7 +132,7 @@ fn submit(
 fn drain(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<usize, BenchError> {
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            Event::Text(_) => {}
+            Event::Text(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) => {}
             Event::Done {
                 completion_tokens, ..
             } => return Ok(completion_tokens),

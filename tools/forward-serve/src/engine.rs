@@ -11,7 +11,8 @@
 
 use std::sync::Arc;
 
-pub use xdna::model::sampling::{Sampler, SamplingConfig, SamplingError};
+pub use xdna::model::logprobs::TokenLogprob;
+pub use xdna::model::sampling::{LogitAdjustments, Sampler, SamplingConfig, SamplingError};
 pub use xdna::model::text::{StopFilter, Utf8Stream};
 
 /// One sequence's handle inside an [`Engine`].
@@ -39,6 +40,42 @@ pub enum EngineError {
 
 pub use xdna::weights::ChatMessage;
 
+/// A description of the served model, as the Ollama routes list it.
+#[derive(Clone, Debug)]
+pub struct ModelDetails {
+    /// Architecture (`llama`, `qwen3`, ...).
+    pub family: String,
+    /// Container of the weights (`q4nx`, `gguf`).
+    pub format: String,
+    /// Bytes of the weights file.
+    pub size_bytes: u64,
+    /// Parameter count in words (`135M`), empty when unknown.
+    pub parameter_size: String,
+    /// Weight type of the projections (`Q4_1`), empty when unknown.
+    pub quantization: String,
+    /// A content digest of the weights (`sha256:…`), empty when not computed.
+    pub digest: String,
+    /// The weights file's modification time.
+    pub modified: std::time::SystemTime,
+    /// The chat template's source.
+    pub chat_template: Option<String>,
+}
+
+impl Default for ModelDetails {
+    fn default() -> Self {
+        ModelDetails {
+            family: "unknown".into(),
+            format: String::new(),
+            size_bytes: 0,
+            parameter_size: String::new(),
+            quantization: String::new(),
+            digest: String::new(),
+            modified: std::time::UNIX_EPOCH,
+            chat_template: None,
+        }
+    }
+}
+
 /// Text side of a model: shared by the HTTP handlers and the engine thread.
 pub trait TextCodec: Send + Sync {
     /// The model id reported by `/v1/models` and in responses.
@@ -59,6 +96,10 @@ pub trait TextCodec: Send + Sync {
     fn token_bytes(&self, id: u32) -> Vec<u8>;
     /// Render a chat into the prompt text (template with the generation prompt appended).
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
+    /// What `/api/tags` and `/api/show` say about the model.
+    fn details(&self) -> ModelDetails {
+        ModelDetails::default()
+    }
     /// Decode ids to text (invalid UTF-8 becomes U+FFFD).
     fn detokenize(&self, ids: &[u32]) -> String {
         let mut u = Utf8Stream::default();
@@ -78,6 +119,32 @@ pub const MAX_STEP_ROWS: usize = xdna::model::MAX_VERIFY_ROWS;
 /// prefill pass).
 pub const PREFILL_CHUNK: usize = xdna::model::MAX_PREFILL_ROWS;
 
+/// One prompt chunk of one sequence for [`Engine::prefill`].
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillItem<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The chunk's tokens (the sequence's next positions).
+    pub tokens: &'a [u32],
+    /// The chunk ends the prompt: its last row predicts the first new token.
+    pub last: bool,
+    /// Every row's logits are wanted (an echoed prompt's log-probabilities).
+    pub all_rows: bool,
+}
+
+impl PrefillItem<'_> {
+    /// The first row whose logits the sink gets (`usize::MAX`: none).
+    pub fn first_logit_row(&self) -> usize {
+        if self.all_rows {
+            0
+        } else if self.last {
+            self.tokens.len().saturating_sub(1)
+        } else {
+            usize::MAX
+        }
+    }
+}
+
 /// Compute side of a model: lives on the engine thread only.
 pub trait Engine {
     /// How many sequences can be resident at once (the scheduler admits at most this many).
@@ -85,26 +152,26 @@ pub trait Engine {
     /// Start an empty sequence (its state is allocated here and freed by [`Engine::release`]).
     fn new_sequence(&mut self) -> Result<SeqId, EngineError>;
     /// Feed one chunk (≤ [`PREFILL_CHUNK`] tokens) of a sequence's prompt; the chunk is committed.
-    /// When `last`, `sink` gets the logits predicting the first new token.
+    /// `sink(row, logits)` gets the logits of every row when `item.all_rows` (row `j` predicts
+    /// the token after input `j`: the log-probabilities of an echoed prompt), else of the last
+    /// row only when `item.last` (predicting the first new token).
     fn prefill(
         &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        last: bool,
-        sink: &mut dyn FnMut(&[f32]),
+        item: &PrefillItem<'_>,
+        sink: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), EngineError>;
     /// Feed one prompt chunk each of several distinct sequences (≤ [`PREFILL_CHUNK`] tokens in
-    /// all), committed; `sink(i, logits)` gets the logits predicting item `i`'s first new token
-    /// when its `last` is set. The model engine runs them in ONE pass (one sweep over the weights
-    /// instead of one per prompt); this default feeds them one at a time. On failure the items are
-    /// to be failed by the caller (earlier ones may have been fed).
+    /// all), committed; `sink(i, row, logits)` gets item `i`'s rows as [`Engine::prefill`] says.
+    /// The model engine runs them in ONE pass (one sweep over the weights instead of one per
+    /// prompt); this default feeds them one at a time. On failure the items are to be failed by
+    /// the caller (earlier ones may have been fed).
     fn prefill_many(
         &mut self,
-        items: &[(SeqId, &[u32], bool)],
-        sink: &mut dyn FnMut(usize, &[f32]),
+        items: &[PrefillItem<'_>],
+        sink: &mut dyn FnMut(usize, usize, &[f32]),
     ) -> Result<(), EngineError> {
-        for (i, &(seq, tokens, last)) in items.iter().enumerate() {
-            self.prefill(seq, tokens, last, &mut |l| sink(i, l))?;
+        for (i, item) in items.iter().enumerate() {
+            self.prefill(item, &mut |row, l| sink(i, row, l))?;
         }
         Ok(())
     }
@@ -184,6 +251,23 @@ impl TextCodec for PackageCodec {
     }
     fn token_bytes(&self, id: u32) -> Vec<u8> {
         self.pkg.tokenizer().token_bytes(id).to_vec()
+    }
+    fn details(&self) -> ModelDetails {
+        let weights = self.pkg.dir().join("model.q4nx");
+        let meta = std::fs::metadata(&weights).ok();
+        let config = self.pkg.config();
+        ModelDetails {
+            family: config.model_type.clone(),
+            format: "q4nx".into(),
+            size_bytes: meta.as_ref().map_or(0, std::fs::Metadata::len),
+            parameter_size: String::new(),
+            quantization: String::new(),
+            digest: String::new(),
+            modified: meta
+                .and_then(|m| m.modified().ok())
+                .unwrap_or(std::time::UNIX_EPOCH),
+            chat_template: self.pkg.chat_template().map(str::to_string),
+        }
     }
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
         // The client sees the template's message, not the server's package path.
@@ -270,21 +354,17 @@ impl Engine for ModelEngine {
     }
     fn prefill(
         &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        last: bool,
-        sink: &mut dyn FnMut(&[f32]),
+        item: &PrefillItem<'_>,
+        sink: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), EngineError> {
+        let seq = item.seq;
         let mut state = self.seqs.remove(&seq).ok_or(EngineError::NoSequence(seq))?;
-        // Only the chunk's last row is wanted (and only for the prompt's last chunk).
-        let first_logit_row = if last {
-            tokens.len().saturating_sub(1)
-        } else {
-            usize::MAX
-        };
-        let r = self
-            .model
-            .prefill_sequence(&mut state, tokens, first_logit_row, &mut |_, l| sink(l));
+        let r = self.model.prefill_sequence(
+            &mut state,
+            item.tokens,
+            item.first_logit_row(),
+            &mut |row, l| sink(row, l),
+        );
         if r.is_err() {
             // The failed chunk left the committed state untouched; acknowledge it.
             state.recover();
@@ -294,18 +374,28 @@ impl Engine for ModelEngine {
     }
     fn prefill_many(
         &mut self,
-        items: &[(SeqId, &[u32], bool)],
-        sink: &mut dyn FnMut(usize, &[f32]),
+        items: &[PrefillItem<'_>],
+        sink: &mut dyn FnMut(usize, usize, &[f32]),
     ) -> Result<(), EngineError> {
-        self.with_states(items.iter().map(|item| item.0), |model, states| {
+        // A chunk whose every row is wanted runs alone (the batched pass hands back each
+        // sequence's last row only); the others share one pass.
+        for (i, item) in items.iter().enumerate().filter(|(_, it)| it.all_rows) {
+            self.prefill(item, &mut |row, l| sink(i, row, l))?;
+        }
+        let shared: Vec<usize> = (0..items.len()).filter(|&i| !items[i].all_rows).collect();
+        if shared.is_empty() {
+            return Ok(());
+        }
+        self.with_states(shared.iter().map(|&i| items[i].seq), |model, states| {
             let mut batch: Vec<(&mut SequenceState, &[u32])> = states
                 .iter_mut()
-                .zip(items)
-                .map(|(state, &(_, toks, _))| (state, toks))
+                .zip(&shared)
+                .map(|(state, &i)| (state, items[i].tokens))
                 .collect();
-            model.prefill_sequences(&mut batch, &mut |i, l| {
-                if items[i].2 {
-                    sink(i, l)
+            model.prefill_sequences(&mut batch, &mut |k, l| {
+                let item = &items[shared[k]];
+                if item.last {
+                    sink(shared[k], item.tokens.len() - 1, l)
                 }
             })
         })

@@ -2,11 +2,12 @@
 //!
 //! Vocabulary: the 256 byte values plus EOS (id 256). The tokenizer maps bytes to ids. The "model"
 //! continues a prompt `p` (as bytes) with `upper(p[k % len])` for k = 0, 1, ...; when that byte is `.`
-//! it emits EOS instead. So the expected completion of a prompt is a pure function of the prompt
+//! it emits EOS instead; inside a prompt it predicts that each byte repeats (the rows an echoed
+//! prompt's log-probabilities come from). So the expected completion of a prompt is a pure function of the prompt
 //! ([`expected_text`]), which is what the concurrency tests check.
 
 use super::engine::{
-    ChatMessage, Engine, EngineError, SeqId, TextCodec, MAX_STEP_ROWS, PREFILL_CHUNK,
+    ChatMessage, Engine, EngineError, PrefillItem, SeqId, TextCodec, MAX_STEP_ROWS, PREFILL_CHUNK,
 };
 use std::collections::HashMap;
 use std::time::Duration;
@@ -162,14 +163,13 @@ impl Engine for FakeEngine {
     }
     fn prefill(
         &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        last: bool,
-        sink: &mut dyn FnMut(&[f32]),
+        item: &PrefillItem<'_>,
+        sink: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), EngineError> {
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
         }
+        let (seq, tokens) = (item.seq, item.tokens);
         let s = self
             .seqs
             .get_mut(&seq)
@@ -185,9 +185,17 @@ impl Engine for FakeEngine {
         }
         s.prompt.extend(tokens.iter().map(|&t| t as u8));
         s.position += tokens.len();
-        if last {
-            self.fill(seq, 0)?;
-            sink(&self.logits);
+        let last_row = tokens.len() - 1;
+        for (row, &t) in tokens.iter().enumerate() {
+            if item.last && row == last_row {
+                self.fill(seq, 0)?;
+                sink(row, &self.logits);
+            } else if item.all_rows {
+                // Inside the prompt the fake predicts that a byte repeats.
+                self.logits.iter_mut().for_each(|l| *l = 0.0);
+                self.logits[t as usize] = 50.0;
+                sink(row, &self.logits);
+            }
         }
         Ok(())
     }

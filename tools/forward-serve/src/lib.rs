@@ -10,6 +10,8 @@ pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod fake;
+pub mod fields;
 pub mod metrics;
+pub mod ollama;
 pub mod scheduler;
 pub mod server;

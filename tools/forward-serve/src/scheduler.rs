@@ -15,10 +15,11 @@
 //! 5. retirement of finished sequences (their engine state is released).
 
 use super::engine::{
-    Engine, EngineError, Sampler, SamplingConfig, SamplingError, SeqId, StopFilter, TextCodec,
-    Utf8Stream, MAX_STEP_ROWS, PREFILL_CHUNK,
+    Engine, EngineError, LogitAdjustments, PrefillItem, Sampler, SamplingConfig, SamplingError,
+    SeqId, StopFilter, TextCodec, TokenLogprob, Utf8Stream, MAX_STEP_ROWS, PREFILL_CHUNK,
 };
 use super::metrics::Metrics;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,9 +52,26 @@ impl Finish {
     }
 }
 
+/// A token's log-probability and where its text starts: in characters from the start of the
+/// completion (generated tokens) or of the prompt's text (prompt tokens).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoggedToken {
+    /// The token, its log-probability and the top alternatives.
+    pub lp: TokenLogprob,
+    /// Characters of text before this token's.
+    pub offset: usize,
+}
+
 /// What the engine thread sends back to a request.
 #[derive(Debug)]
 pub enum Event {
+    /// The prompt's tokens with their log-probabilities (asked for by `prompt_logprobs`; the
+    /// first token has none), once, before anything generated.
+    PromptLogprobs(Vec<LoggedToken>),
+    /// The generated tokens whose text starts in the [`Event::Text`] that follows (or, just
+    /// before [`Event::Done`], in text already sent, and an EOS); asked for by `logprobs`.
+    /// Tokens of a stop string (never shown) are not reported.
+    Logprobs(Vec<LoggedToken>),
     /// A piece of text (never empty).
     Text(String),
     /// The generation ended.
@@ -99,6 +117,14 @@ pub struct GenRequest {
     pub speculate: Option<usize>,
     /// Keep generating past EOS (fixed-length streams for `forward-serve --bench`).
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability with this many top alternatives.
+    pub logprobs: Option<usize>,
+    /// Report the prompt's log-probabilities (an echoed prompt), with as many alternatives as
+    /// `logprobs` says (0 when it is `None`).
+    pub prompt_logprobs: bool,
+    /// Logit bias and presence/frequency penalties, applied before sampling. A request with any
+    /// decodes plainly (its speculation is off).
+    pub adjust: LogitAdjustments,
 }
 
 /// Shared switches between the HTTP side and the engine thread.
@@ -123,6 +149,68 @@ struct Active {
     pending: Option<u32>,
     done: bool,
     spec: Option<Speculation>,
+    /// How often each token was generated (for presence/frequency penalties).
+    counts: HashMap<u32, u32>,
+    /// Log-probabilities of tokens whose text has not been shown yet.
+    held: Vec<LoggedToken>,
+    /// Characters the generated tokens decoded to, and how many of them were sent.
+    raw_chars: usize,
+    shown_chars: usize,
+    /// An echoed prompt's log-probabilities, gathered over its chunks.
+    prompt_lp: Vec<LoggedToken>,
+}
+
+/// What one logit row of a sequence is turned into: its sampler, the request's logit
+/// adjustments and log-probability settings. Borrowed field by field from an [`Active`].
+struct RowSampler<'a> {
+    sampler: &'a mut Sampler,
+    req: &'a GenRequest,
+    counts: &'a HashMap<u32, u32>,
+    adjusted: Vec<f32>,
+}
+
+impl RowSampler<'_> {
+    /// The next token from `logits` (after the request's adjustments) and, when asked for, its
+    /// log-probability under the raw logits.
+    fn sample(&mut self, logits: &[f32]) -> (Result<u32, SamplingError>, Option<TokenLogprob>) {
+        let token = if self.req.adjust.is_empty() {
+            self.sampler.sample(logits)
+        } else {
+            self.adjusted.clear();
+            self.adjusted.extend_from_slice(logits);
+            self.req.adjust.apply(&mut self.adjusted, self.counts);
+            self.sampler.sample(&self.adjusted)
+        };
+        let lp = match (&token, self.req.logprobs) {
+            (Ok(t), Some(k)) => Some(xdna::model::logprobs::token_logprob(logits, *t, k)),
+            _ => None,
+        };
+        (token, lp)
+    }
+}
+
+/// Row samplers for the active sequences at `indices` (ascending, distinct), in that order.
+fn row_samplers<'a>(active: &'a mut [Active], indices: &[usize]) -> Vec<RowSampler<'a>> {
+    let mut out = Vec::with_capacity(indices.len());
+    let mut want = indices.iter().peekable();
+    for (i, a) in active.iter_mut().enumerate() {
+        if want.peek() == Some(&&i) {
+            want.next();
+            let Active {
+                sampler,
+                req,
+                counts,
+                ..
+            } = a;
+            out.push(RowSampler {
+                sampler,
+                req,
+                counts,
+                adjusted: Vec::new(),
+            });
+        }
+    }
+    out
 }
 
 /// A speculating sequence's drafter state.
@@ -268,9 +356,10 @@ pub fn run(
     }
 }
 
-/// Feed the chunks `picks` (`(index into active, end of the chunk)`, distinct sequences, ≤
-/// [`PREFILL_CHUNK`] tokens in all) in one engine pass; a chunk that ends its prompt samples the
-/// first token. A failed pass fails every request in it.
+/// Feed the chunks `picks` (`(index into active, end of the chunk)`, ascending, distinct
+/// sequences, ≤ [`PREFILL_CHUNK`] tokens in all) in one engine pass; a chunk that ends its prompt
+/// samples the first token (unless `max_tokens` is 0), and an echoed prompt's rows give its
+/// log-probabilities. A failed pass fails every request in it.
 fn prefill_together(
     engine: &mut dyn Engine,
     codec: &dyn TextCodec,
@@ -288,15 +377,45 @@ fn prefill_together(
         tokens.extend_from_slice(&a.req.prompt[a.fed..end]);
         bounds.push((start, tokens.len(), end == a.req.prompt.len()));
     }
-    let items: Vec<(SeqId, &[u32], bool)> = picks
+    let items: Vec<PrefillItem<'_>> = picks
         .iter()
         .zip(&bounds)
-        .map(|(&(i, _), &(s, e, last))| (active[i].seq, &tokens[s..e], last))
+        .map(|(&(i, _), &(s, e, last))| PrefillItem {
+            seq: active[i].seq,
+            tokens: &tokens[s..e],
+            last: last && active[i].req.max_tokens > 0,
+            all_rows: active[i].req.prompt_logprobs,
+        })
         .collect();
-    let mut firsts: Vec<Option<Result<u32, SamplingError>>> = vec![None; picks.len()];
-    let res = engine.prefill_many(&items, &mut |k, logits| {
-        firsts[k] = Some(active[picks[k].0].sampler.sample(logits))
-    });
+    // Per pick: the prompt (for the token each row predicts) and where its chunk starts.
+    let prompts: Vec<(Vec<u32>, usize)> = picks
+        .iter()
+        .map(|&(i, _)| {
+            let a = &active[i];
+            if a.req.prompt_logprobs {
+                (a.req.prompt.clone(), a.fed)
+            } else {
+                (Vec::new(), a.fed)
+            }
+        })
+        .collect();
+    let indices: Vec<usize> = picks.iter().map(|&(i, _)| i).collect();
+    type First = Option<(Result<u32, SamplingError>, Option<TokenLogprob>)>;
+    let mut firsts: Vec<First> = vec![None; picks.len()];
+    let mut prompt_lps: Vec<Vec<TokenLogprob>> = vec![Vec::new(); picks.len()];
+    let res = {
+        let mut rows = row_samplers(active, &indices);
+        engine.prefill_many(&items, &mut |k, row, logits| {
+            let (prompt, fed) = &prompts[k];
+            let item = &items[k];
+            if item.last && row + 1 == item.tokens.len() {
+                firsts[k] = Some(rows[k].sample(logits));
+            } else if let Some(&next) = prompt.get(fed + row + 1) {
+                let top = rows[k].req.logprobs.unwrap_or(0);
+                prompt_lps[k].push(xdna::model::logprobs::token_logprob(logits, next, top));
+            }
+        })
+    };
     match res {
         Ok(()) => {
             for (k, &(i, end)) in picks.iter().enumerate() {
@@ -305,15 +424,35 @@ fn prefill_together(
                     .prompt_tokens
                     .fetch_add((end - a.fed) as u64, Relaxed);
                 a.fed = end;
-                if bounds[k].2 {
-                    match &firsts[k] {
-                        Some(Ok(t)) => {
-                            let pos = engine.position(a.seq);
-                            take_token(a, *t, codec, pos, metrics, scratch);
-                        }
-                        Some(Err(e)) => fail(a, &format!("sampling: {e}"), metrics),
-                        None => fail(a, "engine returned no logits for the prompt", metrics),
+                if a.req.prompt_logprobs {
+                    let offsets = prompt_offsets(codec, &a.req.prompt);
+                    let base = a.prompt_lp.len();
+                    for (j, lp) in std::mem::take(&mut prompt_lps[k]).into_iter().enumerate() {
+                        let offset = offsets.get(base + j).copied().unwrap_or(0);
+                        a.prompt_lp.push(LoggedToken { lp, offset });
                     }
+                }
+                if !bounds[k].2 {
+                    continue;
+                }
+                if a.req.prompt_logprobs {
+                    let _ = a
+                        .req
+                        .events
+                        .send(Event::PromptLogprobs(std::mem::take(&mut a.prompt_lp)));
+                }
+                if a.req.max_tokens == 0 {
+                    a.pending = None;
+                    emit_finish(a, Finish::Length, false, metrics, scratch);
+                    continue;
+                }
+                match firsts[k].take() {
+                    Some((Ok(t), lp)) => {
+                        let pos = engine.position(a.seq);
+                        take_token(a, t, lp, codec, pos, metrics, scratch);
+                    }
+                    Some((Err(e), _)) => fail(a, &format!("sampling: {e}"), metrics),
+                    None => fail(a, "engine returned no logits for the prompt", metrics),
                 }
             }
         }
@@ -327,6 +466,24 @@ fn prefill_together(
             }
         }
     }
+}
+
+/// Where each prompt token's text starts, in characters of the decoded prompt; the first token's
+/// entry (which no row predicts) is included, so index `j` belongs to `prompt[j]`.
+fn prompt_offsets(codec: &dyn TextCodec, prompt: &[u32]) -> Vec<usize> {
+    let mut utf8 = Utf8Stream::default();
+    let mut text = String::new();
+    let mut chars = 0;
+    prompt
+        .iter()
+        .map(|&t| {
+            let at = chars;
+            text.clear();
+            utf8.push(&codec.token_bytes(t), &mut text);
+            chars += text.chars().count();
+            at
+        })
+        .collect()
 }
 
 /// How many drafts each generating sequence may carry this pass: one row each for the pending
@@ -390,7 +547,7 @@ fn decode_turn(
     let rows: usize = batch.iter().map(|(_, t)| t.len()).sum();
     let t0 = Instant::now();
     // Per segment: the token sampled from row 0 (plain rows), or every row's logits (drafting).
-    type Sampled = Option<Result<u32, SamplingError>>;
+    type Sampled = Option<(Result<u32, SamplingError>, Option<TokenLogprob>)>;
     let mut outs: Vec<(Sampled, Vec<f32>)> = segments
         .iter()
         .map(|s| {
@@ -405,16 +562,8 @@ fn decode_turn(
         })
         .collect();
     let res = {
-        let mut samplers: Vec<&mut Sampler> = Vec::with_capacity(segments.len());
-        let mut it = active.iter_mut().enumerate();
-        for s in &segments {
-            for (i, a) in it.by_ref() {
-                if i == s.active {
-                    samplers.push(&mut a.sampler);
-                    break;
-                }
-            }
-        }
+        let indices: Vec<usize> = segments.iter().map(|s| s.active).collect();
+        let mut samplers = row_samplers(active, &indices);
         let drafting: Vec<bool> = segments.iter().map(|s| s.tokens.len() > 1).collect();
         engine.step(&batch, &mut |g, j, logits| {
             if g >= outs.len() {
@@ -445,9 +594,9 @@ fn decode_turn(
         let a = &mut active[s.active];
         let before = engine.position(a.seq);
         if s.tokens.len() == 1 {
-            let t = match sampled {
-                Some(Ok(t)) => t,
-                Some(Err(e)) => {
+            let (t, lp) = match sampled {
+                Some((Ok(t), lp)) => (t, lp),
+                Some((Err(e), _)) => {
                     fail(a, &format!("sampling: {e}"), metrics);
                     continue;
                 }
@@ -463,7 +612,7 @@ fn decode_turn(
             if let Some(sp) = a.spec.as_mut() {
                 sp.context.push(t);
             }
-            take_token(a, t, codec, before + 1, metrics, scratch);
+            take_token(a, t, lp, codec, before + 1, metrics, scratch);
             continue;
         }
         // A speculative round: the acceptance rule over the pending row and the drafts.
@@ -506,7 +655,13 @@ fn decode_turn(
             }
         }
         for (i, &t) in decision.emitted.iter().enumerate() {
-            take_token(a, t, codec, before + i + 1, metrics, scratch);
+            // Row i's logits predicted emitted token i (accepted drafts, then the correction).
+            let lp = a.req.logprobs.and_then(|k| {
+                logits
+                    .get(i * vocab..(i + 1) * vocab)
+                    .map(|row| xdna::model::logprobs::token_logprob(row, t, k))
+            });
+            take_token(a, t, lp, codec, before + i + 1, metrics, scratch);
             if a.done {
                 break;
             }
@@ -570,8 +725,10 @@ fn admit(
         }
     };
     let rule = AcceptanceRule::for_sampling(&req.sampling);
+    // Adjusted logits change from row to row with the tokens before them; such a request decodes
+    // plainly.
     let spec = match req.speculate {
-        Some(k) if k > 0 => {
+        Some(k) if k > 0 && req.adjust.is_empty() => {
             let config = NgramConfig {
                 max_drafts: k.min(MAX_STEP_ROWS - 1),
                 ..NgramConfig::default()
@@ -603,6 +760,22 @@ fn admit(
         pending: None,
         done: false,
         spec,
+        counts: HashMap::new(),
+        held: Vec::new(),
+        raw_chars: 0,
+        shown_chars: 0,
+        prompt_lp: match req.prompt.first() {
+            // Nothing predicts the prompt's first token.
+            Some(&t) if req.prompt_logprobs => vec![LoggedToken {
+                lp: TokenLogprob {
+                    token: t,
+                    logprob: None,
+                    top: Vec::new(),
+                },
+                offset: 0,
+            }],
+            _ => Vec::new(),
+        },
         req,
     })
 }
@@ -613,27 +786,44 @@ fn fail(a: &mut Active, msg: &str, _metrics: &Metrics) {
     let _ = a.req.events.send(Event::Error(msg.to_string()));
 }
 
-/// Handle a freshly sampled token; `pos` = the sequence's committed positions.
+/// Handle a freshly sampled token (with its log-probability when the request asked for them);
+/// `pos` = the sequence's committed positions.
 fn take_token(
     a: &mut Active,
     t: u32,
+    lp: Option<TokenLogprob>,
     codec: &dyn TextCodec,
     pos: usize,
     metrics: &Metrics,
     scratch: &mut String,
 ) {
     if !a.req.ignore_eos && codec.eos_ids().contains(&t) {
+        // EOS shows no text, but it was generated: scoring clients count on its entry.
+        if let Some(lp) = lp {
+            a.held.push(LoggedToken {
+                lp,
+                offset: a.raw_chars,
+            });
+        }
         a.pending = None;
         emit_finish(a, Finish::Stop, true, metrics, scratch);
         return;
     }
     a.generated += 1;
+    *a.counts.entry(t).or_insert(0) += 1;
     metrics.generated_tokens.fetch_add(1, Relaxed);
     scratch.clear();
     a.utf8.push(&codec.token_bytes(t), scratch);
+    if let Some(lp) = lp {
+        a.held.push(LoggedToken {
+            lp,
+            offset: a.raw_chars,
+        });
+    }
+    a.raw_chars += scratch.chars().count();
     let shown = a.stops.push(scratch);
     if !shown.is_empty() {
-        let _ = a.req.events.send(Event::Text(shown));
+        show(a, shown);
     }
     if a.stops.stopped() {
         a.pending = None;
@@ -643,6 +833,23 @@ fn take_token(
         emit_finish(a, Finish::Length, false, metrics, scratch);
     } else {
         a.pending = Some(t);
+    }
+}
+
+/// Send `text` (non-empty), preceded by the log-probabilities of the tokens whose text now
+/// starts in what was shown.
+fn show(a: &mut Active, text: String) {
+    a.shown_chars += text.chars().count();
+    release_logprobs(a);
+    let _ = a.req.events.send(Event::Text(text));
+}
+
+/// Send the held log-probabilities of tokens whose text starts before the shown end.
+fn release_logprobs(a: &mut Active) {
+    let ready = a.held.partition_point(|l| l.offset < a.shown_chars);
+    if ready > 0 {
+        let out: Vec<LoggedToken> = a.held.drain(..ready).collect();
+        let _ = a.req.events.send(Event::Logprobs(out));
     }
 }
 
@@ -660,7 +867,8 @@ fn finish(a: &mut Active, why: Finish, metrics: &Metrics, scratch: &mut String) 
     emit_finish(a, why, false, metrics, scratch);
 }
 
-/// Flush held text (unless a stop string matched) and send `Done`.
+/// Flush held text (unless a stop string matched) and send `Done`. Log-probabilities of tokens
+/// whose text was never shown (a stop string's) are dropped.
 fn emit_finish(a: &mut Active, why: Finish, eos: bool, _metrics: &Metrics, scratch: &mut String) {
     a.done = true;
     if !a.stops.stopped() {
@@ -671,9 +879,15 @@ fn emit_finish(a: &mut Active, why: Finish, eos: bool, _metrics: &Metrics, scrat
             tail.push_str(&a.stops.finish());
         }
         if !tail.is_empty() {
-            let _ = a.req.events.send(Event::Text(tail));
+            show(a, tail);
         }
     }
+    if !a.stops.stopped() {
+        // Everything decoded was shown; tokens with no text of their own go too.
+        a.shown_chars = usize::MAX;
+    }
+    release_logprobs(a);
+    a.held.clear();
     let _ = a.req.events.send(Event::Done {
         finish: if a.stops.stopped() { Finish::Stop } else { why },
         prompt_tokens: a.req.prompt.len(),

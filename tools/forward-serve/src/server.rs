@@ -3,6 +3,7 @@
 use super::api::{self, App, Config};
 use super::engine::Loaded;
 use super::metrics::Metrics;
+use super::ollama;
 use super::scheduler::{self, Control};
 use axum::routing::{get, post};
 use axum::Router;
@@ -23,7 +24,8 @@ pub enum ServeError {
     EngineStuck,
 }
 
-/// Every route of the API (OpenAI, llama.cpp `/completion`, health, metrics, tokenizer), with
+/// Every route of the API (OpenAI, llama.cpp `/completion`, Ollama `/api/*`, health, metrics,
+/// tokenizer), with
 /// the request counter around them.
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
@@ -35,6 +37,11 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(api::metrics))
         .route("/tokenize", post(api::tokenize))
         .route("/detokenize", post(api::detokenize))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/show", post(ollama::show))
+        .route("/api/version", get(ollama::version))
         .fallback(api::fallback)
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),

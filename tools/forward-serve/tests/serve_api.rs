@@ -3,92 +3,11 @@
 mod serve_common;
 
 use forward_serve::api::Config;
-use forward_serve::engine::{ChatMessage, Loaded};
-use forward_serve::fake::{chat_text, expected_text, FakeCodec, FakeEngine};
+use forward_serve::engine::ChatMessage;
+use forward_serve::fake::{chat_text, expected_text};
 use serde_json::{json, Value};
 use serve_common::*;
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-struct TestServer {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    join: tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
-}
-
-impl TestServer {
-    async fn start(cfg: Config, ctx: usize, delay: Duration) -> TestServer {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let loaded = Loaded {
-            codec: Arc::new(FakeCodec::new(ctx)),
-            engine: Box::new(FakeEngine::new(cfg.max_batch, delay)),
-        };
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let join = tokio::spawn(forward_serve::server::run(
-            listener,
-            cfg,
-            loaded,
-            async move {
-                let _ = rx.await;
-            },
-        ));
-        TestServer {
-            addr,
-            stop: Some(tx),
-            join,
-        }
-    }
-    async fn default() -> TestServer {
-        TestServer::start(small_cfg(), 256, Duration::ZERO).await
-    }
-    async fn stop(mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        let r = tokio::time::timeout(Duration::from_secs(20), &mut self.join).await;
-        match r {
-            Ok(Ok(Ok(()))) => {}
-            other => panic!("server did not stop cleanly: {other:?}"),
-        }
-    }
-    async fn metrics(&self) -> String {
-        get(self.addr, "/metrics").await.text()
-    }
-}
-
-fn small_cfg() -> Config {
-    Config {
-        max_queue: 8,
-        max_batch: 4,
-        request_timeout: Duration::from_secs(30),
-        max_tokens_limit: 100,
-        body_limit: 4096,
-        shutdown_grace: Duration::from_secs(5),
-        speculate: None,
-    }
-}
-
-fn err_of(r: &Resp) -> Value {
-    let v = r.json();
-    let e = v.get("error").cloned().unwrap_or(Value::Null);
-    assert!(
-        e.get("message").and_then(Value::as_str).is_some(),
-        "error body without message: {v}"
-    );
-    assert!(
-        e.get("type").and_then(Value::as_str).is_some(),
-        "error body without type: {v}"
-    );
-    assert!(
-        e.get("param").is_some() && e.get("code").is_some(),
-        "error body without param/code: {v}"
-    );
-    e
-}
 
 /// Concatenate the text of an OpenAI SSE stream; returns (text, finish_reason, saw [DONE]).
 fn join_stream(events: &[String], chat: bool) -> (String, Option<String>, bool) {
@@ -484,7 +403,7 @@ async fn bad_input_is_4xx_with_openai_error() {
             "/v1/chat/completions",
             json!({"prompt": "hi"}).to_string(),
             400,
-            Some("messages"),
+            Some("prompt"),
         ),
         (
             "/v1/chat/completions",

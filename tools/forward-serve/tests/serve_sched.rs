@@ -3,7 +3,7 @@
 //! running streams between chunks (a long prompt does not starve them); all generating sequences
 //! share one pass; states are released when requests end.
 
-use forward_serve::engine::{Engine, EngineError, SamplingConfig, SeqId};
+use forward_serve::engine::{Engine, EngineError, PrefillItem, SamplingConfig, SeqId};
 use forward_serve::fake::{expected_text, FakeCodec, FakeEngine};
 use forward_serve::metrics::Metrics;
 use forward_serve::scheduler::{self, Control, Event, GenRequest};
@@ -33,16 +33,14 @@ impl Engine for Recording {
     }
     fn prefill(
         &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        last: bool,
-        sink: &mut dyn FnMut(&[f32]),
+        item: &PrefillItem<'_>,
+        sink: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), EngineError> {
         self.log.lock().unwrap().push(Op::Prefill {
-            seq,
-            tokens: tokens.len(),
+            seq: item.seq,
+            tokens: item.tokens.len(),
         });
-        self.inner.prefill(seq, tokens, last, sink)
+        self.inner.prefill(item, sink)
     }
     fn step(
         &mut self,
@@ -85,6 +83,9 @@ fn request(prompt: &str, max_tokens: usize) -> (GenRequest, mpsc::UnboundedRecei
             events: tx,
             speculate: None,
             ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: false,
+            adjust: Default::default(),
         },
         rx,
     )
@@ -96,6 +97,7 @@ fn text_of(rx: &mut mpsc::UnboundedReceiver<Event>) -> String {
         match ev {
             Event::Text(t) => s.push_str(&t),
             Event::Done { .. } => return s,
+            Event::Logprobs(_) | Event::PromptLogprobs(_) => {}
             Event::Error(e) => panic!("engine error: {e}"),
         }
     }

@@ -1,7 +1,13 @@
-//! A tiny HTTP/1.1 client over loopback TCP for the server tests (no client crate needed).
+//! A tiny HTTP/1.1 client over loopback TCP for the server tests (no client crate needed), and a
+//! server over the fake engine.
 #![allow(dead_code)]
 
+use forward_serve::api::Config;
+use forward_serve::engine::Loaded;
+use forward_serve::fake::{FakeCodec, FakeEngine};
+use serde_json::Value;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -172,4 +178,84 @@ pub fn metric(body: &str, name: &str) -> Option<f64> {
             .and_then(|r| r.strip_prefix(' '))
             .and_then(|v| v.trim().parse().ok())
     })
+}
+
+/// forward-serve over the fake engine on a loopback port.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    join: tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
+}
+
+impl TestServer {
+    pub async fn start(cfg: Config, ctx: usize, delay: Duration) -> TestServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let loaded = Loaded {
+            codec: Arc::new(FakeCodec::new(ctx)),
+            engine: Box::new(FakeEngine::new(cfg.max_batch, delay)),
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let join = tokio::spawn(forward_serve::server::run(
+            listener,
+            cfg,
+            loaded,
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        TestServer {
+            addr,
+            stop: Some(tx),
+            join,
+        }
+    }
+    pub async fn default() -> TestServer {
+        TestServer::start(small_cfg(), 256, Duration::ZERO).await
+    }
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let r = tokio::time::timeout(Duration::from_secs(20), &mut self.join).await;
+        match r {
+            Ok(Ok(Ok(()))) => {}
+            other => panic!("server did not stop cleanly: {other:?}"),
+        }
+    }
+    pub async fn metrics(&self) -> String {
+        get(self.addr, "/metrics").await.text()
+    }
+}
+
+pub fn small_cfg() -> Config {
+    Config {
+        max_queue: 8,
+        max_batch: 4,
+        request_timeout: Duration::from_secs(30),
+        max_tokens_limit: 100,
+        body_limit: 4096,
+        shutdown_grace: Duration::from_secs(5),
+        speculate: None,
+    }
+}
+
+pub fn err_of(r: &Resp) -> Value {
+    let v = r.json();
+    let e = v.get("error").cloned().unwrap_or(Value::Null);
+    assert!(
+        e.get("message").and_then(Value::as_str).is_some(),
+        "error body without message: {v}"
+    );
+    assert!(
+        e.get("type").and_then(Value::as_str).is_some(),
+        "error body without type: {v}"
+    );
+    assert!(
+        e.get("param").is_some() && e.get("code").is_some(),
+        "error body without param/code: {v}"
+    );
+    e
 }
