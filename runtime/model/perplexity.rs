@@ -93,6 +93,59 @@ pub fn nll(logits: &[f32], target: u32) -> f64 {
     -(lt - super::logprobs::log_sum_exp(logits))
 }
 
+/// The log-likelihood of a continuation after a context, as evaluation harnesses score a choice.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ContinuationScore {
+    /// `Σ log p(continuation[i] | context, continuation[..i])`, in f64.
+    pub loglikelihood: f64,
+    /// Every continuation token is its row's argmax (ties to the lower id).
+    pub is_greedy: bool,
+}
+
+/// Score `continuation` after `context` (both non-empty) in one run from a fresh state:
+/// `eval(tokens, first_row, sink)` as for [`perplexity`].
+pub fn score_continuation(
+    context: &[u32],
+    continuation: &[u32],
+    eval: &mut ChunkEval<'_>,
+) -> Result<ContinuationScore, ModelError> {
+    if context.is_empty() || continuation.is_empty() {
+        return Err(ModelError::Context {
+            what: format!(
+                "scoring needs a non-empty context and continuation (got {} and {} tokens)",
+                context.len(),
+                continuation.len()
+            ),
+        });
+    }
+    let tokens: Vec<u32> = context.iter().chain(continuation).copied().collect();
+    let first = context.len() - 1;
+    let mut loglikelihood = 0f64;
+    let mut is_greedy = true;
+    let mut bad = None;
+    eval(&tokens, first, &mut |i, logits| {
+        // Row i predicts tokens[i + 1]; the last row predicts past the continuation.
+        let Some(&target) = tokens.get(i + 1) else {
+            return;
+        };
+        let v = nll(logits, target);
+        if !v.is_finite() {
+            bad = Some(i);
+        }
+        loglikelihood -= v;
+        is_greedy &= super::sampling::argmax(logits, i).ok() == Some(target);
+    })?;
+    if let Some(i) = bad {
+        return Err(ModelError::Other(format!(
+            "non-finite log-probability at row {i} while scoring"
+        )));
+    }
+    Ok(ContinuationScore {
+        loglikelihood,
+        is_greedy,
+    })
+}
+
 /// Receives `(row, logits)` for each scored row.
 pub type LogitSink<'a> = dyn FnMut(usize, &[f32]) + 'a;
 /// Runs one chunk from a fresh state: `(tokens, first_row, sink)`.
@@ -171,6 +224,32 @@ pub fn perplexity(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn continuation_score_by_hand() {
+        // Every row gives softmax([0, ln 3, 0]) = [1/5, 3/5, 1/5].
+        let row = [0.0f32, 3f32.ln(), 0.0];
+        let mut rows_seen = Vec::new();
+        let s = score_continuation(&[0, 0], &[1, 2], &mut |tokens, first, f| {
+            assert_eq!((tokens, first), (&[0u32, 0, 1, 2][..], 1));
+            for i in first..tokens.len() {
+                rows_seen.push(i);
+                f(i, &row);
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(rows_seen, vec![1, 2, 3]);
+        assert!((s.loglikelihood - (0.6f64.ln() + 0.2f64.ln())).abs() < 1e-6);
+        assert!(!s.is_greedy);
+        let greedy = score_continuation(&[2], &[1], &mut |t, first, f| {
+            (first..t.len()).for_each(|i| f(i, &row));
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(greedy.is_greedy && (greedy.loglikelihood - 0.6f64.ln()).abs() < 1e-6);
+        assert!(score_continuation(&[], &[1], &mut |_, _, _| Ok(())).is_err());
+    }
 
     #[test]
     fn uniform_logits_give_vocab_perplexity_and_the_method_counts_right() {

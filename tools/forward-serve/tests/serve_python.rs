@@ -1,15 +1,16 @@
-//! The official OpenAI Python client against the `forward-serve` binary (fake engine).
-//! Skips loudly when python3 or the `openai` package is missing (`python3 -m pip install openai`);
-//! fails instead under CI, where `.ci/run` installs it.
+//! Clients no one here wrote against the `forward-serve` binary (fake engine): the official
+//! OpenAI Python client and the `ollama` Python package. Each skips loudly when python3 or its
+//! package is missing; under CI, where `.ci/run` installs them, it fails instead.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-#[test]
-fn openai_python_client_completes_and_streams() {
+/// Run `tests/python/<script> <base><suffix>` against a fresh fake-engine server; every line of
+/// `checks` must be in its output.
+fn run_client(module: &str, script: &str, suffix: &str, checks: &[&str]) {
     let have = Command::new("python3")
-        .args(["-c", "import openai"])
+        .args(["-c", &format!("import {module}")])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -17,9 +18,9 @@ fn openai_python_client_completes_and_streams() {
     if !have {
         assert!(
             std::env::var_os("CI").is_none(),
-            "python3 with the `openai` package is missing under CI (.ci/run installs it)"
+            "python3 with the `{module}` package is missing under CI (.ci/run installs it)"
         );
-        eprintln!("SKIPPED serve_python: python3 with the `openai` package is not available (python3 -m pip install openai)");
+        eprintln!("SKIPPED {script}: python3 with the `{module}` package is not available (python3 -m pip install {module})");
         return;
     }
     let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
@@ -40,9 +41,9 @@ fn openai_python_client_completes_and_streams() {
     let base = rx
         .recv_timeout(Duration::from_secs(20))
         .expect("listening line");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
+    let script_path = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new("python3")
-        .args([script, &format!("{base}/v1")])
+        .args([&script_path, &format!("{base}{suffix}")])
         .output();
     let _ = child.kill();
     let _ = child.wait();
@@ -50,17 +51,50 @@ fn openai_python_client_completes_and_streams() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "python client failed:\n{stdout}\n{}",
+        "{script} failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for check in [
-        "models ok",
-        "completion ok",
-        "completion stream ok",
-        "chat ok",
-        "chat stream ok",
-        "error ok",
-    ] {
+    for check in checks {
         assert!(stdout.contains(check), "missing {check:?} in:\n{stdout}");
     }
+}
+
+#[test]
+fn openai_python_client_completes_streams_and_reads_logprobs() {
+    run_client(
+        "openai",
+        "openai_client.py",
+        "/v1",
+        &[
+            "models ok",
+            "completion ok",
+            "completion stream ok",
+            "chat ok",
+            "chat stream ok",
+            "completion logprobs ok",
+            "completion logprobs stream ok",
+            "chat logprobs ok",
+            "chat logprobs stream ok",
+            "error ok",
+        ],
+    );
+}
+
+#[test]
+fn ollama_python_client_generates_chats_and_lists() {
+    run_client(
+        "ollama",
+        "ollama_client.py",
+        "",
+        &[
+            "tags ok",
+            "show ok",
+            "generate ok",
+            "generate stream ok",
+            "generate templated ok",
+            "chat ok",
+            "chat stream ok",
+            "errors ok",
+        ],
+    );
 }

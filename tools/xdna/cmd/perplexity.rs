@@ -1,16 +1,26 @@
-//! `xdna perplexity`: perplexity of a text file by the llama-perplexity method.
+//! `xdna perplexity`: perplexity of a text file by the llama-perplexity method, or (`--score`)
+//! the log-likelihoods of continuations after contexts, as evaluation harnesses score choices.
 
 use std::path::PathBuf;
 use xdna::cli::ModelArgs;
 use xdna::model::load::open_model;
-use xdna::model::perplexity::{compare, perplexity, PerplexityComparison, PerplexityResult};
+use xdna::model::perplexity::{
+    compare, perplexity, score_continuation, PerplexityComparison, PerplexityResult,
+};
 use xdna::model::reference::{ActivationRounding, Reference};
 
 #[derive(clap::Args)]
 pub struct Args {
     /// The text file.
-    #[arg(long)]
-    file: PathBuf,
+    #[arg(long, required_unless_present = "score")]
+    file: Option<PathBuf>,
+    /// Score instead: a JSON-lines file of `{"context", "continuation"}` strings; prints one JSON
+    /// line per pair with the token ids, `loglikelihood` and `is_greedy`. The pair is split into
+    /// ids as lm-evaluation-harness splits it (the context's trailing whitespace moves to the
+    /// continuation; the continuation's ids are what follows the context's in the whole's).
+    /// Loads the model with `--ctx` positions.
+    #[arg(long, conflicts_with_all = ["file", "reference", "compare_reference"])]
+    score: Option<PathBuf>,
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
@@ -48,7 +58,13 @@ fn parse_ratio(s: &str) -> Result<f32, String> {
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
-    let text = std::fs::read_to_string(&args.file).map_err(|e| xdna::Error::io(&args.file, e))?;
+    if let Some(pairs) = &args.score {
+        return score(&args, pairs);
+    }
+    let Some(file) = &args.file else {
+        return Err(xdna::Error::Usage("--file or --score is required".into()));
+    };
+    let text = std::fs::read_to_string(file).map_err(|e| xdna::Error::io(file, e))?;
     let t0 = std::time::Instant::now();
     let json = args.json;
     let mut progress = |c: usize, p: f64| {
@@ -192,4 +208,65 @@ fn open_reference(gguf: &std::path::Path, args: &Args) -> xdna::Result<Reference
     Ok(Reference::open(gguf)?
         .with_activation_q8_at(args.reference_q8.unwrap_or_default())
         .with_outlier_refinement(args.reference_refine))
+}
+
+/// `--score PAIRS`: one JSON line per `{"context", "continuation"}` line of `pairs`.
+fn score(args: &Args, pairs: &std::path::Path) -> xdna::Result<()> {
+    let text = std::fs::read_to_string(pairs).map_err(|e| xdna::Error::io(pairs, e))?;
+    let opts = args.model.load_options(args.exact);
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx, &opts)?;
+    let tok = pkg.tokenizer();
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let at =
+            |what: String| xdna::Error::Usage(format!("{}:{}: {what}", pairs.display(), n + 1));
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| at(format!("not JSON: {e}")))?;
+        let field = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_str)
+                .ok_or_else(|| at(format!("`{k}` must be a string")))
+        };
+        let (context, continuation) = (field("context")?, field("continuation")?);
+        let (ctx_ids, cont_ids) = split_pair(tok, context, continuation);
+        if ctx_ids.len() + cont_ids.len() > model.context() {
+            return Err(at(format!(
+                "{} tokens exceed --ctx {}",
+                ctx_ids.len() + cont_ids.len(),
+                model.context()
+            )));
+        }
+        let s = score_continuation(&ctx_ids, &cont_ids, &mut |tokens, first, f| {
+            model.reset();
+            model.prefill_with(tokens, first, f)
+        })
+        .map_err(|e| at(e.to_string()))?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "context": context, "continuation": continuation,
+                "context_ids": ctx_ids, "continuation_ids": cont_ids,
+                "loglikelihood": s.loglikelihood, "is_greedy": s.is_greedy,
+            })
+        );
+    }
+    Ok(())
+}
+
+/// Token ids of a (context, continuation) pair, split as lm-evaluation-harness splits them.
+fn split_pair(
+    tok: &xdna::weights::Tokenizer,
+    context: &str,
+    continuation: &str,
+) -> (Vec<u32>, Vec<u32>) {
+    let trimmed = context.trim_end();
+    let moved = &context[trimmed.len()..];
+    let continuation = format!("{moved}{continuation}");
+    let whole = tok.encode(&format!("{trimmed}{continuation}"), false);
+    let ctx_ids = tok.encode(trimmed, false);
+    let cont_ids = whole[ctx_ids.len().min(whole.len())..].to_vec();
+    (ctx_ids, cont_ids)
 }

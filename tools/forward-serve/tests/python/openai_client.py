@@ -48,6 +48,64 @@ def main() -> int:
     assert text == "USER: HI\n" and finish == "length", (text, finish)
     print("chat stream ok")
 
+    # Log-probabilities. The fake's logits are one 50 among 257 zeros: its pick has a
+    # log-probability of about 0, any other token about -50.
+    r = client.completions.create(
+        model="fake", prompt="ab", max_tokens=2, temperature=0, logprobs=2, echo=True
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "abAB", r
+    assert lp.tokens == ["a", "b", "A", "B"], lp
+    assert lp.token_logprobs[0] is None and abs(lp.token_logprobs[1] + 50) < 1e-3, lp
+    assert all(abs(x) < 1e-3 for x in lp.token_logprobs[2:]), lp
+    assert lp.text_offset == [0, 1, 2, 3], lp
+    assert set(lp.top_logprobs[2]) == {"A", "\x00"}, lp.top_logprobs
+    print("completion logprobs ok")
+
+    got = []
+    for chunk in client.completions.create(
+        model="fake", prompt="ab", max_tokens=2, temperature=0, logprobs=1, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            got += chunk.choices[0].logprobs.tokens
+    assert got == ["A", "B"], got
+    print("completion logprobs stream ok")
+
+    r = client.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == r.choices[0].message.content == "USE", r
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content), content
+    assert all(abs(c.logprob) < 1e-3 and c.bytes == list(c.token.encode()) for c in content), content
+    print("chat logprobs ok")
+
+    got = []
+    stream = client.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            got += [c.token for c in chunk.choices[0].logprobs.content]
+    assert "".join(got) == "USE", got
+    print("chat logprobs stream ok")
+
+    try:
+        client.completions.create(model="fake", prompt="a", max_tokens=2, n=2)
+        raise AssertionError("n=2 accepted")
+    except Exception as e:  # openai.BadRequestError
+        assert getattr(e, "status_code", None) == 400, e
     try:
         client.completions.create(model="fake", prompt="a", max_tokens=0)
         raise AssertionError("max_tokens=0 accepted")
