@@ -549,3 +549,65 @@ fn sequences_prefilled_in_one_pass_equal_each_prefilled_alone() {
         .is_err());
     assert_eq!(big.position(), 0);
 }
+
+/// A prompt prefix copied from another sequence continues exactly as if the copy had read it
+/// (the server's prefix cache and `n` samples of one prompt rest on this).
+#[test]
+fn a_copied_prefix_continues_exactly_as_a_cold_prefill() {
+    let Some(mut m) = fast_model(128) else {
+        return;
+    };
+    let mut noop = |_: usize, _: &[f32]| {};
+    let mut cold = m.new_sequence(64).unwrap();
+    let mut want = Vec::new();
+    m.prefill_sequence(&mut cold, &PROMPT, PROMPT.len() - 1, &mut |_, l| {
+        want = l.to_vec()
+    })
+    .unwrap();
+    for k in [1, 5, PROMPT.len() - 1] {
+        let mut warm = m.new_sequence(64).unwrap();
+        warm.copy_prefix_from(&cold, k).unwrap();
+        assert_eq!(warm.position(), k);
+        let mut got = Vec::new();
+        m.prefill_sequence(
+            &mut warm,
+            &PROMPT[k..],
+            PROMPT.len() - k - 1,
+            &mut |_, l| got = l.to_vec(),
+        )
+        .unwrap();
+        assert_eq!(
+            got, want,
+            "prefix of {k}: last-row logits differ from the cold prefill"
+        );
+    }
+    // The whole sequence copied: the next step agrees too.
+    let mut twin = m.new_sequence(64).unwrap();
+    twin.copy_prefix_from(&cold, PROMPT.len()).unwrap();
+    let next = [77u32];
+    let a = m
+        .step_sequences(&mut [(&mut cold, &next[..])])
+        .unwrap()
+        .logits(0)
+        .to_vec();
+    // A state waiting for its commit is neither copied nor copied into.
+    let mut other = m.new_sequence(64).unwrap();
+    assert!(other.copy_prefix_from(&cold, 1).is_err());
+    m.commit_sequence(&mut cold, 1).unwrap();
+    let b = m
+        .step_sequences(&mut [(&mut twin, &next[..])])
+        .unwrap()
+        .logits(0)
+        .to_vec();
+    assert_eq!(a, b);
+    assert!(other.copy_prefix_from(&twin, 1).is_err());
+    m.commit_sequence(&mut twin, 1).unwrap();
+    // Past the source's position, or into a smaller context: refused, nothing changed.
+    let mut small = m.new_sequence(4).unwrap();
+    assert!(small.copy_prefix_from(&cold, PROMPT.len() + 2).is_err());
+    assert!(small.copy_prefix_from(&cold, 5).is_err());
+    assert_eq!(small.position(), 0);
+    // The refused copies left it usable.
+    m.prefill_sequence(&mut small, &PROMPT[..2], usize::MAX, &mut noop)
+        .unwrap();
+}

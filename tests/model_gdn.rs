@@ -287,3 +287,31 @@ fn two_sequences_in_one_pass_keep_separate_recurrent_state() {
         }
     }
 }
+
+/// A hybrid sequence copied at its position continues exactly as the original; its recurrent
+/// state exists only there, so a shorter prefix is refused.
+#[test]
+fn a_hybrid_state_copies_only_at_its_position() {
+    let (_, mut m) = hybrid_model(false, 64);
+    let mut noop = |_: usize, _: &[f32]| {};
+    let mut a = m.new_sequence(64).unwrap();
+    m.prefill_sequence(&mut a, &TOKENS[..6], usize::MAX, &mut noop)
+        .unwrap();
+    let mut b = m.new_sequence(64).unwrap();
+    assert!(b.copy_prefix_from(&a, 4).is_err());
+    assert_eq!(b.position(), 0);
+    b.copy_prefix_from(&a, 6).unwrap();
+    let mut la = Vec::new();
+    let mut lb = Vec::new();
+    m.prefill_sequence(&mut a, &TOKENS[6..9], 2, &mut |_, l| la = l.to_vec())
+        .unwrap();
+    m.prefill_sequence(&mut b, &TOKENS[6..9], 2, &mut |_, l| lb = l.to_vec())
+        .unwrap();
+    assert_eq!(la, lb);
+    for l in 0..6 {
+        let (x, y) = (a.layer_state(l).unwrap(), b.layer_state(l).unwrap());
+        assert_eq!(x.recurrent, y.recurrent, "layer {l}");
+        assert_eq!(x.conv, y.conv, "layer {l}");
+        assert_eq!(x.keys, y.keys, "layer {l}");
+    }
+}

@@ -72,6 +72,28 @@ impl KvCache {
         }
     }
 
+    /// Copy the first `len` values of every layer of `src` (the same type and layout: the caller
+    /// checked both); returns false when the types or layouts differ.
+    pub(super) fn copy_prefix_from(&mut self, src: &KvCache, len: usize) -> bool {
+        fn copy<T: Copy>(dst: &mut [Vec<T>], src: &[Vec<T>], len: usize) -> bool {
+            let fits = dst.len() == src.len()
+                && dst.iter().zip(src).all(|(d, s)| {
+                    d.is_empty() == s.is_empty() && (d.is_empty() || len <= d.len().min(s.len()))
+                });
+            if fits {
+                for (d, s) in dst.iter_mut().zip(src).filter(|(d, _)| !d.is_empty()) {
+                    d[..len].copy_from_slice(&s[..len]);
+                }
+            }
+            fits
+        }
+        match (self, src) {
+            (KvCache::F16(d), KvCache::F16(s)) => copy(d, s, len),
+            (KvCache::F32(d), KvCache::F32(s)) => copy(d, s, len),
+            _ => false,
+        }
+    }
+
     /// Store `src` at values `at..at + src.len()` of layer `l`.
     pub(super) fn store(&mut self, l: usize, at: usize, src: &[f32]) {
         match self {

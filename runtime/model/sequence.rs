@@ -257,6 +257,58 @@ impl SequenceState {
         }
     }
 
+    /// Become a copy of `src`'s first `len` committed positions (`P = len`): a prompt prefix
+    /// shared between sequences without reading it again. Both states must be idle and of one
+    /// model and cache type. A recurrent layer's state exists only at `src`'s own `P`, so a
+    /// model with recurrent layers copies `len == src.position()` only.
+    pub fn copy_prefix_from(&mut self, src: &SequenceState, len: usize) -> Result<(), ModelError> {
+        self.check_ready()?;
+        src.check_ready()?;
+        let refuse = |what: String| Err(ModelError::State { what });
+        if len > src.pos || len > self.ctx {
+            return refuse(format!(
+                "a prefix of {len} positions from a sequence at {} into one of {} positions",
+                src.pos, self.ctx
+            ));
+        }
+        if src.has_recurrent() && len != src.pos {
+            return refuse(format!(
+                "a recurrent state exists only at the sequence's position {}, not at {len}",
+                src.pos
+            ));
+        }
+        let same_shape = self.kv_dim == src.kv_dim
+            && self.recurrent.len() == src.recurrent.len()
+            && self
+                .recurrent
+                .iter()
+                .zip(&src.recurrent)
+                .all(|(a, b)| match (a, b) {
+                    (Some(a), Some(b)) => {
+                        a.state.conv.len() == b.state.conv.len()
+                            && a.state.s.len() == b.state.s.len()
+                    }
+                    (None, None) => true,
+                    _ => false,
+                });
+        let values = len * self.kv_dim;
+        if !same_shape
+            || !self.k_cache.copy_prefix_from(&src.k_cache, values)
+            || !self.v_cache.copy_prefix_from(&src.v_cache, values)
+        {
+            return refuse(
+                "a prefix copied between states of different models or cache types".into(),
+            );
+        }
+        for (dst, from) in self.recurrent.iter_mut().zip(&src.recurrent) {
+            if let (Some(d), Some(f)) = (dst.as_mut(), from.as_ref()) {
+                d.state.copy_from(&f.state);
+            }
+        }
+        self.pos = len;
+        Ok(())
+    }
+
     /// Forget everything: `P = 0`, no pending pass.
     pub fn reset(&mut self) {
         self.pos = 0;

@@ -3,7 +3,7 @@
 use super::engine::{ChatMessage, LogitAdjustments, SamplingConfig, TextCodec};
 use super::error::ApiError;
 use super::metrics::Metrics;
-use super::scheduler::{Event, Finish, GenRequest, LoggedToken};
+use super::scheduler::{Event, Finish, GenRequest, LoggedToken, SampleGroup};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -286,7 +286,12 @@ pub struct Params {
     pub echo: Option<String>,
     /// `logit_bias`, `presence_penalty`, `frequency_penalty`.
     pub adjust: LogitAdjustments,
+    /// Samples (`n`): sample `i` is seeded with `seed + i`; the prompt is read once.
+    pub n: usize,
 }
+
+/// Most samples of one request (`n`).
+pub const MAX_SAMPLES: i64 = 16;
 
 fn check_model(app: &App, v: &Value) -> Result<(), ApiError> {
     match field(v, "model") {
@@ -509,6 +514,26 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
     };
     let speculate = speculative(v, app.cfg.speculate)?;
     let logprobs = logprobs_setting(v, kind)?;
+    let n = match opt_i64(v, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_SAMPLES).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` must be in 1..={MAX_SAMPLES}, got {n}"),
+            )
+            .code("invalid_value"))
+        }
+    };
+    if let Some(b) = opt_i64(v, "best_of")? {
+        if b as usize != n {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("`best_of` must equal `n` ({n}): choosing the best of more samples is not supported"),
+            )
+            .code("unsupported_parameter"));
+        }
+    }
     let adjust = LogitAdjustments {
         bias: logit_bias(v, codec.vocab_size())?,
         presence_penalty: penalty(v, "presence_penalty")?,
@@ -537,6 +562,7 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         logprobs,
         echo,
         adjust,
+        n,
     })
 }
 
@@ -693,31 +719,23 @@ impl Drop for CancelGuard {
     }
 }
 
-pub(crate) fn submit(
-    app: &App,
-    p: &Params,
-) -> Result<(mpsc::UnboundedReceiver<Event>, CancelGuard, Instant), ApiError> {
+/// A request in the engine's queue: one event channel per sample, one cancel flag for all.
+pub(crate) struct Submitted {
+    /// Sample `i`'s events.
+    pub rxs: Vec<mpsc::UnboundedReceiver<Event>>,
+    /// Cancels every sample when dropped.
+    pub guard: CancelGuard,
+    /// When the request times out.
+    pub deadline: Instant,
+}
+
+pub(crate) fn submit(app: &App, p: &Params) -> Result<Submitted, ApiError> {
     if app.draining.load(Relaxed) {
         return Err(ApiError::shutting_down());
     }
-    let (tx, rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let deadline = Instant::now() + app.cfg.request_timeout;
-    let req = GenRequest {
-        prompt: p.prompt.clone(),
-        max_tokens: p.max_tokens,
-        sampling: p.sampling.clone(),
-        seed: p.seed,
-        stop: p.stop.clone(),
-        deadline,
-        cancel: cancel.clone(),
-        events: tx,
-        speculate: p.speculate,
-        ignore_eos: false,
-        logprobs: p.logprobs,
-        prompt_logprobs: p.echo.is_some() && p.logprobs.is_some(),
-        adjust: p.adjust.clone(),
-    };
+    let group_id = app.next_id();
     let guard = app
         .queue
         .lock()
@@ -725,27 +743,59 @@ pub(crate) fn submit(
     let Some(q) = guard.as_ref() else {
         return Err(ApiError::shutting_down());
     };
-    app.metrics.queue_depth.fetch_add(1, Relaxed);
-    match q.try_send(req) {
-        Ok(()) => Ok((rx, CancelGuard(cancel), deadline)),
-        Err(e) => {
+    // All samples are queued or none (a partial request would never complete).
+    if q.capacity() < p.n {
+        app.metrics.rejected_full.fetch_add(1, Relaxed);
+        return Err(ApiError::queue_full());
+    }
+    let mut rxs = Vec::with_capacity(p.n);
+    for index in 0..p.n {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let req = GenRequest {
+            prompt: p.prompt.clone(),
+            max_tokens: p.max_tokens,
+            sampling: p.sampling.clone(),
+            seed: p.seed.wrapping_add(index as u64),
+            stop: p.stop.clone(),
+            deadline,
+            cancel: cancel.clone(),
+            events: tx,
+            speculate: p.speculate,
+            ignore_eos: false,
+            logprobs: p.logprobs,
+            prompt_logprobs: p.echo.is_some() && p.logprobs.is_some(),
+            adjust: p.adjust.clone(),
+            group: (p.n > 1).then_some(SampleGroup {
+                id: group_id,
+                index,
+            }),
+        };
+        app.metrics.queue_depth.fetch_add(1, Relaxed);
+        if let Err(e) = q.try_send(req) {
             app.metrics.queue_depth.fetch_sub(1, Relaxed);
-            match e {
+            // The samples already queued end as cancelled.
+            cancel.store(true, Relaxed);
+            return Err(match e {
                 mpsc::error::TrySendError::Full(_) => {
                     app.metrics.rejected_full.fetch_add(1, Relaxed);
-                    Err(ApiError::queue_full())
+                    ApiError::queue_full()
                 }
-                mpsc::error::TrySendError::Closed(_) => Err(ApiError::shutting_down()),
-            }
+                mpsc::error::TrySendError::Closed(_) => ApiError::shutting_down(),
+            });
         }
+        rxs.push(rx);
     }
+    Ok(Submitted {
+        rxs,
+        guard: CancelGuard(cancel),
+        deadline,
+    })
 }
 
 /// The outcome of a whole (non-streamed) generation.
 struct Outcome {
     text: String,
     finish: Finish,
-    prompt_tokens: usize,
     completion_tokens: usize,
     eos: bool,
     stopped_word: bool,
@@ -776,10 +826,10 @@ async fn collect(
             Event::Error(m) => return Err(ApiError::engine(m)),
             Event::Done {
                 finish,
-                prompt_tokens,
                 completion_tokens,
                 eos,
                 stopped_word,
+                ..
             } => {
                 return match finish {
                     Finish::Timeout => Err(ApiError::timeout()),
@@ -787,7 +837,6 @@ async fn collect(
                     _ => Ok(Outcome {
                         text,
                         finish,
-                        prompt_tokens,
                         completion_tokens,
                         eos,
                         stopped_word,
@@ -892,71 +941,66 @@ impl Shape {
             _ => completion_logprobs(&*self.codec, entries, base),
         }
     }
-    /// A chunk of generated text with the log-probabilities of its tokens.
-    fn text_chunk(&self, text: &str, first: bool, entries: &[LoggedToken]) -> Value {
+    /// A chunk carrying one choice.
+    fn chunk(&self, choice: Value) -> Value {
+        let object = if self.kind == Kind::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [choice]
+        })
+    }
+    /// Choice `index`'s piece of generated text with the log-probabilities of its tokens.
+    fn text_chunk(&self, index: usize, text: &str, first: bool, entries: &[LoggedToken]) -> Value {
         let logprobs = self.chunk_logprobs(entries, self.echo_chars());
         match self.kind {
-            Kind::Completions => self.completion_chunk(text, logprobs),
+            Kind::Completions => self.chunk(json!({
+                "index": index, "text": text, "logprobs": logprobs, "finish_reason": null
+            })),
             Kind::Chat => {
                 let delta = if first {
                     json!({"role": "assistant", "content": text})
                 } else {
                     json!({"content": text})
                 };
-                json!({
-                    "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}]
-                })
+                self.chunk(json!({
+                    "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null
+                }))
             }
             Kind::Llama => json!({"content": text, "stop": false}),
         }
     }
-    fn completion_chunk(&self, text: &str, logprobs: Value) -> Value {
-        json!({
-            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": null}]
-        })
-    }
-    /// The echoed prompt as the stream's first chunk (with its tokens' log-probabilities).
-    fn echo_chunk(&self, prompt_lp: &[LoggedToken]) -> Option<Value> {
+    /// The echoed prompt as choice `index`'s first chunk (with its tokens' log-probabilities).
+    fn echo_chunk(&self, index: usize, prompt_lp: &[LoggedToken]) -> Option<Value> {
         let text = self.echo.as_deref()?;
-        Some(self.completion_chunk(text, self.chunk_logprobs(prompt_lp, 0)))
+        Some(self.chunk(json!({
+            "index": index, "text": text, "logprobs": self.chunk_logprobs(prompt_lp, 0),
+            "finish_reason": null
+        })))
     }
-    fn final_chunks(
-        &self,
-        finish: Finish,
-        completion: usize,
-        eos: bool,
-        stopped_word: bool,
-    ) -> Vec<Value> {
+    /// Choice `index`'s last chunk (OpenAI routes).
+    fn finish_chunk(&self, index: usize, finish: Finish) -> Value {
         let fr = finish.openai();
-        let mut out = Vec::new();
         match self.kind {
-            Kind::Completions => out.push(json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": fr}]
+            Kind::Chat => self.chunk(json!({
+                "index": index, "delta": {}, "logprobs": null, "finish_reason": fr
             })),
-            Kind::Chat => out.push(json!({
-                "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": {}, "logprobs": null, "finish_reason": fr}]
+            _ => self.chunk(json!({
+                "index": index, "text": "", "logprobs": null, "finish_reason": fr
             })),
-            Kind::Llama => {
-                out.push(self.llama_final("", finish, completion, eos, stopped_word));
-                return out;
-            }
         }
-        if self.include_usage {
-            let object = if self.kind == Kind::Chat {
-                "chat.completion.chunk"
-            } else {
-                "text_completion"
-            };
-            out.push(json!({
-                "id": self.id, "object": object, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(self.prompt_len, completion)
-            }));
-        }
-        out
+    }
+    /// The stream's usage chunk, when asked for (`stream_options.include_usage`).
+    fn usage_chunk(&self, completion: usize) -> Option<Value> {
+        self.include_usage.then(|| {
+            let mut c = self.chunk(Value::Null);
+            c["choices"] = json!([]);
+            c["usage"] = usage(self.prompt_len, completion);
+            c
+        })
     }
     fn llama_final(
         &self,
@@ -984,10 +1028,15 @@ impl Shape {
             }
         })
     }
-    fn whole(&self, o: &Outcome) -> Value {
+    /// One choice of a whole (non-streamed) answer.
+    fn whole_choice(&self, index: usize, o: &Outcome) -> Value {
         let fr = o.finish.openai();
         match self.kind {
-            Kind::Completions => {
+            Kind::Chat => json!({
+                "index": index, "message": {"role": "assistant", "content": o.text},
+                "logprobs": self.chunk_logprobs(&o.lp, 0), "finish_reason": fr
+            }),
+            _ => {
                 let text = match &self.echo {
                     Some(prompt) => format!("{prompt}{}", o.text),
                     None => o.text.clone(),
@@ -1004,26 +1053,36 @@ impl Shape {
                 } else {
                     Value::Null
                 };
-                json!({
-                    "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": fr}],
-                    "usage": usage(o.prompt_tokens, o.completion_tokens)
-                })
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": fr})
             }
-            Kind::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
-                             "logprobs": self.chunk_logprobs(&o.lp, 0), "finish_reason": fr}],
-                "usage": usage(o.prompt_tokens, o.completion_tokens)
-            }),
-            Kind::Llama => self.llama_final(
+        }
+    }
+    /// The whole answer of every sample.
+    fn whole(&self, outcomes: &[Outcome]) -> Value {
+        if let (Kind::Llama, Some(o)) = (self.kind, outcomes.first()) {
+            return self.llama_final(
                 &o.text,
                 o.finish,
                 o.completion_tokens,
                 o.eos,
                 o.stopped_word,
-            ),
+            );
         }
+        let object = if self.kind == Kind::Chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
+        let choices: Vec<Value> = outcomes
+            .iter()
+            .enumerate()
+            .map(|(i, o)| self.whole_choice(i, o))
+            .collect();
+        let completion = outcomes.iter().map(|o| o.completion_tokens).sum();
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": choices, "usage": usage(self.prompt_len, completion)
+        })
     }
 }
 
@@ -1031,26 +1090,115 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// Every sample's events in one stream, tagged with the sample's index.
+type Events = std::pin::Pin<Box<dyn futures_util::Stream<Item = (usize, Event)> + Send>>;
+
+fn merged(rxs: Vec<mpsc::UnboundedReceiver<Event>>) -> Events {
+    use futures_util::StreamExt;
+    let streams = rxs.into_iter().enumerate().map(|(i, rx)| {
+        futures_util::stream::unfold(rx, move |mut rx| async move {
+            rx.recv().await.map(|e| ((i, e), rx))
+        })
+        .boxed()
+    });
+    Box::pin(futures_util::stream::select_all(streams))
+}
+
 struct StreamState {
-    rx: mpsc::UnboundedReceiver<Event>,
+    events: Events,
     _guard: CancelGuard,
     shape: Shape,
     out: VecDeque<Bytes>,
-    first: bool,
+    /// Per choice: nothing sent yet (chat announces the role in its first delta).
+    first: Vec<bool>,
+    /// Per choice: log-probabilities of the tokens its next text chunk carries.
+    lp: Vec<Vec<LoggedToken>>,
+    /// Choices not finished yet.
+    open: usize,
+    completion: usize,
     ended: bool,
     backstop: tokio::time::Instant,
-    /// Log-probabilities of the tokens the next text chunk carries.
-    lp: Vec<LoggedToken>,
+}
+
+impl StreamState {
+    fn event(&mut self, i: usize, ev: Event) {
+        let done_marker = self.shape.kind != Kind::Llama;
+        match ev {
+            Event::PromptLogprobs(v) => {
+                if let Some(c) = self.shape.echo_chunk(i, &v) {
+                    self.out.push_back(sse(&c));
+                }
+            }
+            Event::Logprobs(v) => self.lp[i].extend(v),
+            Event::Text(t) => {
+                let c = self.shape.text_chunk(i, &t, self.first[i], &self.lp[i]);
+                self.lp[i].clear();
+                self.first[i] = false;
+                self.out.push_back(sse(&c));
+            }
+            Event::Error(m) => {
+                self.ended = true;
+                self.out.push_back(sse(&ApiError::engine(m).body()));
+                if done_marker {
+                    self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                }
+            }
+            Event::Done {
+                finish,
+                completion_tokens,
+                eos,
+                stopped_word,
+                ..
+            } => {
+                if finish == Finish::Timeout {
+                    self.ended = true;
+                    self.out.push_back(sse(&ApiError::timeout().body()));
+                    if done_marker {
+                        self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    }
+                    return;
+                }
+                if self.shape.kind == Kind::Llama {
+                    self.ended = true;
+                    let last =
+                        self.shape
+                            .llama_final("", finish, completion_tokens, eos, stopped_word);
+                    self.out.push_back(sse(&last));
+                    return;
+                }
+                if (self.first[i] && self.shape.kind == Kind::Chat) || !self.lp[i].is_empty() {
+                    // The role is announced once; tokens with no text of their own still
+                    // report their log-probabilities.
+                    let c = self.shape.text_chunk(i, "", self.first[i], &self.lp[i]);
+                    self.lp[i].clear();
+                    self.out.push_back(sse(&c));
+                }
+                self.out.push_back(sse(&self.shape.finish_chunk(i, finish)));
+                self.completion += completion_tokens;
+                self.open = self.open.saturating_sub(1);
+                if self.open == 0 {
+                    self.ended = true;
+                    if let Some(u) = self.shape.usage_chunk(self.completion) {
+                        self.out.push_back(sse(&u));
+                    }
+                    self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                }
+            }
+        }
+    }
 }
 
 fn sse_response(mut s: StreamState) -> Response {
     if !s.shape.logprobs {
         // Without log-probabilities the echoed prompt needs nothing from the engine.
-        if let Some(c) = s.shape.echo_chunk(&[]) {
-            s.out.push_back(sse(&c));
+        for i in 0..s.open {
+            if let Some(c) = s.shape.echo_chunk(i, &[]) {
+                s.out.push_back(sse(&c));
+            }
         }
     }
     let stream = futures_util::stream::unfold(s, |mut st| async move {
+        use futures_util::StreamExt;
         loop {
             if let Some(b) = st.out.pop_front() {
                 return Some((Ok::<Bytes, std::convert::Infallible>(b), st));
@@ -1058,60 +1206,12 @@ fn sse_response(mut s: StreamState) -> Response {
             if st.ended {
                 return None;
             }
-            let ev = match tokio::time::timeout_at(st.backstop, st.rx.recv()).await {
-                Ok(Some(ev)) => ev,
-                Ok(None) => Event::Error("the engine dropped the request".into()),
-                Err(_) => Event::Error("the request timed out".into()),
+            let (i, ev) = match tokio::time::timeout_at(st.backstop, st.events.next()).await {
+                Ok(Some(x)) => x,
+                Ok(None) => (0, Event::Error("the engine dropped the request".into())),
+                Err(_) => (0, Event::Error("the request timed out".into())),
             };
-            match ev {
-                Event::PromptLogprobs(v) => {
-                    if let Some(c) = st.shape.echo_chunk(&v) {
-                        st.out.push_back(sse(&c));
-                    }
-                }
-                Event::Logprobs(v) => st.lp.extend(v),
-                Event::Text(t) => {
-                    let c = st.shape.text_chunk(&t, st.first, &st.lp);
-                    st.lp.clear();
-                    st.first = false;
-                    st.out.push_back(sse(&c));
-                }
-                Event::Error(m) => {
-                    st.ended = true;
-                    st.out.push_back(sse(&ApiError::engine(m).body()));
-                    if st.shape.kind != Kind::Llama {
-                        st.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                    }
-                }
-                Event::Done {
-                    finish,
-                    completion_tokens,
-                    eos,
-                    stopped_word,
-                    ..
-                } => {
-                    st.ended = true;
-                    if finish == Finish::Timeout {
-                        st.out.push_back(sse(&ApiError::timeout().body()));
-                    }
-                    if (st.first && st.shape.kind == Kind::Chat) || !st.lp.is_empty() {
-                        // The role is announced once; tokens with no text of their own still
-                        // report their log-probabilities.
-                        let c = st.shape.text_chunk("", st.first, &st.lp);
-                        st.lp.clear();
-                        st.out.push_back(sse(&c));
-                    }
-                    for c in st
-                        .shape
-                        .final_chunks(finish, completion_tokens, eos, stopped_word)
-                    {
-                        st.out.push_back(sse(&c));
-                    }
-                    if st.shape.kind != Kind::Llama {
-                        st.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                    }
-                }
-            }
+            st.event(i, ev);
         }
     });
     let mut r = Response::new(Body::from_stream(stream));
@@ -1132,13 +1232,13 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let v = read_json(&app, &headers, body).await?;
     let p = parse_params(&app, &v, kind)?;
-    let (rx, guard, deadline) = submit(&app, &p)?;
-    let n = app.next_id();
+    let sub = submit(&app, &p)?;
+    let id = app.next_id();
     let shape = Shape {
         kind,
         id: match kind {
-            Kind::Chat => format!("chatcmpl-{n:016x}"),
-            _ => format!("cmpl-{n:016x}"),
+            Kind::Chat => format!("chatcmpl-{id:016x}"),
+            _ => format!("cmpl-{id:016x}"),
         },
         created: unix_now(),
         model: app.codec.model_id().to_string(),
@@ -1149,21 +1249,27 @@ async fn generate(
         logprobs: p.logprobs.is_some(),
         echo: p.echo,
     };
+    let n = sub.rxs.len();
     if p.stream {
         Ok(sse_response(StreamState {
-            rx,
-            _guard: guard,
+            events: merged(sub.rxs),
+            _guard: sub.guard,
             shape,
             out: VecDeque::new(),
-            first: true,
+            first: vec![true; n],
+            lp: vec![Vec::new(); n],
+            open: n,
+            completion: 0,
             ended: false,
-            backstop: tokio::time::Instant::from_std(deadline) + Duration::from_secs(5),
-            lp: Vec::new(),
+            backstop: tokio::time::Instant::from_std(sub.deadline) + Duration::from_secs(5),
         }))
     } else {
-        let o = collect(rx, deadline).await?;
-        drop(guard);
-        Ok(json_response(StatusCode::OK, &shape.whole(&o)))
+        let mut outcomes = Vec::with_capacity(n);
+        for rx in sub.rxs {
+            outcomes.push(collect(rx, sub.deadline).await?);
+        }
+        drop(sub.guard);
+        Ok(json_response(StatusCode::OK, &shape.whole(&outcomes)))
     }
 }
 

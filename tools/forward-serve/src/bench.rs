@@ -119,6 +119,7 @@ fn submit(
         logprobs: None,
         prompt_logprobs: false,
         adjust: Default::default(),
+        group: None,
     };
     metrics
         .queue_depth

@@ -151,6 +151,23 @@ pub trait Engine {
     fn max_sequences(&self) -> usize;
     /// Start an empty sequence (its state is allocated here and freed by [`Engine::release`]).
     fn new_sequence(&mut self) -> Result<SeqId, EngineError>;
+    /// Start a sequence for `prompt`, holding as many of its first tokens as the engine can take
+    /// from states it keeps (the prefix cache): returns the sequence and that count, always less
+    /// than `prompt.len()` (the last prompt token is fed, and its logits start the generation).
+    /// The output is the same as from a cold start. This default keeps nothing.
+    fn new_sequence_for(&mut self, prompt: &[u32]) -> Result<(SeqId, usize), EngineError> {
+        let _ = prompt;
+        Ok((self.new_sequence()?, 0))
+    }
+    /// Make `to` (a sequence nothing was fed to) a copy of `from`'s committed state: several
+    /// samples of one prompt read it once. Engines that cannot refuse, and the caller feeds `to`
+    /// itself.
+    fn fork(&mut self, from: SeqId, to: SeqId) -> Result<(), EngineError> {
+        let _ = (from, to);
+        Err(EngineError::Capacity(
+            "this engine does not copy sequences".into(),
+        ))
+    }
     /// Feed one chunk (≤ [`PREFILL_CHUNK`] tokens) of a sequence's prompt; the chunk is committed.
     /// `sink(row, logits)` gets the logits of every row when `item.all_rows` (row `j` predicts
     /// the token after input `j`: the log-probabilities of an echoed prompt), else of the last
@@ -210,6 +227,9 @@ pub struct LoadSpec {
     pub ctx: usize,
     /// Sequences resident at once (each with its own KV cache of `ctx` positions; ≤ 16).
     pub max_sequences: usize,
+    /// Finished sequences kept for their prompt prefixes (each a KV cache of `ctx` positions);
+    /// 0 turns the prefix cache off.
+    pub prefix_cache: usize,
 }
 
 // ---- the real model -------------------------------------------------------------------------
@@ -289,20 +309,82 @@ pub struct ModelEngine {
     ctx: usize,
     capacity: usize,
     seqs: HashMap<SeqId, SequenceState>,
+    /// The tokens each resident sequence's state holds (committed, in order).
+    history: HashMap<SeqId, Vec<u32>>,
+    /// The tokens of each sequence's last step, until its commit says how many were kept.
+    stepped: HashMap<SeqId, Vec<u32>>,
+    cache: PrefixCache,
     next: SeqId,
+}
+
+/// Finished sequences' states with the tokens they hold, most recently used first, at most
+/// `capacity`; a new request starts from the longest usable prefix.
+struct PrefixCache {
+    capacity: usize,
+    entries: std::collections::VecDeque<(Vec<u32>, SequenceState)>,
+}
+
+impl PrefixCache {
+    /// The longest usable prefix of `prompt` among the entries: `(entry, tokens)`. At most
+    /// `prompt.len() − 1` tokens (the last is fed for its logits); a state with recurrent layers
+    /// only as a whole (its recurrent state exists at its end only).
+    fn best(&self, prompt: &[u32]) -> Option<(usize, usize)> {
+        let limit = prompt.len().saturating_sub(1);
+        self.entries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (tokens, state))| {
+                let common = tokens
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count()
+                    .min(limit);
+                let whole = common == tokens.len();
+                (common > 0 && (whole || !state.has_recurrent())).then_some((i, common))
+            })
+            .max_by_key(|&(i, common)| (common, std::cmp::Reverse(i)))
+    }
+
+    /// Keep `state` holding `tokens`; entries it extends are dropped (it serves them all), and
+    /// the least recently used beyond the capacity.
+    fn insert(&mut self, tokens: Vec<u32>, state: SequenceState) {
+        if self.capacity == 0 || tokens.is_empty() {
+            return;
+        }
+        self.entries
+            .retain(|(t, _)| !(t.len() <= tokens.len() && tokens[..t.len()] == t[..]));
+        self.entries.push_front((tokens, state));
+        self.entries.truncate(self.capacity);
+    }
 }
 
 impl ModelEngine {
     /// `capacity` sequences of `ctx` positions each (capacity is capped at [`MAX_STEP_ROWS`]: one
     /// decode row per sequence must fit one pass).
-    pub fn new(model: Model, ctx: usize, capacity: usize) -> Self {
+    /// `prefix_cache` finished sequences are kept for their prompt prefixes (0: none).
+    pub fn new(model: Model, ctx: usize, capacity: usize, prefix_cache: usize) -> Self {
         ModelEngine {
             model,
             ctx,
             capacity: capacity.clamp(1, MAX_STEP_ROWS),
             seqs: HashMap::new(),
+            history: HashMap::new(),
+            stepped: HashMap::new(),
+            cache: PrefixCache {
+                capacity: prefix_cache,
+                entries: std::collections::VecDeque::new(),
+            },
             next: 1,
         }
+    }
+
+    /// Record the tokens a sequence's state now holds.
+    fn fed(&mut self, seq: SeqId, tokens: &[u32]) {
+        self.history
+            .entry(seq)
+            .or_default()
+            .extend_from_slice(tokens);
     }
 }
 
@@ -350,7 +432,49 @@ impl Engine for ModelEngine {
         let id = self.next;
         self.next += 1;
         self.seqs.insert(id, state);
+        self.history.insert(id, Vec::new());
         Ok(id)
+    }
+    fn new_sequence_for(&mut self, prompt: &[u32]) -> Result<(SeqId, usize), EngineError> {
+        let id = self.new_sequence()?;
+        let Some((entry, common)) = self.cache.best(prompt) else {
+            return Ok((id, 0));
+        };
+        let Some((_, cached)) = self.cache.entries.get(entry) else {
+            return Ok((id, 0));
+        };
+        let copied = match self.seqs.get_mut(&id) {
+            Some(state) => state.copy_prefix_from(cached, common),
+            None => return Err(EngineError::NoSequence(id)),
+        };
+        match copied {
+            Ok(()) => {
+                // Most recently used first.
+                if let Some(e) = self.cache.entries.remove(entry) {
+                    self.cache.entries.push_front(e);
+                }
+                self.fed(id, &prompt[..common]);
+                Ok((id, common))
+            }
+            Err(e) => {
+                tracing::warn!("prefix cache: {e}; reading the prompt cold");
+                Ok((id, 0))
+            }
+        }
+    }
+    fn fork(&mut self, from: SeqId, to: SeqId) -> Result<(), EngineError> {
+        let mut dst = self.seqs.remove(&to).ok_or(EngineError::NoSequence(to))?;
+        let r = match self.seqs.get(&from) {
+            Some(src) => dst
+                .copy_prefix_from(src, src.position())
+                .map_err(device_err),
+            None => Err(EngineError::NoSequence(from)),
+        };
+        self.seqs.insert(to, dst);
+        r?;
+        let tokens = self.history.get(&from).cloned().unwrap_or_default();
+        self.history.insert(to, tokens);
+        Ok(())
     }
     fn prefill(
         &mut self,
@@ -370,7 +494,9 @@ impl Engine for ModelEngine {
             state.recover();
         }
         self.seqs.insert(seq, state);
-        r.map_err(device_err)
+        r.map_err(device_err)?;
+        self.fed(seq, item.tokens);
+        Ok(())
     }
     fn prefill_many(
         &mut self,
@@ -398,7 +524,11 @@ impl Engine for ModelEngine {
                     sink(shared[k], item.tokens.len() - 1, l)
                 }
             })
-        })
+        })?;
+        for &i in &shared {
+            self.fed(items[i].seq, items[i].tokens);
+        }
+        Ok(())
     }
     fn step(
         &mut self,
@@ -420,19 +550,34 @@ impl Engine for ModelEngine {
                 }
             }
             Ok(())
-        })
+        })?;
+        for &(seq, toks) in batch {
+            self.stepped.insert(seq, toks.to_vec());
+        }
+        Ok(())
     }
     fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), EngineError> {
         let mut state = self.seqs.remove(&seq).ok_or(EngineError::NoSequence(seq))?;
         let r = self.model.commit_sequence(&mut state, n);
         self.seqs.insert(seq, state);
-        r.map_err(device_err)
+        r.map_err(device_err)?;
+        if let Some(toks) = self.stepped.remove(&seq) {
+            self.fed(seq, &toks[..n.min(toks.len())]);
+        }
+        Ok(())
     }
     fn position(&self, seq: SeqId) -> usize {
         self.seqs.get(&seq).map_or(0, SequenceState::position)
     }
     fn release(&mut self, seq: SeqId) {
-        self.seqs.remove(&seq);
+        self.stepped.remove(&seq);
+        let tokens = self.history.remove(&seq);
+        if let (Some(state), Some(tokens)) = (self.seqs.remove(&seq), tokens) {
+            // Only a state at rest is kept: its committed positions hold exactly `tokens`.
+            if state.pending_rows().is_none() && state.position() == tokens.len() {
+                self.cache.insert(tokens, state);
+            }
+        }
     }
 }
 
@@ -456,7 +601,12 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
     );
     Ok(Loaded {
         codec: Arc::new(PackageCodec { pkg, id, ctx, eos }),
-        engine: Box::new(ModelEngine::new(model, ctx, spec.max_sequences)),
+        engine: Box::new(ModelEngine::new(
+            model,
+            ctx,
+            spec.max_sequences,
+            spec.prefix_cache,
+        )),
     })
 }
 

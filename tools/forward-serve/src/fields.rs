@@ -45,7 +45,7 @@ pub const COMPLETIONS: &[Field] = &[
     ("presence_penalty", Honoured),
     ("frequency_penalty", Honoured),
     ("speculative", Honoured),
-    ("n", DefaultOnly),
+    ("n", Honoured),
     ("best_of", DefaultOnly),
     ("suffix", DefaultOnly),
     ("user", Label),
@@ -70,7 +70,7 @@ pub const CHAT: &[Field] = &[
     ("presence_penalty", Honoured),
     ("frequency_penalty", Honoured),
     ("speculative", Honoured),
-    ("n", DefaultOnly),
+    ("n", Honoured),
     ("response_format", DefaultOnly),
     ("tools", DefaultOnly),
     ("tool_choice", DefaultOnly),
@@ -164,17 +164,8 @@ pub fn check_defaults(v: &Value, kind: Kind) -> Result<(), ApiError> {
         Err(ApiError::invalid(key, format!("`{key}`: {why}")).code("unsupported_parameter"))
     };
     let get = |key: &str| v.get(key).filter(|x| !x.is_null());
-    if let Some(x) = get("n") {
-        if x.as_i64() != Some(1) {
-            return unsupported("n", "only 1 sample per request is supported");
-        }
-    }
     if kind == Kind::Completions {
-        if let Some(x) = get("best_of") {
-            if x.as_i64() != Some(1) {
-                return unsupported("best_of", "only 1 is supported");
-            }
-        }
+        // `best_of` (equal to `n` only) is checked with `n`.
         if let Some(x) = get("suffix") {
             if x.as_str() != Some("") {
                 return unsupported(

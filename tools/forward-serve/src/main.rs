@@ -66,6 +66,10 @@ struct Args {
     /// KV positions per sequence.
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
+    /// Finished sequences kept for their prompt prefixes (the prefix cache; each holds a KV
+    /// cache of `--ctx` positions); 0 turns it off.
+    #[arg(long, default_value_t = 8)]
+    prefix_cache: usize,
     /// Serve the deterministic fake engine instead of a model (tests, load experiments).
     #[arg(long, hide = true)]
     fake_engine: bool,
@@ -142,6 +146,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             model: args.model.clone(),
             ctx: args.ctx,
             max_sequences: args.max_batch,
+            prefix_cache: args.prefix_cache,
         })?
     };
     if args.bench {

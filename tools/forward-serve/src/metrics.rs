@@ -39,6 +39,12 @@ pub struct Metrics {
     pub spec_drafted: AtomicU64,
     /// Draft tokens accepted.
     pub spec_accepted: AtomicU64,
+    /// Requests that started from a cached prompt prefix.
+    pub prefix_hits: AtomicU64,
+    /// Prompt tokens taken from the prefix cache instead of being read.
+    pub prefix_tokens: AtomicU64,
+    /// Samples of an `n` > 1 request that copied the prompt read for the first sample.
+    pub shared_prompts: AtomicU64,
 }
 
 impl Metrics {
@@ -153,6 +159,24 @@ impl Metrics {
             "forward_serve_rejected_queue_full_total",
             "Requests answered 503 because the queue was full.",
             self.rejected_full.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_prefix_cache_hits_total",
+            "Requests that started from a cached prompt prefix.",
+            self.prefix_hits.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_prefix_cache_tokens_total",
+            "Prompt tokens taken from the prefix cache instead of being read.",
+            self.prefix_tokens.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_shared_prompt_samples_total",
+            "Samples of an n > 1 request that copied the prompt read for the first sample.",
+            self.shared_prompts.load(Relaxed),
         );
         let rounds = self.spec_rounds.load(Relaxed);
         let drafted = self.spec_drafted.load(Relaxed);

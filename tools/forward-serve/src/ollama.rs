@@ -439,7 +439,14 @@ async fn run(
         let m = json!({"model": reply_model, "created_at": rfc3339_now(), "response": "", "done": true, "done_reason": "load"});
         return Ok((StatusCode::OK, json_headers(), m.to_string()).into_response());
     };
-    let (mut rx, guard, deadline) = api::submit(&app, &req.params)?;
+    let api::Submitted {
+        rxs,
+        guard,
+        deadline,
+    } = api::submit(&app, &req.params)?;
+    let Some(mut rx) = rxs.into_iter().next() else {
+        return Err(ApiError::engine("the request was not queued").into());
+    };
     let reply = Reply {
         model: reply_model,
         route: req.route,

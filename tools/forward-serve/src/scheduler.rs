@@ -91,6 +91,16 @@ pub enum Event {
     Error(String),
 }
 
+/// One of the `n` samples of a request: they share its prompt, which is read once (by sample 0,
+/// the leader) and copied into the others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleGroup {
+    /// The request's group (unique per request).
+    pub id: u64,
+    /// This sample's index (0: the leader).
+    pub index: usize,
+}
+
 /// One generation request, as queued.
 pub struct GenRequest {
     /// Prompt token ids.
@@ -125,6 +135,8 @@ pub struct GenRequest {
     /// Logit bias and presence/frequency penalties, applied before sampling. A request with any
     /// decodes plainly (its speculation is off).
     pub adjust: LogitAdjustments,
+    /// One of the samples of an `n` > 1 request.
+    pub group: Option<SampleGroup>,
 }
 
 /// Shared switches between the HTTP side and the engine thread.
@@ -158,6 +170,21 @@ struct Active {
     shown_chars: usize,
     /// An echoed prompt's log-probabilities, gathered over its chunks.
     prompt_lp: Vec<LoggedToken>,
+    /// A sample waiting for its group's leader to read the prompt (then copied from it).
+    waiting: bool,
+}
+
+impl Active {
+    /// A group leader still reading its prompt.
+    fn leads_prefill_of(&self, group: u64) -> bool {
+        !self.done
+            && self.fed < self.req.prompt.len()
+            && self.req.group
+                == Some(SampleGroup {
+                    id: group,
+                    index: 0,
+                })
+    }
 }
 
 /// What one logit row of a sequence is turned into: its sampler, the request's logit
@@ -270,7 +297,14 @@ pub fn run(
             };
             let Some(req) = next else { break };
             metrics.queue_depth.fetch_sub(1, Relaxed);
-            if let Some(a) = admit(&mut *engine, req, &metrics, &control) {
+            // A later sample of a group whose leader is reading the prompt waits for its copy.
+            let wait = match req.group {
+                Some(g) if g.index > 0 && !req.prompt_logprobs => {
+                    active.iter().any(|a| a.leads_prefill_of(g.id))
+                }
+                _ => false,
+            };
+            if let Some(a) = admit(&mut *engine, req, wait, &metrics, &control) {
                 active.push(a);
                 metrics.active_sequences.fetch_add(1, Relaxed);
             }
@@ -297,13 +331,20 @@ pub fn run(
         // At most PREFILL_CHUNK prompt tokens per turn, oldest prompt first: several short
         // prompts start together, a long one is read one chunk per turn.
         // Several prompts go into one engine pass (one sweep over the weights, not one each).
+        // A sample whose leader is gone (failed, cancelled) reads the prompt itself.
+        for i in 0..active.len() {
+            if active[i].waiting {
+                let group = active[i].req.group.map_or(0, |g| g.id);
+                active[i].waiting = active.iter().any(|a| a.leads_prefill_of(group));
+            }
+        }
         let mut budget = PREFILL_CHUNK;
         let mut picks: Vec<(usize, usize)> = Vec::new();
         for (i, a) in active.iter().enumerate() {
             if budget == 0 {
                 break;
             }
-            if a.done || a.fed >= a.req.prompt.len() {
+            if a.done || a.waiting || a.fed >= a.req.prompt.len() {
                 continue;
             }
             let end = (a.fed + budget).min(a.req.prompt.len());
@@ -403,6 +444,19 @@ fn prefill_together(
     type First = Option<(Result<u32, SamplingError>, Option<TokenLogprob>)>;
     let mut firsts: Vec<First> = vec![None; picks.len()];
     let mut prompt_lps: Vec<Vec<TokenLogprob>> = vec![Vec::new(); picks.len()];
+    // A leader whose samples wait for its prompt keeps the last row: their first tokens too.
+    let leads: Vec<Option<u64>> = picks
+        .iter()
+        .zip(&items)
+        .map(|(&(i, _), item)| match active[i].req.group {
+            Some(g) if g.index == 0 && item.last => active
+                .iter()
+                .any(|f| f.waiting && f.req.group.is_some_and(|h| h.id == g.id))
+                .then_some(g.id),
+            _ => None,
+        })
+        .collect();
+    let mut shared_logits: Vec<Vec<f32>> = vec![Vec::new(); picks.len()];
     let res = {
         let mut rows = row_samplers(active, &indices);
         engine.prefill_many(&items, &mut |k, row, logits| {
@@ -410,6 +464,9 @@ fn prefill_together(
             let item = &items[k];
             if item.last && row + 1 == item.tokens.len() {
                 firsts[k] = Some(rows[k].sample(logits));
+                if leads[k].is_some() {
+                    shared_logits[k] = logits.to_vec();
+                }
             } else if let Some(&next) = prompt.get(fed + row + 1) {
                 let top = rows[k].req.logprobs.unwrap_or(0);
                 prompt_lps[k].push(xdna::model::logprobs::token_logprob(logits, next, top));
@@ -464,6 +521,68 @@ fn prefill_together(
             for &(i, _) in picks {
                 fail(&mut active[i], &e.to_string(), metrics);
             }
+            return;
+        }
+    }
+    for (k, &(leader, _)) in picks.iter().enumerate() {
+        if let Some(group) = leads[k] {
+            start_samples(
+                engine,
+                codec,
+                active,
+                leader,
+                group,
+                &shared_logits[k],
+                metrics,
+                scratch,
+            );
+        }
+    }
+}
+
+/// The samples waiting for `leader`'s prompt: each becomes a copy of its state and draws its own
+/// first token from the prompt's last row (`logits`) with its own sampler. A sample the engine
+/// cannot copy into reads the prompt itself.
+#[allow(clippy::too_many_arguments)]
+fn start_samples(
+    engine: &mut dyn Engine,
+    codec: &dyn TextCodec,
+    active: &mut [Active],
+    leader: usize,
+    group: u64,
+    logits: &[f32],
+    metrics: &Metrics,
+    scratch: &mut String,
+) {
+    let leader_seq = active[leader].seq;
+    for f in 0..active.len() {
+        let a = &active[f];
+        if !(a.waiting && a.req.group.is_some_and(|g| g.id == group)) {
+            continue;
+        }
+        active[f].waiting = false;
+        if let Err(e) = engine.fork(leader_seq, active[f].seq) {
+            tracing::warn!("sample of a shared prompt: {e}; reading the prompt again");
+            continue;
+        }
+        metrics.shared_prompts.fetch_add(1, Relaxed);
+        let a = &mut active[f];
+        a.fed = a.req.prompt.len();
+        if a.req.max_tokens == 0 {
+            emit_finish(a, Finish::Length, false, metrics, scratch);
+            continue;
+        }
+        let sampled = row_samplers(active, &[f])
+            .first_mut()
+            .map(|rows| rows.sample(logits));
+        let a = &mut active[f];
+        match sampled {
+            Some((Ok(t), lp)) => {
+                let pos = engine.position(a.seq);
+                take_token(a, t, lp, codec, pos, metrics, scratch);
+            }
+            Some((Err(e), _)) => fail(a, &format!("sampling: {e}"), metrics),
+            None => fail(a, "no sampler for the sample", metrics),
         }
     }
 }
@@ -690,6 +809,7 @@ fn propose(
 fn admit(
     engine: &mut dyn Engine,
     req: GenRequest,
+    wait: bool,
     metrics: &Metrics,
     control: &Control,
 ) -> Option<Active> {
@@ -717,13 +837,23 @@ fn admit(
             return None;
         }
     };
-    let seq = match engine.new_sequence() {
+    // An echoed prompt's log-probabilities need every prompt row, so it is read in full.
+    let started = if wait || req.prompt_logprobs {
+        engine.new_sequence().map(|s| (s, 0))
+    } else {
+        engine.new_sequence_for(&req.prompt)
+    };
+    let (seq, reused) = match started {
         Ok(s) => s,
         Err(e) => {
             let _ = req.events.send(Event::Error(e.to_string()));
             return None;
         }
     };
+    if reused > 0 {
+        metrics.prefix_hits.fetch_add(1, Relaxed);
+        metrics.prefix_tokens.fetch_add(reused as u64, Relaxed);
+    }
     let rule = AcceptanceRule::for_sampling(&req.sampling);
     // Adjusted logits change from row to row with the tokens before them; such a request decodes
     // plainly.
@@ -756,7 +886,7 @@ fn admit(
         utf8: Utf8Stream::default(),
         stops: StopFilter::new(req.stop.clone()),
         generated: 0,
-        fed: 0,
+        fed: reused,
         pending: None,
         done: false,
         spec,
@@ -776,6 +906,7 @@ fn admit(
             }],
             _ => Vec::new(),
         },
+        waiting: wait,
         req,
     })
 }

@@ -347,7 +347,7 @@ async fn bad_input_is_4xx_with_openai_error() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "a", "n": 2}).to_string(),
+            json!({"prompt": "a", "n": 17}).to_string(),
             400,
             Some("n"),
         ),

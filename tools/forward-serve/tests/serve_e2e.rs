@@ -127,14 +127,20 @@ async fn smollm2_greedy_matches_model_layer() {
 
 /// The real model through the server's own loader: host backend, 256 positions, 16 sequences.
 async fn load_real(path: &std::path::Path) -> Loaded {
+    load_real_with(path, 256, 0).await
+}
+
+/// The real model with `ctx` positions and a prefix cache of `prefix_cache` sequences.
+async fn load_real_with(path: &std::path::Path, ctx: usize, prefix_cache: usize) -> Loaded {
     let spec = LoadSpec {
         model: ModelArgs {
             path: Some(path.to_path_buf()),
             backend: Backend::Host,
             kernels: None,
         },
-        ctx: 256,
+        ctx,
         max_sequences: 16,
+        prefix_cache,
     };
     tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
         .await
@@ -151,7 +157,17 @@ async fn start_real(
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
 ) {
-    let loaded = load_real(path).await;
+    serve_loaded(load_real(path).await, cfg).await
+}
+
+async fn serve_loaded(
+    loaded: Loaded,
+    cfg: Config,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
+) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -289,6 +305,151 @@ async fn speculative_greedy_equals_plain_greedy_on_smollm2() {
     let tau = metric(&body, "forward_serve_speculative_tau").unwrap_or(0.0);
     eprintln!("tau = {tau}");
     assert!(tau > 1.0, "{body}");
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(60), server)
+        .await
+        .expect("stop")
+        .expect("join")
+        .expect("clean stop");
+}
+
+/// A chat's second turn over a long history starts from the first turn's cached state, and the
+/// samples of an `n` > 1 request copy the prompt their first sample read: both give exactly what
+/// a server without either gives (same text, same log-probabilities), sample `i` being the
+/// request with seed `seed + i`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_and_shared_samples_give_the_cold_outputs() {
+    let Some(path) = model_path() else { return };
+    let cfg = || Config {
+        request_timeout: Duration::from_secs(600),
+        ..Config::default()
+    };
+    let (warm, stop_warm, warm_server) =
+        serve_loaded(load_real_with(&path, 2048, 4).await, cfg()).await;
+    let (cold, stop_cold, cold_server) =
+        serve_loaded(load_real_with(&path, 2048, 0).await, cfg()).await;
+    let history: String = forward_serve::bench::BENCH_PROMPTS
+        .iter()
+        .cycle()
+        .take(140)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a helpful assistant."}),
+        json!({"role": "user", "content": format!("Here are some notes: {history}\nSummarize them.")}),
+    ];
+    let turn = |addr, messages: Vec<Value>| async move {
+        let r = post_json(
+            addr,
+            "/v1/chat/completions",
+            &json!({"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let first = turn(warm, messages.clone()).await;
+    let first_text = first["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert_eq!(
+        turn(cold, messages.clone()).await["choices"],
+        first["choices"]
+    );
+    messages.push(json!({"role": "assistant", "content": first_text}));
+    messages.push(json!({"role": "user", "content": "Now say it in one word."}));
+    let before = get(warm, "/metrics").await.text();
+    let second = turn(warm, messages.clone()).await;
+    let after = get(warm, "/metrics").await.text();
+    let second_cold = turn(cold, messages.clone()).await;
+    assert_eq!(
+        second["choices"], second_cold["choices"],
+        "second turn: warm vs cold"
+    );
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_f64().unwrap_or(0.0);
+    let reused = metric(&after, "forward_serve_prefix_cache_tokens_total").unwrap_or(0.0)
+        - metric(&before, "forward_serve_prefix_cache_tokens_total").unwrap_or(0.0);
+    eprintln!("second turn: {reused} of {prompt_tokens} prompt tokens from the prefix cache");
+    assert!(
+        prompt_tokens > 500.0 && reused > 0.9 * prompt_tokens - 40.0,
+        "{reused} of {prompt_tokens}"
+    );
+
+    // n = 3 sampled: sample i equals the n = 1 request seeded seed + i on the cold server.
+    let body = |n: usize, seed: u64| json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": seed, "n": n, "logprobs": 1});
+    let many = post_json(warm, "/v1/completions", &body(3, 42))
+        .await
+        .json();
+    let choices = many["choices"].as_array().cloned().unwrap_or_default();
+    assert_eq!(choices.len(), 3, "{many}");
+    for (i, c) in choices.iter().enumerate() {
+        let one = post_json(cold, "/v1/completions", &body(1, 42 + i as u64))
+            .await
+            .json();
+        let mut want = one["choices"][0].clone();
+        want["index"] = json!(i);
+        assert_eq!(c, &want, "sample {i}");
+    }
+    let texts: std::collections::HashSet<&str> =
+        choices.iter().filter_map(|c| c["text"].as_str()).collect();
+    assert!(texts.len() > 1, "three samples, one text: {choices:?}");
+    let shared = metric(
+        &get(warm, "/metrics").await.text(),
+        "forward_serve_shared_prompt_samples_total",
+    )
+    .unwrap_or(0.0);
+    assert_eq!(shared, 2.0, "samples 1 and 2 copy sample 0's prompt");
+    for (stop, server) in [(stop_warm, warm_server), (stop_cold, cold_server)] {
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(60), server)
+            .await
+            .expect("stop")
+            .expect("join")
+            .expect("clean stop");
+    }
+}
+
+/// Log-probabilities under greedy speculative decoding come from the verify rows that predicted
+/// each token: the same tokens and (to batching's rounding) the same values as plain decoding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_logprobs_equal_plain_ones() {
+    let Some(path) = model_path() else { return };
+    let (addr, stop, server) = start_real(&path, Config::default()).await;
+    let ask = |spec: bool| {
+        json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 24, "temperature": 0,
+               "logprobs": 3, "speculative": spec})
+    };
+    let plain = post_json(addr, "/v1/completions", &ask(false)).await.json();
+    let spec = post_json(addr, "/v1/completions", &ask(true)).await.json();
+    let (p, s) = (
+        &plain["choices"][0]["logprobs"],
+        &spec["choices"][0]["logprobs"],
+    );
+    assert_eq!(p["tokens"], s["tokens"]);
+    assert_eq!(p["text_offset"], s["text_offset"]);
+    let (pl, sl) = (
+        p["token_logprobs"].as_array(),
+        s["token_logprobs"].as_array(),
+    );
+    let (Some(pl), Some(sl)) = (pl, sl) else {
+        panic!("no token_logprobs: {plain} {spec}");
+    };
+    assert_eq!(pl.len(), 24);
+    for (a, b) in pl.iter().zip(sl) {
+        let (a, b) = (
+            a.as_f64().unwrap_or(f64::NAN),
+            b.as_f64().unwrap_or(f64::NAN),
+        );
+        assert!((a - b).abs() < 1e-3, "{a} vs {b}");
+    }
+    let tau = metric(
+        &get(addr, "/metrics").await.text(),
+        "forward_serve_speculative_tau",
+    )
+    .unwrap_or(0.0);
+    assert!(tau > 1.5, "the prompt should draft well: tau {tau}");
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(60), server)
         .await

@@ -230,7 +230,7 @@ async fn every_field_is_honoured_or_refused_by_name() {
             cmpl(json!({"frobnicate": 1})),
             "frobnicate",
         ),
-        ("/v1/completions", cmpl(json!({"n": 2})), "n"),
+        ("/v1/completions", cmpl(json!({"n": 17})), "n"),
         ("/v1/completions", cmpl(json!({"best_of": 3})), "best_of"),
         ("/v1/completions", cmpl(json!({"suffix": "end"})), "suffix"),
         ("/v1/completions", cmpl(json!({"logprobs": 6})), "logprobs"),
@@ -301,7 +301,7 @@ async fn every_field_is_honoured_or_refused_by_name() {
             chat(json!({"modalities": ["text", "audio"]})),
             "modalities",
         ),
-        ("/v1/chat/completions", chat(json!({"n": 3})), "n"),
+        ("/v1/chat/completions", chat(json!({"n": 0})), "n"),
         (
             "/completion",
             json!({"prompt": "hi", "n_probs": 3}),

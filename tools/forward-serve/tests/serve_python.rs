@@ -75,6 +75,7 @@ fn openai_python_client_completes_streams_and_reads_logprobs() {
             "completion logprobs stream ok",
             "chat logprobs ok",
             "chat logprobs stream ok",
+            "n ok",
             "error ok",
         ],
     );

@@ -86,6 +86,7 @@ fn request(prompt: &str, max_tokens: usize) -> (GenRequest, mpsc::UnboundedRecei
             logprobs: None,
             prompt_logprobs: false,
             adjust: Default::default(),
+            group: None,
         },
         rx,
     )

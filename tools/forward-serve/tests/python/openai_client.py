@@ -101,9 +101,21 @@ def main() -> int:
     assert "".join(got) == "USE", got
     print("chat logprobs stream ok")
 
+    # n samples: one choice each, in order (greedy, so all equal here).
+    r = client.completions.create(model="fake", prompt="ab", max_tokens=3, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and {c.text for c in r.choices} == {"ABA"}, r
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 9, r
+    texts = {}
+    for chunk in client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {0: "USER", 1: "USER"}, texts
+    print("n ok")
     try:
-        client.completions.create(model="fake", prompt="a", max_tokens=2, n=2)
-        raise AssertionError("n=2 accepted")
+        client.completions.create(model="fake", prompt="a", max_tokens=2, n=17)
+        raise AssertionError("n=17 accepted")
     except Exception as e:  # openai.BadRequestError
         assert getattr(e, "status_code", None) == 400, e
     try:
