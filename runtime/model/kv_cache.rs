@@ -43,7 +43,14 @@ impl KvCache {
         if f32_cache {
             KvCache::F32((0..layers).map(|l| vec![0.0; len(l)]).collect())
         } else {
-            KvCache::F16((0..layers).map(|l| vec![f16::ZERO; len(l)]).collect())
+            // Zeroed by the allocator (fresh pages stay untouched until a position is written):
+            // `vec![f16::ZERO; n]` writes every element, and a 2048-position cache faulted in
+            // ~47 MB per new sequence before its first token.
+            KvCache::F16(
+                (0..layers)
+                    .map(|l| bytemuck::zeroed_vec::<f16>(len(l)))
+                    .collect(),
+            )
         }
     }
 

@@ -5,8 +5,11 @@
 //! Every stream asks for the same number of tokens with EOS ignored, so the two phases generate
 //! exactly the tokens they claim. Tokens/s are completion tokens over wall time from submission to
 //! the last `Done` (prefill included, as a client sees it).
+//!
+//! A second case times the first token of a chat's second turn over a long history, read cold and
+//! from the prefix cache (the first turn's state).
 
-use super::engine::{Loaded, SamplingConfig, TextCodec};
+use super::engine::{ChatMessage, Loaded, SamplingConfig, TextCodec};
 use super::metrics::Metrics;
 use super::scheduler::{self, Control, Event, GenRequest};
 use std::sync::atomic::AtomicBool;
@@ -79,6 +82,66 @@ pub struct BenchResult {
     pub concurrent_decode_tok_s: f64,
     /// Mean rows per decode pass in the concurrent phase.
     pub concurrent_rows_per_pass: f64,
+    /// The chat case (absent when the context is too small for it).
+    pub chat_turn: Option<ChatTurnResult>,
+}
+
+/// The chat case: a second turn's time to its first token, cold and from the prefix cache.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ChatTurnResult {
+    /// Prompt tokens of the second turn.
+    pub prompt_tokens: usize,
+    /// Median milliseconds to the first token, the prompt read cold.
+    pub cold_ms: f64,
+    /// The same with the first turn's state in the prefix cache.
+    pub warm_ms: f64,
+    /// `cold_ms / warm_ms`.
+    pub speedup: f64,
+    /// Every round's cold and warm milliseconds.
+    pub cold_runs_ms: Vec<f64>,
+    /// See `cold_runs_ms`.
+    pub warm_runs_ms: Vec<f64>,
+}
+
+/// Bench prompts repeated in [`long_chat`]'s history (about a thousand tokens on the default
+/// model); the bench uses fewer when its context is smaller.
+pub const LONG_CHAT_PROMPTS: usize = 140;
+
+/// A chat whose user turn carries a history of `prompts` bench prompts (140: about a thousand
+/// tokens); `tag` makes the system prompt, hence the whole prompt, distinct.
+pub fn long_chat(tag: &str, prompts: usize) -> Vec<ChatMessage> {
+    let history: Vec<&str> = BENCH_PROMPTS
+        .iter()
+        .cycle()
+        .take(prompts)
+        .copied()
+        .collect();
+    vec![
+        ChatMessage {
+            role: "system".into(),
+            content: format!("You are a helpful assistant ({tag})."),
+        },
+        ChatMessage {
+            role: "user".into(),
+            content: format!(
+                "Here are some notes: {}\nSummarize them.",
+                history.join(" ")
+            ),
+        },
+    ]
+}
+
+/// The second turn of [`long_chat`]: its answer `reply`, then a short question.
+pub fn second_turn(mut chat: Vec<ChatMessage>, reply: &str) -> Vec<ChatMessage> {
+    chat.push(ChatMessage {
+        role: "assistant".into(),
+        content: reply.to_string(),
+    });
+    chat.push(ChatMessage {
+        role: "user".into(),
+        content: "Now say it in one word.".into(),
+    });
+    chat
 }
 
 /// Errors of the bench.
@@ -104,6 +167,17 @@ fn submit(
     let ids = codec
         .prompt_tokens(prompt, false)
         .map_err(|e| BenchError::Failed(e.to_string()))?;
+    submit_ids(tx, metrics, ids, tokens, temperature, seed)
+}
+
+fn submit_ids(
+    tx: &mpsc::Sender<GenRequest>,
+    metrics: &Metrics,
+    ids: Vec<u32>,
+    tokens: usize,
+    temperature: f32,
+    seed: u64,
+) -> Result<mpsc::UnboundedReceiver<Event>, BenchError> {
     let (etx, erx) = mpsc::unbounded_channel();
     let req = GenRequest {
         prompt: ids,
@@ -141,6 +215,82 @@ fn drain(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<usize, BenchError> {
         }
     }
     Err(BenchError::Failed("a stream ended without Done".into()))
+}
+
+/// A greedy completion of a chat: its text and the seconds to its end.
+fn chat_completion(
+    tx: &mpsc::Sender<GenRequest>,
+    codec: &dyn TextCodec,
+    metrics: &Metrics,
+    chat: &[ChatMessage],
+    tokens: usize,
+) -> Result<(String, usize, f64), BenchError> {
+    let fail = |e: super::engine::EngineError| BenchError::Failed(e.to_string());
+    let text = codec.chat_prompt(chat).map_err(fail)?;
+    let ids = codec.prompt_tokens(&text, true).map_err(fail)?;
+    let n = ids.len();
+    let t0 = Instant::now();
+    let mut rx = submit_ids(tx, metrics, ids, tokens, 0.0, 0)?;
+    let mut out = String::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Text(t) => out.push_str(&t),
+            Event::Logprobs(_) | Event::PromptLogprobs(_) => {}
+            Event::Done { .. } => return Ok((out, n, t0.elapsed().as_secs_f64())),
+            Event::Error(e) => return Err(BenchError::Failed(e)),
+        }
+    }
+    Err(BenchError::Failed("a stream ended without Done".into()))
+}
+
+/// The chat case, `rounds` times: a second turn timed to its first token with its prompt read
+/// cold, then (another conversation) after its first turn left its state in the prefix cache.
+/// (second-turn prompt tokens, cold ms, warm ms).
+fn chat_turn_case(
+    tx: &mpsc::Sender<GenRequest>,
+    codec: &dyn TextCodec,
+    metrics: &Metrics,
+    rounds: usize,
+) -> Result<Option<ChatTurnResult>, BenchError> {
+    const REPLY: &str = "The notes list facts about many topics.";
+    // Fit the history to the context, with room for a 16-token reply and the template.
+    let fail = |e: super::engine::EngineError| BenchError::Failed(e.to_string());
+    let count = |prompts: usize| -> Result<usize, BenchError> {
+        let chat = second_turn(long_chat("size", prompts), REPLY);
+        let text = codec.chat_prompt(&chat).map_err(fail)?;
+        Ok(codec.prompt_tokens(&text, true).map_err(fail)?.len())
+    };
+    let room = codec.context_len().saturating_sub(48);
+    let mut prompts = LONG_CHAT_PROMPTS;
+    while count(prompts)? > room {
+        if prompts < 4 {
+            return Ok(None);
+        }
+        prompts = prompts * 9 / 10;
+    }
+    let (mut cold, mut warm, mut tokens) = (Vec::new(), Vec::new(), 0);
+    for r in 0..rounds {
+        // Cold: a conversation whose first turn this server never saw.
+        let chat = second_turn(long_chat(&format!("cold {r}"), prompts), REPLY);
+        let (_, n, secs) = chat_completion(tx, codec, metrics, &chat, 1)?;
+        cold.push(secs * 1e3);
+        // Warm: the first turn runs (untimed), then the second.
+        let first = long_chat(&format!("warm {r}"), prompts);
+        let (reply, _, _) = chat_completion(tx, codec, metrics, &first, 16)?;
+        let (_, n_warm, secs) =
+            chat_completion(tx, codec, metrics, &second_turn(first, &reply), 1)?;
+        warm.push(secs * 1e3);
+        tokens = n.max(n_warm);
+    }
+    let (c, w) = (median(&cold), median(&warm));
+    Ok(Some(ChatTurnResult {
+        prompt_tokens: tokens,
+        cold_ms: c,
+        warm_ms: w,
+        speedup: c / w.max(1e-9),
+        cold_runs_ms: cold,
+        warm_runs_ms: warm,
+    }))
 }
 
 /// Run `streams` prompts at once; (completion tokens, seconds).
@@ -235,6 +385,7 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
             per_pass.push(p);
         }
         let (s, c) = (median(&single), median(&conc));
+        let chat_turn = chat_turn_case(&tx, &*codec, &metrics, rounds)?;
         Ok(BenchResult {
             model: codec.model_id().to_string(),
             streams,
@@ -249,6 +400,7 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
             single_decode_tok_s: median(&single_dec),
             concurrent_decode_tok_s: median(&conc_dec),
             concurrent_rows_per_pass: median(&per_pass),
+            chat_turn,
         })
     })();
     drop(tx);
@@ -270,7 +422,7 @@ pub fn table(r: &BenchResult) -> String {
          |------------|---------|----------------------|-------------------|----------------------|\n\
          | single     | 1       | {:>20.1} | {:>17.1} | {} |\n\
          | concurrent | {:<7} | {:>20.1} | {:>17.1} | {} |\n\
-         speedup: {:.2}×   (concurrent rows per decode pass: {:.1})\n",
+         speedup: {:.2}×   (concurrent rows per decode pass: {:.1})\n{}",
         r.model,
         if r.temperature > 0.0 {
             format!("sampled (temperature {})", r.temperature)
@@ -288,5 +440,18 @@ pub fn table(r: &BenchResult) -> String {
         list(&r.concurrent_runs_tok_s),
         r.speedup,
         r.concurrent_rows_per_pass,
+        match &r.chat_turn {
+            Some(c) => format!(
+                "chat second turn ({} prompt tokens), time to first token: {:.1} ms cold, {:.1} ms \
+                 from the prefix cache ({:.1}×; rounds cold {}, warm {})\n",
+                c.prompt_tokens,
+                c.cold_ms,
+                c.warm_ms,
+                c.speedup,
+                list(&c.cold_runs_ms),
+                list(&c.warm_runs_ms),
+            ),
+            None => "chat second turn: skipped (the context is too small for its history)\n".into(),
+        },
     )
 }

@@ -314,6 +314,9 @@ pub struct ModelEngine {
     /// The tokens of each sequence's last step, until its commit says how many were kept.
     stepped: HashMap<SeqId, Vec<u32>>,
     cache: PrefixCache,
+    /// States of ended sequences, reset and ready for new ones (at most `capacity` states exist
+    /// outside the prefix cache): a request allocates no KV cache once the server is warm.
+    spare: Vec<SequenceState>,
     next: SeqId,
 }
 
@@ -347,15 +350,28 @@ impl PrefixCache {
     }
 
     /// Keep `state` holding `tokens`; entries it extends are dropped (it serves them all), and
-    /// the least recently used beyond the capacity.
-    fn insert(&mut self, tokens: Vec<u32>, state: SequenceState) {
+    /// the least recently used beyond the capacity. Returns the states let go.
+    fn insert(&mut self, tokens: Vec<u32>, state: SequenceState) -> Vec<SequenceState> {
         if self.capacity == 0 || tokens.is_empty() {
-            return;
+            return vec![state];
         }
-        self.entries
-            .retain(|(t, _)| !(t.len() <= tokens.len() && tokens[..t.len()] == t[..]));
-        self.entries.push_front((tokens, state));
-        self.entries.truncate(self.capacity);
+        let mut out = Vec::new();
+        let mut kept = std::collections::VecDeque::with_capacity(self.capacity);
+        for (t, s) in self.entries.drain(..) {
+            if t.len() <= tokens.len() && tokens[..t.len()] == t[..] {
+                out.push(s);
+            } else {
+                kept.push_back((t, s));
+            }
+        }
+        kept.push_front((tokens, state));
+        while kept.len() > self.capacity {
+            if let Some((_, s)) = kept.pop_back() {
+                out.push(s);
+            }
+        }
+        self.entries = kept;
+        out
     }
 }
 
@@ -375,6 +391,7 @@ impl ModelEngine {
                 capacity: prefix_cache,
                 entries: std::collections::VecDeque::new(),
             },
+            spare: Vec::new(),
             next: 1,
         }
     }
@@ -428,7 +445,13 @@ impl Engine for ModelEngine {
                 self.seqs.len()
             )));
         }
-        let state = self.model.new_sequence(self.ctx).map_err(device_err)?;
+        let state = match self.spare.pop() {
+            Some(mut s) => {
+                s.reset();
+                s
+            }
+            None => self.model.new_sequence(self.ctx).map_err(device_err)?,
+        };
         let id = self.next;
         self.next += 1;
         self.seqs.insert(id, state);
@@ -572,10 +595,19 @@ impl Engine for ModelEngine {
     fn release(&mut self, seq: SeqId) {
         self.stepped.remove(&seq);
         let tokens = self.history.remove(&seq);
-        if let (Some(state), Some(tokens)) = (self.seqs.remove(&seq), tokens) {
-            // Only a state at rest is kept: its committed positions hold exactly `tokens`.
-            if state.pending_rows().is_none() && state.position() == tokens.len() {
-                self.cache.insert(tokens, state);
+        let Some(state) = self.seqs.remove(&seq) else {
+            return;
+        };
+        // Only a state at rest is cached: its committed positions hold exactly `tokens`.
+        let freed = match tokens {
+            Some(t) if state.pending_rows().is_none() && state.position() == t.len() => {
+                self.cache.insert(t, state)
+            }
+            _ => vec![state],
+        };
+        for s in freed {
+            if self.spare.len() + self.seqs.len() < self.capacity {
+                self.spare.push(s);
             }
         }
     }

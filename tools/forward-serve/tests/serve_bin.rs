@@ -203,7 +203,7 @@ fn bench_reports_sampled_streams_against_one() {
             "--backend",
             "host",
             "--ctx",
-            "64",
+            "256",
             "--max-batch",
             "3",
             "--bench",
@@ -243,4 +243,14 @@ fn bench_reports_sampled_streams_against_one() {
         (speedup - concurrent / single).abs() < 1e-9 * speedup,
         "{v}"
     );
+    // 256 positions hold a shortened chat history: the prefix-cache case runs on it.
+    let chat = &v["chat_turn"];
+    assert!(
+        chat["prompt_tokens"]
+            .as_u64()
+            .is_some_and(|n| n > 64 && n <= 256),
+        "{v}"
+    );
+    assert!(chat["cold_ms"].as_f64().is_some_and(|c| c > 0.0), "{v}");
+    assert!(chat["warm_ms"].as_f64().is_some_and(|w| w > 0.0), "{v}");
 }

@@ -328,17 +328,13 @@ async fn prefix_cache_and_shared_samples_give_the_cold_outputs() {
         serve_loaded(load_real_with(&path, 2048, 4).await, cfg()).await;
     let (cold, stop_cold, cold_server) =
         serve_loaded(load_real_with(&path, 2048, 0).await, cfg()).await;
-    let history: String = forward_serve::bench::BENCH_PROMPTS
-        .iter()
-        .cycle()
-        .take(140)
-        .copied()
-        .collect::<Vec<_>>()
-        .join(" ");
-    let mut messages = vec![
-        json!({"role": "system", "content": "You are a helpful assistant."}),
-        json!({"role": "user", "content": format!("Here are some notes: {history}\nSummarize them.")}),
-    ];
+    let to_json = |m: &[forward_serve::engine::ChatMessage]| -> Vec<Value> {
+        m.iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect()
+    };
+    let chat = forward_serve::bench::long_chat("test", forward_serve::bench::LONG_CHAT_PROMPTS);
+    let mut messages = to_json(&chat);
     let turn = |addr, messages: Vec<Value>| async move {
         let r = post_json(
             addr,
@@ -358,8 +354,7 @@ async fn prefix_cache_and_shared_samples_give_the_cold_outputs() {
         turn(cold, messages.clone()).await["choices"],
         first["choices"]
     );
-    messages.push(json!({"role": "assistant", "content": first_text}));
-    messages.push(json!({"role": "user", "content": "Now say it in one word."}));
+    messages = to_json(&forward_serve::bench::second_turn(chat, &first_text));
     let before = get(warm, "/metrics").await.text();
     let second = turn(warm, messages.clone()).await;
     let after = get(warm, "/metrics").await.text();
