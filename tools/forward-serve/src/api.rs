@@ -899,8 +899,10 @@ fn chat_logprobs(codec: &dyn TextCodec, entries: &[LoggedToken]) -> Value {
             "token": String::from_utf8_lossy(&bytes), "logprob": lp_json(lp), "bytes": bytes,
         })
     };
+    // The content's tokens only: the EOS that ended it is not part of the message.
     let content: Vec<Value> = entries
         .iter()
+        .filter(|e| !codec.eos_ids().contains(&e.lp.token))
         .map(|e| {
             let lp = e.lp.logprob.unwrap_or(0.0);
             let mut v = item(e.lp.token, lp);

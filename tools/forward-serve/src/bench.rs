@@ -6,12 +6,13 @@
 //! exactly the tokens they claim. Tokens/s are completion tokens over wall time from submission to
 //! the last `Done` (prefill included, as a client sees it).
 //!
-//! A second case times the first token of a chat's second turn over a long history, read cold and
-//! from the prefix cache (the first turn's state).
+//! Two more cases time the first token of a chat's second turn over a long history, read cold and
+//! from the prefix cache (the first turn's state), and the first tokens of `n` samples of one long
+//! prompt, read once for all of them and read by each.
 
 use super::engine::{ChatMessage, Loaded, SamplingConfig, TextCodec};
 use super::metrics::Metrics;
-use super::scheduler::{self, Control, Event, GenRequest};
+use super::scheduler::{self, Control, Event, GenRequest, SampleGroup};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -84,7 +85,28 @@ pub struct BenchResult {
     pub concurrent_rows_per_pass: f64,
     /// The chat case (absent when the context is too small for it).
     pub chat_turn: Option<ChatTurnResult>,
+    /// The `n` case (absent when the context is too small for it).
+    pub samples: Option<SamplesResult>,
 }
+
+/// The `n` case: [`SHARED_SAMPLES`] samples of one long prompt, each generating one token; the
+/// time until the last has it, the prompt read once (an `n` request) and read by each.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SamplesResult {
+    /// Samples.
+    pub samples: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Median milliseconds, one `n` request (the prompt read once and copied).
+    pub shared_ms: f64,
+    /// Median milliseconds, `n` separate requests at once (each reads the prompt).
+    pub separate_ms: f64,
+    /// `separate_ms / shared_ms`.
+    pub speedup: f64,
+}
+
+/// Samples of the `n` case.
+pub const SHARED_SAMPLES: usize = 4;
 
 /// The chat case: a second turn's time to its first token, cold and from the prefix cache.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -167,7 +189,7 @@ fn submit(
     let ids = codec
         .prompt_tokens(prompt, false)
         .map_err(|e| BenchError::Failed(e.to_string()))?;
-    submit_ids(tx, metrics, ids, tokens, temperature, seed)
+    submit_ids(tx, metrics, ids, tokens, temperature, seed, None)
 }
 
 fn submit_ids(
@@ -177,6 +199,7 @@ fn submit_ids(
     tokens: usize,
     temperature: f32,
     seed: u64,
+    group: Option<SampleGroup>,
 ) -> Result<mpsc::UnboundedReceiver<Event>, BenchError> {
     let (etx, erx) = mpsc::unbounded_channel();
     let req = GenRequest {
@@ -193,7 +216,7 @@ fn submit_ids(
         logprobs: None,
         prompt_logprobs: false,
         adjust: Default::default(),
-        group: None,
+        group,
     };
     metrics
         .queue_depth
@@ -230,7 +253,7 @@ fn chat_completion(
     let ids = codec.prompt_tokens(&text, true).map_err(fail)?;
     let n = ids.len();
     let t0 = Instant::now();
-    let mut rx = submit_ids(tx, metrics, ids, tokens, 0.0, 0)?;
+    let mut rx = submit_ids(tx, metrics, ids, tokens, 0.0, 0, None)?;
     let mut out = String::new();
     while let Some(ev) = rx.blocking_recv() {
         match ev {
@@ -243,6 +266,78 @@ fn chat_completion(
     Err(BenchError::Failed("a stream ended without Done".into()))
 }
 
+const REPLY: &str = "The notes list facts about many topics.";
+
+/// The token ids of a chat.
+fn chat_ids(codec: &dyn TextCodec, chat: &[ChatMessage]) -> Result<Vec<u32>, BenchError> {
+    let fail = |e: super::engine::EngineError| BenchError::Failed(e.to_string());
+    let text = codec.chat_prompt(chat).map_err(fail)?;
+    codec.prompt_tokens(&text, true).map_err(fail)
+}
+
+/// How many bench prompts [`long_chat`]'s history can hold so that its second turn fits the
+/// context with room for a 16-token reply and the template (`None`: not even a few).
+fn fitted_history(codec: &dyn TextCodec) -> Result<Option<usize>, BenchError> {
+    let room = codec.context_len().saturating_sub(48);
+    let mut prompts = LONG_CHAT_PROMPTS;
+    while chat_ids(codec, &second_turn(long_chat("size", prompts), REPLY))?.len() > room {
+        if prompts < 4 {
+            return Ok(None);
+        }
+        prompts = prompts * 9 / 10;
+    }
+    Ok(Some(prompts))
+}
+
+/// The `n` case, `rounds` times: [`SHARED_SAMPLES`] sampled first tokens of a long prompt as one
+/// group, then (another prompt of the same length) as separate requests.
+fn samples_case(
+    tx: &mpsc::Sender<GenRequest>,
+    codec: &dyn TextCodec,
+    metrics: &Metrics,
+    rounds: usize,
+) -> Result<Option<SamplesResult>, BenchError> {
+    let Some(prompts) = fitted_history(codec)? else {
+        return Ok(None);
+    };
+    let n = SHARED_SAMPLES;
+    let (mut shared, mut separate, mut tokens) = (Vec::new(), Vec::new(), 0);
+    for r in 0..rounds {
+        for grouped in [true, false] {
+            let tag = format!("samples {r} {grouped}");
+            let ids = chat_ids(codec, &long_chat(&tag, prompts))?;
+            tokens = ids.len();
+            let t0 = Instant::now();
+            let rxs = (0..n)
+                .map(|i| {
+                    let group = grouped.then_some(SampleGroup {
+                        id: r as u64,
+                        index: i,
+                    });
+                    submit_ids(tx, metrics, ids.clone(), 1, 0.8, i as u64, group)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            for rx in rxs {
+                drain(rx)?;
+            }
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            if grouped {
+                shared.push(ms);
+            } else {
+                separate.push(ms);
+            }
+        }
+    }
+    let (s, p) = (median(&shared), median(&separate));
+    Ok(Some(SamplesResult {
+        samples: n,
+        prompt_tokens: tokens,
+        shared_ms: s,
+        separate_ms: p,
+        speedup: p / s.max(1e-9),
+    }))
+}
+
 /// The chat case, `rounds` times: a second turn timed to its first token with its prompt read
 /// cold, then (another conversation) after its first turn left its state in the prefix cache.
 /// (second-turn prompt tokens, cold ms, warm ms).
@@ -252,22 +347,9 @@ fn chat_turn_case(
     metrics: &Metrics,
     rounds: usize,
 ) -> Result<Option<ChatTurnResult>, BenchError> {
-    const REPLY: &str = "The notes list facts about many topics.";
-    // Fit the history to the context, with room for a 16-token reply and the template.
-    let fail = |e: super::engine::EngineError| BenchError::Failed(e.to_string());
-    let count = |prompts: usize| -> Result<usize, BenchError> {
-        let chat = second_turn(long_chat("size", prompts), REPLY);
-        let text = codec.chat_prompt(&chat).map_err(fail)?;
-        Ok(codec.prompt_tokens(&text, true).map_err(fail)?.len())
+    let Some(prompts) = fitted_history(codec)? else {
+        return Ok(None);
     };
-    let room = codec.context_len().saturating_sub(48);
-    let mut prompts = LONG_CHAT_PROMPTS;
-    while count(prompts)? > room {
-        if prompts < 4 {
-            return Ok(None);
-        }
-        prompts = prompts * 9 / 10;
-    }
     let (mut cold, mut warm, mut tokens) = (Vec::new(), Vec::new(), 0);
     for r in 0..rounds {
         // Cold: a conversation whose first turn this server never saw.
@@ -386,6 +468,7 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
         }
         let (s, c) = (median(&single), median(&conc));
         let chat_turn = chat_turn_case(&tx, &*codec, &metrics, rounds)?;
+        let samples = samples_case(&tx, &*codec, &metrics, rounds)?;
         Ok(BenchResult {
             model: codec.model_id().to_string(),
             streams,
@@ -401,6 +484,7 @@ pub fn run(loaded: Loaded, spec: &BenchSpec) -> Result<BenchResult, BenchError> 
             concurrent_decode_tok_s: median(&conc_dec),
             concurrent_rows_per_pass: median(&per_pass),
             chat_turn,
+            samples,
         })
     })();
     drop(tx);
@@ -422,7 +506,7 @@ pub fn table(r: &BenchResult) -> String {
          |------------|---------|----------------------|-------------------|----------------------|\n\
          | single     | 1       | {:>20.1} | {:>17.1} | {} |\n\
          | concurrent | {:<7} | {:>20.1} | {:>17.1} | {} |\n\
-         speedup: {:.2}×   (concurrent rows per decode pass: {:.1})\n{}",
+         speedup: {:.2}×   (concurrent rows per decode pass: {:.1})\n{}{}",
         r.model,
         if r.temperature > 0.0 {
             format!("sampled (temperature {})", r.temperature)
@@ -452,6 +536,14 @@ pub fn table(r: &BenchResult) -> String {
                 list(&c.warm_runs_ms),
             ),
             None => "chat second turn: skipped (the context is too small for its history)\n".into(),
+        },
+        match &r.samples {
+            Some(c) => format!(
+                "{} samples of one {}-token prompt, time to every first token: {:.1} ms read once \
+                 (n = {}), {:.1} ms read by each ({:.1}×)\n",
+                c.samples, c.prompt_tokens, c.shared_ms, c.samples, c.separate_ms, c.speedup
+            ),
+            None => "samples of one prompt: skipped (the context is too small)\n".into(),
         },
     )
 }

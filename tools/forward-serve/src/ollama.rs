@@ -384,6 +384,13 @@ fn parse(app: &App, v: &Value, route: Route) -> Result<Option<Request>, ApiError
     Ok(Some(Request { params, route }))
 }
 
+/// Validate an `/api/generate` (`chat` false) or `/api/chat` body as the handlers do: the request
+/// it makes, or `None` for a generate with an empty prompt (a model load), or the 4xx error.
+pub fn validate(app: &App, v: &Value, chat: bool) -> Result<Option<Params>, ApiError> {
+    let route = if chat { Route::Chat } else { Route::Generate };
+    Ok(parse(app, v, route)?.map(|r| r.params))
+}
+
 /// What every line of an answer carries, and the final line's counters.
 struct Reply {
     model: String,

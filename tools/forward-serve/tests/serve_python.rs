@@ -1,6 +1,10 @@
-//! Clients no one here wrote against the `forward-serve` binary (fake engine): the official
-//! OpenAI Python client and the `ollama` Python package. Each skips loudly when python3 or its
-//! package is missing; under CI, where `.ci/run` installs them, it fails instead.
+//! Clients no one here wrote against the `forward-serve` binary: the official OpenAI Python client
+//! and the `ollama` Python package, on the fake engine (whose answers are known exactly) and on the
+//! real default model. Each skips loudly when python3 or its package is missing; under CI, where
+//! `.ci/run` installs them, it fails instead.
+
+#[path = "../../../tests/support/smollm2.rs"]
+mod smollm2;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -9,6 +13,25 @@ use std::time::Duration;
 /// Run `tests/python/<script> <base><suffix>` against a fresh fake-engine server; every line of
 /// `checks` must be in its output.
 fn run_client(module: &str, script: &str, suffix: &str, checks: &[&str]) {
+    run_client_with(
+        module,
+        script,
+        suffix,
+        &["--fake-engine".as_ref()],
+        &[],
+        checks,
+    );
+}
+
+/// The same against a server started with `server_args`, the script given `extra` arguments.
+fn run_client_with(
+    module: &str,
+    script: &str,
+    suffix: &str,
+    server_args: &[&std::ffi::OsStr],
+    extra: &[&str],
+    checks: &[&str],
+) {
     let have = Command::new("python3")
         .args(["-c", &format!("import {module}")])
         .stdout(Stdio::null())
@@ -20,11 +43,12 @@ fn run_client(module: &str, script: &str, suffix: &str, checks: &[&str]) {
             std::env::var_os("CI").is_none(),
             "python3 with the `{module}` package is missing under CI (.ci/run installs it)"
         );
-        eprintln!("SKIPPED {script}: python3 with the `{module}` package is not available (python3 -m pip install {module})");
+        eprintln!("SKIPPED {script}: python3 with the `{module}` package is not available (python3 -m pip install {})", module.replace(", ", " "));
         return;
     }
     let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-        .args(["--fake-engine", "--port", "0"])
+        .args(server_args)
+        .args(["--port", "0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -39,11 +63,12 @@ fn run_client(module: &str, script: &str, suffix: &str, checks: &[&str]) {
         }
     });
     let base = rx
-        .recv_timeout(Duration::from_secs(20))
+        .recv_timeout(Duration::from_secs(120))
         .expect("listening line");
     let script_path = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new("python3")
         .args([&script_path, &format!("{base}{suffix}")])
+        .args(extra)
         .output();
     let _ = child.kill();
     let _ = child.wait();
@@ -96,6 +121,40 @@ fn ollama_python_client_generates_chats_and_lists() {
             "chat ok",
             "chat stream ok",
             "errors ok",
+        ],
+    );
+}
+
+#[test]
+fn openai_and_ollama_clients_against_the_real_model() {
+    let Some(gguf) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    let id = gguf
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .expect("model file name");
+    run_client_with(
+        "openai, ollama",
+        "real_model_clients.py",
+        "",
+        &[
+            "--model".as_ref(),
+            gguf.as_os_str(),
+            "--backend".as_ref(),
+            "host".as_ref(),
+            "--ctx".as_ref(),
+            "512".as_ref(),
+        ],
+        &[&id],
+        &[
+            "completion logprobs ok",
+            "completion stream ok",
+            "echo scoring ok",
+            "chat logprobs ok",
+            "n samples ok",
+            "ollama generate ok",
+            "ollama chat ok",
         ],
     );
 }
