@@ -6,9 +6,8 @@ mod smollm2;
 
 use serde_json::json;
 use serve_common::*;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 struct Proc {
@@ -30,28 +29,15 @@ fn spawn(extra: &[&str]) -> Proc {
 }
 
 fn spawn_with(extra: &[&str]) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-        .args(["--host", "127.0.0.1", "--port", "0"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn forward-serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix("forward-serve listening on http://") {
-                let _ = tx.send(a.trim().to_string());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("listening line");
+    let args: Vec<&std::ffi::OsStr> = ["--host", "127.0.0.1"]
+        .iter()
+        .chain(extra)
+        .map(std::ffi::OsStr::new)
+        .collect();
+    let (child, base) = spawn_binary(&args, Duration::from_secs(20));
     Proc {
         child,
-        addr: addr.parse().expect("address"),
+        addr: base.trim_start_matches("http://").parse().expect("address"),
     }
 }
 

@@ -117,12 +117,7 @@ async fn smollm2_greedy_matches_model_layer() {
         v["usage"]["prompt_tokens"].as_u64().is_some_and(|p| p > 5),
         "{v}"
     );
-    let _ = tx.send(());
-    tokio::time::timeout(Duration::from_secs(30), server)
-        .await
-        .expect("stop")
-        .expect("join")
-        .expect("clean stop");
+    stop_server(tx, server).await;
 }
 
 /// The real model through the server's own loader: host backend, 256 positions, 16 sequences.
@@ -158,30 +153,6 @@ async fn start_real(
     tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
 ) {
     serve_loaded(load_real(path).await, cfg).await
-}
-
-async fn serve_loaded(
-    loaded: Loaded,
-    cfg: Config,
-) -> (
-    std::net::SocketAddr,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
-) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(forward_serve::server::run(
-        listener,
-        cfg,
-        loaded,
-        async move {
-            let _ = rx.await;
-        },
-    ));
-    (addr, tx, server)
 }
 
 async fn greedy_text(addr: std::net::SocketAddr, prompt: &str, n: usize, spec: Value) -> String {
@@ -255,12 +226,7 @@ async fn sixteen_concurrent_greedy_requests_equal_each_alone() {
         passes > 0.0 && rows / passes > 12.0,
         "{rows} rows in {passes} passes"
     );
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(60), server)
-        .await
-        .expect("stop")
-        .expect("join")
-        .expect("clean stop");
+    stop_server(stop, server).await;
 }
 
 /// Greedy speculative decoding (n-gram drafts as extra rows of the batched pass, per request and
@@ -305,12 +271,7 @@ async fn speculative_greedy_equals_plain_greedy_on_smollm2() {
     let tau = metric(&body, "forward_serve_speculative_tau").unwrap_or(0.0);
     eprintln!("tau = {tau}");
     assert!(tau > 1.0, "{body}");
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(60), server)
-        .await
-        .expect("stop")
-        .expect("join")
-        .expect("clean stop");
+    stop_server(stop, server).await;
 }
 
 /// A chat's second turn over a long history starts from the first turn's cached state, and the
@@ -397,12 +358,7 @@ async fn prefix_cache_and_shared_samples_give_the_cold_outputs() {
     .unwrap_or(0.0);
     assert_eq!(shared, 2.0, "samples 1 and 2 copy sample 0's prompt");
     for (stop, server) in [(stop_warm, warm_server), (stop_cold, cold_server)] {
-        let _ = stop.send(());
-        tokio::time::timeout(Duration::from_secs(60), server)
-            .await
-            .expect("stop")
-            .expect("join")
-            .expect("clean stop");
+        stop_server(stop, server).await;
     }
 }
 
@@ -445,6 +401,14 @@ async fn speculative_logprobs_equal_plain_ones() {
     )
     .unwrap_or(0.0);
     assert!(tau > 1.5, "the prompt should draft well: tau {tau}");
+    stop_server(stop, server).await;
+}
+
+/// Stop an in-process server and wait (≤ 60 s) for its clean end.
+async fn stop_server(
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
+) {
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(60), server)
         .await

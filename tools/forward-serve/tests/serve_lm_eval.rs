@@ -6,11 +6,13 @@
 //! (its own tokenizer, no HTTP, no scheduler) — and its token ids must equal those lm-eval's
 //! Hugging Face tokenizer made. Skips loudly without python3 + lm_eval; fails under CI.
 
+mod serve_common;
 #[path = "../../../tests/support/smollm2.rs"]
 mod smollm2;
 
+use serve_common::spawn_binary;
+
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -60,33 +62,12 @@ fn lm_eval_scores_equal_xdna_perplexity_scoring() {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .expect("package name");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-        .args([
-            "--backend",
-            "host",
-            "--port",
-            "0",
-            "--ctx",
-            "512",
-            "--model",
-        ])
-        .arg(&pkg)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn forward-serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix("forward-serve listening on ") {
-                let _ = tx.send(a.trim().to_string());
-            }
-        }
-    });
-    let base = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("listening line");
+    let server_args: Vec<&std::ffi::OsStr> = ["--backend", "host", "--ctx", "512", "--model"]
+        .iter()
+        .map(std::ffi::OsStr::new)
+        .chain([pkg.as_os_str()])
+        .collect();
+    let (mut child, base) = spawn_binary(&server_args, Duration::from_secs(120));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/lm_eval_check.py");
     let out = Command::new("python3")
         .arg(script)

@@ -3,10 +3,12 @@
 //! real default model. Each skips loudly when python3 or its package is missing; under CI, where
 //! `.ci/run` installs them, it fails instead.
 
+mod serve_common;
 #[path = "../../../tests/support/smollm2.rs"]
 mod smollm2;
 
-use std::io::{BufRead, BufReader};
+use serve_common::spawn_binary;
+
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -46,25 +48,7 @@ fn run_client_with(
         eprintln!("SKIPPED {script}: python3 with the `{module}` package is not available (python3 -m pip install {})", module.replace(", ", " "));
         return;
     }
-    let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-        .args(server_args)
-        .args(["--port", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn forward-serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix("forward-serve listening on ") {
-                let _ = tx.send(a.trim().to_string());
-            }
-        }
-    });
-    let base = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("listening line");
+    let (mut child, base) = spawn_binary(server_args, Duration::from_secs(120));
     let script_path = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new("python3")
         .args([&script_path, &format!("{base}{suffix}")])

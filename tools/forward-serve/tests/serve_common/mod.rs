@@ -189,23 +189,11 @@ pub struct TestServer {
 
 impl TestServer {
     pub async fn start(cfg: Config, ctx: usize, delay: Duration) -> TestServer {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
         let loaded = Loaded {
             codec: Arc::new(FakeCodec::new(ctx)),
             engine: Box::new(FakeEngine::new(cfg.max_batch, delay)),
         };
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let join = tokio::spawn(forward_serve::server::run(
-            listener,
-            cfg,
-            loaded,
-            async move {
-                let _ = rx.await;
-            },
-        ));
+        let (addr, tx, join) = serve_loaded(loaded, cfg).await;
         TestServer {
             addr,
             stop: Some(tx),
@@ -258,4 +246,56 @@ pub fn err_of(r: &Resp) -> Value {
         "error body without param/code: {v}"
     );
     e
+}
+
+/// The `forward-serve` binary started with `args` and `--port 0`, and its base URL
+/// (`http://127.0.0.1:PORT`) once it prints its listening line (within `wait`).
+pub fn spawn_binary(args: &[&std::ffi::OsStr], wait: Duration) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_forward-serve"))
+        .args(args)
+        .args(["--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn forward-serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(a) = line.strip_prefix("forward-serve listening on ") {
+                let _ = tx.send(a.trim().to_string());
+            }
+        }
+    });
+    let base = rx.recv_timeout(wait).expect("listening line");
+    (child, base)
+}
+
+/// Serve `loaded` in process on a loopback port: its address, the stop switch and the server.
+pub async fn serve_loaded(
+    loaded: Loaded,
+    cfg: Config,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), forward_serve::server::ServeError>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(forward_serve::server::run(
+        listener,
+        cfg,
+        loaded,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    (addr, tx, server)
 }
