@@ -7,16 +7,22 @@
 /// `ln Σ exp(logits)`, in f64 (max-shifted, so large logits do not overflow). An empty row, or a
 /// row of only −∞, gives −∞; a NaN anywhere gives NaN.
 pub fn log_sum_exp(logits: &[f32]) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let (max, sum) = max_and_sum_exp(logits);
     if logits.iter().any(|v| v.is_nan()) {
         return f64::NAN;
     }
     if max.is_infinite() {
-        return f64::from(max);
+        return max;
     }
-    let max = f64::from(max);
-    let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
     max + sum.ln()
+}
+
+/// The row's maximum `m` (NaN ignored) and `Σ exp(logit − m)`, in f64: the two halves of
+/// [`log_sum_exp`], for a caller that subtracts them in its own order.
+pub fn max_and_sum_exp(logits: &[f32]) -> (f64, f64) {
+    let max = f64::from(logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+    let sum = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+    (max, sum)
 }
 
 /// A token and its log-probability, with the most likely alternatives at that position.

@@ -90,7 +90,9 @@ pub fn nll(logits: &[f32], target: u32) -> f64 {
         .get(target as usize)
         .copied()
         .unwrap_or(f32::NEG_INFINITY) as f64;
-    -(lt - super::logprobs::log_sum_exp(logits))
+    // (lt − max) − ln Σ: perplexity's numbers stay those it has always printed.
+    let (max, sum) = super::logprobs::max_and_sum_exp(logits);
+    -(lt - max - sum.ln())
 }
 
 /// The log-likelihood of a continuation after a context, as evaluation harnesses score a choice.
