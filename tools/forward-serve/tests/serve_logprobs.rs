@@ -352,6 +352,68 @@ async fn every_field_is_honoured_or_refused_by_name() {
     s.stop().await;
 }
 
+/// Table-driven: every field the table refuses outright gets a 400 naming it when set; every
+/// field accepted only at its no-op value gets one at another value (the list below must cover
+/// the table, so a field added without a case fails here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refused_or_default_only_field_of_the_table_is_a_400_naming_it() {
+    use forward_serve::fields::{self, Use};
+    let s = TestServer::default().await;
+    let a = s.addr;
+    // A value each default-only field cannot take.
+    let non_default = |name: &str| -> Value {
+        match name {
+            "n" => json!(17),
+            "best_of" => json!(2),
+            "suffix" => json!("tail"),
+            "response_format" => json!({"type": "json_object"}),
+            "tools" | "functions" => json!([{"type": "function", "function": {"name": "f"}}]),
+            "tool_choice" | "function_call" => json!("required"),
+            "parallel_tool_calls" => json!("yes"),
+            "modalities" => json!(["audio"]),
+            "store" => json!(true),
+            "service_tier" => json!("flex"),
+            other => panic!("no non-default value for the default-only field `{other}`"),
+        }
+    };
+    for (path, table, base) in [
+        (
+            "/v1/completions",
+            fields::COMPLETIONS,
+            json!({"prompt": "hi", "max_tokens": 2}),
+        ),
+        (
+            "/v1/chat/completions",
+            fields::CHAT,
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ),
+        (
+            "/completion",
+            fields::LLAMA,
+            json!({"prompt": "hi", "n_predict": 2}),
+        ),
+    ] {
+        let mut cases = vec![("frobnicate".to_string(), json!(1))];
+        for &(name, how) in table {
+            match how {
+                Use::Refused(_) => cases.push((name.to_string(), json!("x"))),
+                Use::DefaultOnly => cases.push((name.to_string(), non_default(name))),
+                Use::Honoured | Use::Label => {}
+            }
+        }
+        for (name, value) in cases {
+            let mut body = base.clone();
+            body[&name] = value;
+            let r = post_json(a, path, &body).await;
+            assert_eq!(r.status, 400, "{path} {body}: {}", r.text());
+            assert_eq!(err_of(&r)["param"], name.as_str(), "{path} {body}");
+        }
+        // And the base request itself is fine.
+        assert_eq!(post_json(a, path, &base).await.status, 200, "{path}");
+    }
+    s.stop().await;
+}
+
 /// `docs/serving.md` lists every field each route reads, in its field table.
 #[test]
 fn the_docs_table_lists_every_field() {
