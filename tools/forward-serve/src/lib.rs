@@ -13,5 +13,6 @@ pub mod fake;
 pub mod fields;
 pub mod metrics;
 pub mod ollama;
+pub mod response;
 pub mod scheduler;
 pub mod server;
