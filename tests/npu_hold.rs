@@ -439,7 +439,7 @@ fn three_holders_run_in_fifo_order_and_status_shows_them() {
 }
 
 #[test]
-fn a_sigkilled_holder_releases_the_ticket() {
+fn a_sigkilled_holder_releases_the_ticket_and_its_command_tree_dies() {
     let s = Scratch::new("crash");
     let mut a = s.spawn(
         "a",
@@ -449,10 +449,12 @@ fn a_sigkilled_holder_releases_the_ticket() {
             "--",
             "sh",
             "-c",
-            "echo $$ > a.pid; exec sleep 1000",
+            "sleep 1000 & echo $! > a.kid; echo $$ > a.pid; wait",
         ],
     );
-    wait_until("A to hold", LIMIT, || s.path("a.pid").exists());
+    wait_until("A to hold", LIMIT, || {
+        s.path("a.pid").exists() && s.path("a.kid").exists()
+    });
     let mut b = s.spawn(
         "b",
         &["-l", "B", "--", "sh", "-c", "echo started > b.started"],
@@ -466,10 +468,14 @@ fn a_sigkilled_holder_releases_the_ticket() {
     let _ = finish(&mut a, LIMIT);
     assert_eq!(finish(&mut b, LIMIT).code(), Some(0), "{}", s.stderr("b"));
     assert!(s.path("b.started").exists());
-    // A's command dies with it (parent-death signal).
-    let a_cmd = s.pid("a.pid");
+    // A's command dies with it (parent-death signal), and so does the command's own child (the
+    // watchdog kills the command's process group).
+    let (a_cmd, a_kid) = (s.pid("a.pid"), s.pid("a.kid"));
     wait_until("A's command to die", Duration::from_secs(5), || {
         !alive(a_cmd)
+    });
+    wait_until("A's command's child to die", Duration::from_secs(5), || {
+        !alive(a_kid)
     });
     // A's stale ticket is gone from the queue.
     assert_eq!(s.queue_labels(), Vec::<String>::new());

@@ -81,6 +81,9 @@ struct Cli {
     /// The command to run, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<OsString>,
+    /// Internal: run as the watchdog of this process group (see `supervise::Watchdog`).
+    #[arg(long, hide = true, value_name = "PGID")]
+    watch_group: Option<i32>,
 }
 
 fn main() {
@@ -95,6 +98,9 @@ fn real_main() -> i32 {
             return if e.use_stderr() { EXIT_FAILURE } else { 0 };
         }
     };
+    if let Some(pgid) = cli.watch_group {
+        return supervise::watch_group(pgid);
+    }
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
@@ -326,8 +332,18 @@ fn run_held(
     holder.child_pid = u32::try_from(child.as_raw()).ok();
     holder.state = "running".into();
     publish(&holder);
+    // If npu-hold is SIGKILLed, the watchdog kills the command's group (its own children too).
+    let watchdog = match supervise::Watchdog::start(child) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(
+                "no watchdog ({e}): if npu-hold is killed, only the command itself dies with it"
+            );
+            None
+        }
+    };
 
-    let mut run = Run::new(child);
+    let mut run = Run::new(child, watchdog.as_ref().map(supervise::Watchdog::pid));
     // Contexts live only as long as their process: those the command creates are gone by the
     // time it exits, so counters are also sampled during the run (per context, highest count seen).
     let mut seen = before.clone();
@@ -354,6 +370,9 @@ fn run_held(
     };
     publish(&holder);
     let cleanup = run.stop_all(signals, cli.grace);
+    if let Some(w) = watchdog {
+        w.stand_down();
+    }
     if foreground {
         supervise::restore_terminal();
     }

@@ -3,6 +3,11 @@
 //! `npu-hold` is a child subreaper, so orphans of the command (double forks, `setsid` escapees)
 //! are re-parented to it. Stopping the command therefore means: signal the process group and
 //! every process descending from `npu-hold` (found in `/proc`), reap, repeat until none is left.
+//!
+//! If `npu-hold` itself is SIGKILLed, nothing of it runs: the command dies by its parent-death
+//! signal, and a [`Watchdog`] (npu-hold re-run with `--watch-group`, in its own process group,
+//! reading a pipe only npu-hold writes) sees the pipe close without a word and SIGKILLs the
+//! command's process group, so the command's own children die too.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
@@ -166,6 +171,67 @@ pub fn spawn(argv: &[OsString], env: &[(&str, String)], foreground: bool) -> io:
     Ok(Pid::from_raw(pid))
 }
 
+/// The process that kills the command's group if npu-hold dies without standing it down.
+pub struct Watchdog {
+    pid: Pid,
+    /// Closed without a word (npu-hold died): the watchdog kills the group.
+    pipe: Option<std::process::ChildStdin>,
+}
+
+impl Watchdog {
+    /// Start `npu-hold --watch-group PGID` (this executable) for the group `pgid`.
+    pub fn start(pgid: Pid) -> io::Result<Watchdog> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .arg("--watch-group")
+            .arg(pgid.as_raw().to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            // Out of the terminal's signals: it must outlive an npu-hold that Ctrl-C stops.
+            .process_group(0)
+            .spawn()?;
+        let pid = i32::try_from(child.id())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "watchdog pid out of range"))?;
+        Ok(Watchdog {
+            pid: Pid::from_raw(pid),
+            pipe: child.stdin.take(),
+        })
+    }
+
+    /// Its pid (not one of the command's processes).
+    pub fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    /// Tell it the group is handled and let it exit (it is reaped by [`Run::reap`]).
+    pub fn stand_down(mut self) {
+        if let Some(mut pipe) = self.pipe.take() {
+            let _ = pipe.write_all(b"done\n");
+        }
+    }
+}
+
+/// `npu-hold --watch-group PGID`: wait on stdin; at end of file with nothing read (npu-hold died)
+/// SIGKILL the group; when told, exit without touching it. Returns the exit code.
+pub fn watch_group(pgid: i32) -> i32 {
+    use std::io::Read;
+    let mut byte = [0u8; 1];
+    loop {
+        match io::stdin().read(&mut byte) {
+            Ok(0) => {
+                if pgid > 1 {
+                    let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+                }
+                return 0;
+            }
+            Ok(_) => return 0,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return 1,
+        }
+    }
+}
+
 /// How often [`Run::wait`] samples (device error counters).
 const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 
@@ -194,14 +260,17 @@ pub struct Run {
     pub child: Pid,
     pub status: Option<WaitStatus>,
     told_stopped: bool,
+    /// npu-hold's own helper (the watchdog): a child, but not part of the command.
+    helper: Option<Pid>,
 }
 
 impl Run {
-    pub fn new(child: Pid) -> Run {
+    pub fn new(child: Pid, helper: Option<Pid>) -> Run {
         Run {
             child,
             status: None,
             told_stopped: false,
+            helper,
         }
     }
 
@@ -296,7 +365,8 @@ impl Run {
         loop {
             self.reap();
             let group_alive = !matches!(killpg(pgid, None), Err(Errno::ESRCH));
-            let descendants = descendants_of(me);
+            let mut descendants = descendants_of(me);
+            descendants.retain(|p| Some(p.pid) != self.helper.map(Pid::as_raw));
             if !group_alive && descendants.is_empty() {
                 break;
             }
