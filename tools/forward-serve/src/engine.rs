@@ -327,25 +327,31 @@ struct PrefixCache {
     entries: std::collections::VecDeque<(Vec<u32>, SequenceState)>,
 }
 
+/// How many of `prompt`'s first tokens a state holding `tokens` can give: their common prefix,
+/// at most `prompt.len() − 1` (the last is fed for its logits); a state with recurrent layers only
+/// as a whole (its recurrent state exists at its end only).
+fn usable_prefix(tokens: &[u32], state: &SequenceState, prompt: &[u32]) -> usize {
+    let common = tokens
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(prompt.len().saturating_sub(1));
+    if common == tokens.len() || !state.has_recurrent() {
+        common
+    } else {
+        0
+    }
+}
+
 impl PrefixCache {
-    /// The longest usable prefix of `prompt` among the entries: `(entry, tokens)`. At most
-    /// `prompt.len() − 1` tokens (the last is fed for its logits); a state with recurrent layers
-    /// only as a whole (its recurrent state exists at its end only).
+    /// The longest usable prefix of `prompt` among the entries: `(entry, tokens)`.
     fn best(&self, prompt: &[u32]) -> Option<(usize, usize)> {
-        let limit = prompt.len().saturating_sub(1);
         self.entries
             .iter()
             .enumerate()
-            .filter_map(|(i, (tokens, state))| {
-                let common = tokens
-                    .iter()
-                    .zip(prompt)
-                    .take_while(|(a, b)| a == b)
-                    .count()
-                    .min(limit);
-                let whole = common == tokens.len();
-                (common > 0 && (whole || !state.has_recurrent())).then_some((i, common))
-            })
+            .map(|(i, (tokens, state))| (i, usable_prefix(tokens, state, prompt)))
+            .filter(|&(_, common)| common > 0)
             .max_by_key(|&(i, common)| (common, std::cmp::Reverse(i)))
     }
 
@@ -460,29 +466,51 @@ impl Engine for ModelEngine {
     }
     fn new_sequence_for(&mut self, prompt: &[u32]) -> Result<(SeqId, usize), EngineError> {
         let id = self.new_sequence()?;
-        let Some((entry, common)) = self.cache.best(prompt) else {
+        if self.cache.capacity == 0 {
             return Ok((id, 0));
+        }
+        // The running sequences are at rest between passes: their committed prefixes serve as
+        // well as the cache's (a shared system prompt still being answered).
+        let running = self
+            .history
+            .iter()
+            .filter(|(&seq, _)| seq != id)
+            .filter_map(|(&seq, tokens)| {
+                let state = self.seqs.get(&seq)?;
+                let at_rest = state.pending_rows().is_none() && state.position() == tokens.len();
+                let common = usable_prefix(tokens, state, prompt);
+                (common > 0 && at_rest).then_some((seq, common))
+            })
+            .max_by_key(|&(seq, common)| (common, std::cmp::Reverse(seq)));
+        let cached = self.cache.best(prompt);
+        let mut state = self.seqs.remove(&id).ok_or(EngineError::NoSequence(id))?;
+        let copied = match (running, cached) {
+            (Some((seq, common)), c) if c.is_none_or(|(_, cc)| common >= cc) => self
+                .seqs
+                .get(&seq)
+                .map(|src| (state.copy_prefix_from(src, common), common, None)),
+            (_, Some((entry, common))) => self
+                .cache
+                .entries
+                .get(entry)
+                .map(|(_, src)| (state.copy_prefix_from(src, common), common, Some(entry))),
+            _ => None,
         };
-        let Some((_, cached)) = self.cache.entries.get(entry) else {
-            return Ok((id, 0));
-        };
-        let copied = match self.seqs.get_mut(&id) {
-            Some(state) => state.copy_prefix_from(cached, common),
-            None => return Err(EngineError::NoSequence(id)),
-        };
+        self.seqs.insert(id, state);
         match copied {
-            Ok(()) => {
+            Some((Ok(()), common, entry)) => {
                 // Most recently used first.
-                if let Some(e) = self.cache.entries.remove(entry) {
+                if let Some(e) = entry.and_then(|i| self.cache.entries.remove(i)) {
                     self.cache.entries.push_front(e);
                 }
                 self.fed(id, &prompt[..common]);
                 Ok((id, common))
             }
-            Err(e) => {
+            Some((Err(e), _, _)) => {
                 tracing::warn!("prefix cache: {e}; reading the prompt cold");
                 Ok((id, 0))
             }
+            None => Ok((id, 0)),
         }
     }
     fn fork(&mut self, from: SeqId, to: SeqId) -> Result<(), EngineError> {

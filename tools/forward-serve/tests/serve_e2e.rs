@@ -357,6 +357,67 @@ async fn prefix_cache_and_shared_samples_give_the_cold_outputs() {
     )
     .unwrap_or(0.0);
     assert_eq!(shared, 2.0, "samples 1 and 2 copy sample 0's prompt");
+    // A request whose prompt a running sequence holds starts from that sequence's state: B is
+    // admitted while A (same prompt, longer answer) is still generating, and answers as cold.
+    let running =
+        forward_serve::bench::long_chat("running", forward_serve::bench::LONG_CHAT_PROMPTS);
+    let running = to_json(&running);
+    let ask =
+        |max: usize| json!({"messages": running.clone(), "max_tokens": max, "temperature": 0});
+    let before = get(warm, "/metrics").await.text();
+    let read = |body: &str, name: &str| metric(body, name).unwrap_or(0.0);
+    let a_body = ask(200);
+    let a = tokio::spawn(async move {
+        let r = post_json(warm, "/v1/chat/completions", &a_body).await;
+        (r.json(), std::time::Instant::now())
+    });
+    let start = std::time::Instant::now();
+    let prompt_before = read(&before, "forward_serve_prompt_tokens_total");
+    // A is generating (its prompt read, a token out); what B reuses is counted from here.
+    let mid = loop {
+        let now = get(warm, "/metrics").await.text();
+        if read(&now, "forward_serve_generated_tokens_total")
+            > read(&before, "forward_serve_generated_tokens_total")
+            && read(&now, "forward_serve_prompt_tokens_total") > prompt_before + 500.0
+        {
+            break now;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "A never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let b = post_json(warm, "/v1/chat/completions", &ask(8))
+        .await
+        .json();
+    let b_done = std::time::Instant::now();
+    let after = get(warm, "/metrics").await.text();
+    let (a, a_done) = a.await.expect("A");
+    assert!(
+        b_done < a_done,
+        "B ended after A: the running sequence was not what B copied"
+    );
+    let reused = read(&after, "forward_serve_prefix_cache_tokens_total")
+        - read(&mid, "forward_serve_prefix_cache_tokens_total");
+    let b_prompt = b["usage"]["prompt_tokens"].as_f64().unwrap_or(0.0);
+    assert_eq!(
+        reused,
+        b_prompt - 1.0,
+        "B copies all but its last prompt token from A"
+    );
+    let b_cold = post_json(cold, "/v1/chat/completions", &ask(8))
+        .await
+        .json();
+    assert_eq!(
+        b["choices"], b_cold["choices"],
+        "B from a running sequence vs cold"
+    );
+    assert_eq!(
+        a["usage"]["completion_tokens"].as_u64().map(|n| n > 8),
+        Some(true),
+        "{a}"
+    );
     for (stop, server) in [(stop_warm, warm_server), (stop_cold, cold_server)] {
         stop_server(stop, server).await;
     }
