@@ -170,6 +170,8 @@ struct Active {
     shown_chars: usize,
     /// An echoed prompt's log-probabilities, gathered over its chunks.
     prompt_lp: Vec<LoggedToken>,
+    /// Where each echoed prompt token's text starts (computed with the first chunk).
+    prompt_offsets: Vec<usize>,
     /// A sample waiting for its group's leader to read the prompt (then copied from it).
     waiting: bool,
 }
@@ -482,10 +484,13 @@ fn prefill_together(
                     .fetch_add((end - a.fed) as u64, Relaxed);
                 a.fed = end;
                 if a.req.prompt_logprobs {
-                    let offsets = prompt_offsets(codec, &a.req.prompt);
+                    // Offsets once per prompt, with its first chunk (they decode from the start).
+                    if a.prompt_offsets.is_empty() {
+                        a.prompt_offsets = prompt_offsets(codec, &a.req.prompt);
+                    }
                     let base = a.prompt_lp.len();
                     for (j, lp) in std::mem::take(&mut prompt_lps[k]).into_iter().enumerate() {
-                        let offset = offsets.get(base + j).copied().unwrap_or(0);
+                        let offset = a.prompt_offsets.get(base + j).copied().unwrap_or(0);
                         a.prompt_lp.push(LoggedToken { lp, offset });
                     }
                 }
@@ -907,6 +912,7 @@ fn admit(
             _ => Vec::new(),
         },
         waiting: wait,
+        prompt_offsets: Vec::new(),
         req,
     })
 }

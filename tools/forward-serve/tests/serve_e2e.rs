@@ -62,23 +62,11 @@ async fn smollm2_greedy_matches_model_layer() {
     let ids = loaded.codec.tokenize(prompt, false).expect("tokenize");
     assert_eq!(loaded.codec.detokenize(&ids), prompt);
     assert_eq!(loaded.codec.eos_ids(), &[2]);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let cfg = Config {
         request_timeout: Duration::from_secs(300),
         ..Config::default()
     };
-    let server = tokio::spawn(forward_serve::server::run(
-        listener,
-        cfg,
-        loaded,
-        async move {
-            let _ = rx.await;
-        },
-    ));
+    let (addr, tx, server) = serve_loaded(loaded, cfg).await;
     let r = post_json(
         addr,
         "/v1/completions",
