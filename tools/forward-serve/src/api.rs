@@ -31,6 +31,13 @@ pub struct Config {
     pub max_tokens_limit: usize,
     /// Largest request body in bytes; larger ones get 413 (`--body-limit`).
     pub body_limit: usize,
+    /// Time a request's body may take to arrive once its headers have; 408 after (`--body-timeout`).
+    pub body_timeout: Duration,
+    /// Time a connection gets to send a request's headers, from its opening or its previous
+    /// answer; closed after (`--header-timeout`).
+    pub header_timeout: Duration,
+    /// Client connections open at once; one more is answered 503 (`--max-connections`).
+    pub max_connections: usize,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT (`--shutdown-grace`).
     pub shutdown_grace: Duration,
     /// Server default for speculative decoding (`--speculate ngram --draft-max K`): drafts per
@@ -46,6 +53,9 @@ impl Default for Config {
             request_timeout: Duration::from_secs(120),
             max_tokens_limit: 2048,
             body_limit: 1 << 20,
+            body_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(15),
+            max_connections: 1024,
             shutdown_grace: Duration::from_secs(10),
             speculate: None,
         }
@@ -153,9 +163,14 @@ pub(crate) async fn read_json(
             return Err(ApiError::too_large(limit));
         }
     }
-    let bytes: Bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::too_large(limit))?;
+    let bytes: Bytes =
+        tokio::time::timeout(app.cfg.body_timeout, axum::body::to_bytes(body, limit))
+            .await
+            .map_err(|_| {
+                app.metrics.body_timeouts.fetch_add(1, Relaxed);
+                ApiError::body_timeout(app.cfg.body_timeout)
+            })?
+            .map_err(|_| ApiError::too_large(limit))?;
     let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
         ApiError::invalid("", format!("invalid JSON body: {e}")).code("invalid_json")
     })?;

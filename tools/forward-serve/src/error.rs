@@ -19,6 +19,8 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds for the `Retry-After` header (overload and shutdown answers).
     pub retry_after: Option<u64>,
+    /// Close the connection after this answer (the request's body was not read to its end).
+    pub close: bool,
 }
 
 impl ApiError {
@@ -31,6 +33,7 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            close: false,
         }
     }
     /// 400 invalid_request_error about `param`.
@@ -66,6 +69,18 @@ impl ApiError {
         )
         .code("request_too_large")
     }
+    /// 408 `body_timeout`: the body did not arrive within `limit` of the headers; the connection
+    /// is closed after the answer (what is left of the body is never read).
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        let mut e = ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("the request body did not arrive within {limit:?}"),
+        )
+        .code("body_timeout");
+        e.close = true;
+        e
+    }
     /// 503 `queue_full` (retry after 1 s): the request queue is at `--max-queue`.
     pub fn queue_full() -> Self {
         let mut e = ApiError::new(
@@ -75,6 +90,19 @@ impl ApiError {
         )
         .code("queue_full");
         e.retry_after = Some(1);
+        e
+    }
+    /// 503 `too_many_connections` (retry after 1 s): `--max-connections` are open; the
+    /// connection is closed after the answer.
+    pub fn too_many_connections() -> Self {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_overloaded",
+            "too many open connections; retry shortly",
+        )
+        .code("too_many_connections");
+        e.retry_after = Some(1);
+        e.close = true;
         e
     }
     /// 503 `shutting_down` (retry after 5 s): the server is draining after SIGTERM/SIGINT.
@@ -147,6 +175,10 @@ impl IntoResponse for ApiError {
             self.body().to_string(),
         )
             .into_response();
+        if self.close {
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(s) = self.retry_after {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod fake;
 pub mod fields;
+pub mod listen;
 pub mod metrics;
 pub mod ollama;
 pub mod response;

@@ -60,6 +60,17 @@ struct Args {
     /// Largest request body in bytes (413 above).
     #[arg(long, default_value_t = 1 << 20)]
     body_limit: usize,
+    /// Time a request's body may take once its headers have arrived (408 after).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    body_timeout: Duration,
+    /// Time a connection gets to send a request's headers, from its opening or its previous
+    /// answer (slow senders and idle keep-alive connections are closed after it).
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    header_timeout: Duration,
+    /// Client connections open at once; one more is answered 503 and closed. The open-file
+    /// limit is raised to its hard limit at start, and this is capped below it.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     shutdown_grace: Duration,
@@ -123,6 +134,23 @@ async fn shutdown_signal() {
     }
 }
 
+/// `--max-connections`, lowered where the open-file limit (raised as far as allowed) cannot hold
+/// that many plus the server's own descriptors (model files, device, engine).
+fn connection_cap(wanted: usize) -> usize {
+    const OWN_DESCRIPTORS: u64 = 64;
+    let Some(files) = forward_serve::listen::raise_fd_limit() else {
+        return wanted;
+    };
+    let room = files.saturating_sub(OWN_DESCRIPTORS).max(1) as usize;
+    if wanted > room {
+        tracing::warn!(
+            "--max-connections {wanted} lowered to {room}: the open-file limit is {files}"
+        );
+        return room;
+    }
+    wanted
+}
+
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     xdna::cli::init_logging("info", true);
@@ -172,6 +200,9 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         request_timeout: args.request_timeout,
         max_tokens_limit: args.max_tokens_limit,
         body_limit: args.body_limit,
+        body_timeout: args.body_timeout,
+        header_timeout: args.header_timeout,
+        max_connections: connection_cap(args.max_connections),
         shutdown_grace: args.shutdown_grace,
         speculate: (args.speculate == "ngram").then_some(args.draft_max as usize),
     };

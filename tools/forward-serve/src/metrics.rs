@@ -45,6 +45,15 @@ pub struct Metrics {
     pub prefix_tokens: AtomicU64,
     /// Samples of an `n` > 1 request that copied the prompt read for the first sample.
     pub shared_prompts: AtomicU64,
+    /// Gauge: client connections open.
+    pub open_connections: AtomicU64,
+    /// Connections answered 503 and closed because `--max-connections` were open.
+    pub rejected_connections: AtomicU64,
+    /// Connections closed for not delivering a request's headers within `--header-timeout`
+    /// (slow senders and idle keep-alive connections).
+    pub header_timeouts: AtomicU64,
+    /// Requests answered 408 for not delivering their body within `--body-timeout`.
+    pub body_timeouts: AtomicU64,
 }
 
 impl Metrics {
@@ -177,6 +186,30 @@ impl Metrics {
             "forward_serve_shared_prompt_samples_total",
             "Samples of an n > 1 request that copied the prompt read for the first sample.",
             self.shared_prompts.load(Relaxed),
+        );
+        gauge(
+            &mut s,
+            "forward_serve_open_connections",
+            "Client connections open.",
+            self.open_connections.load(Relaxed) as f64,
+        );
+        counter(
+            &mut s,
+            "forward_serve_rejected_connections_total",
+            "Connections answered 503 and closed because --max-connections were open.",
+            self.rejected_connections.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_header_timeouts_total",
+            "Connections closed for not sending a request's headers within --header-timeout.",
+            self.header_timeouts.load(Relaxed),
+        );
+        counter(
+            &mut s,
+            "forward_serve_body_timeouts_total",
+            "Requests answered 408 for not sending their body within --body-timeout.",
+            self.body_timeouts.load(Relaxed),
         );
         let rounds = self.spec_rounds.load(Relaxed);
         let drafted = self.spec_drafted.load(Relaxed);

@@ -2,6 +2,7 @@
 
 use super::api::{self, App, Config};
 use super::engine::Loaded;
+use super::listen::{self, ConnLimits};
 use super::metrics::Metrics;
 use super::ollama;
 use super::scheduler::{self, Control};
@@ -73,13 +74,23 @@ pub async fn run(
     let grace = cfg.shutdown_grace;
     let app = Arc::new(App::new(cfg, loaded.codec, metrics, tx));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, router(app.clone())).with_graceful_shutdown(async move {
-        let _ = stop_rx.await;
-    });
-    let mut server = tokio::spawn(async move { server.await });
+    let limits = ConnLimits {
+        max_connections: app.cfg.max_connections,
+        header_timeout: app.cfg.header_timeout,
+    };
+    let server = listen::serve(
+        listener,
+        router(app.clone()),
+        limits,
+        app.metrics.clone(),
+        async move {
+            let _ = stop_rx.await;
+        },
+    );
+    let mut server = tokio::spawn(server);
     tokio::select! {
         r = &mut server => {
-            // The server ended by itself (accept error).
+            // The accept loop ends only when told to, or when its task panicked.
             tracing::error!("server ended: {r:?}");
         }
         _ = shutdown => {

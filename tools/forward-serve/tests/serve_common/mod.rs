@@ -226,7 +226,7 @@ pub fn small_cfg() -> Config {
         max_tokens_limit: 100,
         body_limit: 4096,
         shutdown_grace: Duration::from_secs(5),
-        speculate: None,
+        ..Config::default()
     }
 }
 
