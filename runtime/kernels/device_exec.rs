@@ -441,7 +441,7 @@ impl DeviceExecutor {
         if let Err(e) = &result {
             // A context whose command failed is not trusted again (the driver may have marked it
             // bad); it is destroyed now and recreated on the next call.
-            tracing::warn!("{}: {e}; dropping its hardware context", path.display());
+            tracing::warn!("{e}; dropping its hardware context");
             st.residents.remove(idx);
         }
         result

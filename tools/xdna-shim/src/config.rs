@@ -39,6 +39,8 @@ pub struct Config {
     pub fail_exec: Vec<(Option<u64>, u32)>,
     pub ioctl_errno: Vec<IoctlFault>,
     pub stats: Option<PathBuf>,
+    /// Also append a stats line at every this many EXEC_CMDs (0 = only at close and exit).
+    pub stats_every: u64,
     pub log: Option<PathBuf>,
     pub debug: bool,
     pub udmabuf: bool,
@@ -238,6 +240,7 @@ fn load() -> Config {
         fail_exec,
         ioctl_errno,
         stats: var("XDNA_SHIM_STATS").map(PathBuf::from),
+        stats_every: parse_num("XDNA_SHIM_STATS_EVERY", 0),
         log: var("XDNA_SHIM_LOG").map(PathBuf::from),
         debug: var("XDNA_SHIM_DEBUG").is_some_and(|v| v != "0"),
         udmabuf: var("XDNA_SHIM_UDMABUF").is_none_or(|v| v != "0"),

@@ -629,14 +629,37 @@ pub fn sysfs_lookup(path: &[u8]) -> Option<&'static str> {
 }
 
 /// `close` of a fake fd: the driver's client cleanup for the device.
-/// Appends one `XDNA_SHIM_STATS` line.
-fn write_stats(fd: c_int, bos: usize, ctxs: usize, syncobjs: usize, execs: u64, closed: bool) {
+/// What one `XDNA_SHIM_STATS` line reports about a client.
+struct Snapshot {
+    fd: c_int,
+    bos: usize,
+    ctxs: usize,
+    syncobjs: usize,
+    execs: u64,
+    /// Calls so far of each ioctl (the count `XDNA_SHIM_IOCTL_ERRNO`'s `@N` refers to).
+    calls: String,
+}
+
+fn calls_json(calls: &BTreeMap<&'static str, u64>) -> String {
+    let items: Vec<String> = calls.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+    format!("{{{}}}", items.join(","))
+}
+
+/// Appends one `XDNA_SHIM_STATS` line; `event` is `close`, `exit` or `exec`.
+fn write_stats(s: &Snapshot, event: &str) {
     let Some(path) = config::get().stats.as_ref() else {
         return;
     };
     let line = format!(
-        "{{\"pid\":{},\"fd\":{fd},\"bos\":{bos},\"contexts\":{ctxs},\"syncobjs\":{syncobjs},\"execs\":{execs},\"closed\":{closed}}}\n",
-        std::process::id()
+        "{{\"pid\":{},\"fd\":{},\"bos\":{},\"contexts\":{},\"syncobjs\":{},\"execs\":{},\"closed\":{},\"event\":\"{event}\",\"calls\":{}}}\n",
+        std::process::id(),
+        s.fd,
+        s.bos,
+        s.ctxs,
+        s.syncobjs,
+        s.execs,
+        event == "close",
+        s.calls,
     );
     if let Ok(mut f) = std::fs::OpenOptions::new()
         .create(true)
@@ -653,15 +676,24 @@ pub fn at_exit() {
     let Some(st) = STATE.try_lock() else {
         return;
     };
-    let execs = st.g.as_ref().map_or(0, |g| g.execs);
-    let open: Vec<(c_int, usize, usize, usize)> = st
+    let (execs, calls) =
+        st.g.as_ref()
+            .map_or((0, String::from("{}")), |g| (g.execs, calls_json(&g.calls)));
+    let open: Vec<Snapshot> = st
         .clients
         .iter()
-        .map(|(&fd, c)| (fd, c.bos.len(), c.ctxs.len(), c.syncobjs.len()))
+        .map(|(&fd, c)| Snapshot {
+            fd,
+            bos: c.bos.len(),
+            ctxs: c.ctxs.len(),
+            syncobjs: c.syncobjs.len(),
+            execs,
+            calls: calls.clone(),
+        })
         .collect();
     drop(st);
-    for (fd, bos, ctxs, syncobjs) in open {
-        write_stats(fd, bos, ctxs, syncobjs, execs, false);
+    for snap in open {
+        write_stats(&snap, "exit");
     }
 }
 
@@ -718,13 +750,20 @@ pub fn release_fd(fd: c_int, kind: u8) {
             for id in client.ctxs.keys() {
                 g.live_ctx_ids.remove(id);
             }
-            let execs = g.execs;
+            let snap = Snapshot {
+                fd,
+                bos,
+                ctxs,
+                syncobjs,
+                execs: g.execs,
+                calls: calls_json(&g.calls),
+            };
             drop(st);
             drop(client);
             if bos + ctxs + syncobjs > 0 {
                 log::log(&format!("close fd {fd}: releasing {bos} BOs, {ctxs} contexts, {syncobjs} syncobjs still alive"));
             }
-            write_stats(fd, bos, ctxs, syncobjs, execs, true);
+            write_stats(&snap, "close");
         }
         crate::FD_DMABUF => {
             st.g().dmabufs.remove(&fd);
@@ -1987,6 +2026,22 @@ fn exec_cmd(st: &mut State, fd: c_int, b: &mut [u8]) -> Res<c_int> {
     }
     g.execs += 1;
     let n = g.execs;
+    let every = config::get().stats_every;
+    if every > 0 && n % every == 0 {
+        // Live counts while the client runs (a server that never closes its device): taken at
+        // submission, before this command's effects.
+        write_stats(
+            &Snapshot {
+                fd,
+                bos: c.bos.len(),
+                ctxs: c.ctxs.len(),
+                syncobjs: c.syncobjs.len(),
+                execs: n,
+                calls: calls_json(&g.calls),
+            },
+            "exec",
+        );
+    }
     let injected = config::get()
         .fail_exec
         .iter()
