@@ -134,15 +134,15 @@ fn stats_lines(path: &Path) -> Vec<Value> {
 }
 
 fn request(i: usize) -> (Value, bool) {
-    let stream = i % 3 == 0;
-    let body = if i % 2 == 0 {
+    let stream = i.is_multiple_of(3);
+    let body = if i.is_multiple_of(2) {
         json!({"prompt": format!("Request {i}: a few words about the number {i}."),
                "max_tokens": 24, "temperature": 0, "stream": stream})
     } else {
         json!({"messages": [{"role": "user", "content": format!("Say something about {i}.")}],
                "max_tokens": 24, "temperature": 0, "stream": stream})
     };
-    (body, i % 2 == 0)
+    (body, i.is_multiple_of(2))
 }
 
 /// Send request `i` and read what it got (streamed ones are put back together).
