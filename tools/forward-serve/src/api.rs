@@ -348,6 +348,22 @@ fn chat_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
         let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
             ApiError::invalid(&p, format!("`{p}.role` must be a string")).code("invalid_type")
         })?;
+        // OpenAI's roles; `developer` is its newer name for `system`, which is what chat
+        // templates know.
+        let role = match role {
+            "system" | "developer" => "system",
+            "user" | "assistant" | "tool" => role,
+            other => {
+                return Err(ApiError::invalid(
+                    &format!("{p}.role"),
+                    format!(
+                        "`{p}.role` is `{other}`; supported roles are system, developer, user, \
+                         assistant and tool"
+                    ),
+                )
+                .code("invalid_value"))
+            }
+        };
         let content = match m.get("content") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),

@@ -208,6 +208,11 @@ pub trait Engine {
     fn position(&self, seq: SeqId) -> usize;
     /// Forget a sequence and free its state.
     fn release(&mut self, seq: SeqId);
+    /// Sequence states allocated now (running, cached for their prefix, or spare): the memory
+    /// the engine holds beyond the model, bounded by its capacity plus its prefix cache.
+    fn states_held(&self) -> usize {
+        0
+    }
 }
 
 /// A loaded model: its codec and its engine, which the server moves onto the engine thread.
@@ -302,8 +307,8 @@ impl TextCodec for PackageCodec {
 
 /// The real model behind the [`Engine`] seam: the shared weights (one [`Model`]) and one
 /// [`SequenceState`] (KV cache of `ctx` positions) per resident sequence, at most `capacity`.
-/// A state is allocated when a request is admitted and dropped when it ends, so KV memory is
-/// bounded by `capacity × ctx` positions.
+/// An ended sequence's state goes to the prefix cache or the spares, so KV memory is bounded by
+/// `(capacity + prefix cache capacity) × ctx` positions and reached once, not churned.
 pub struct ModelEngine {
     model: Model,
     ctx: usize,
@@ -314,8 +319,9 @@ pub struct ModelEngine {
     /// The tokens of each sequence's last step, until its commit says how many were kept.
     stepped: HashMap<SeqId, Vec<u32>>,
     cache: PrefixCache,
-    /// States of ended sequences, reset and ready for new ones (at most `capacity` states exist
-    /// outside the prefix cache): a request allocates no KV cache once the server is warm.
+    /// States of ended sequences, reset and ready for new ones (at most `capacity` + the prefix
+    /// cache's capacity states exist in all): a request allocates no KV cache once the server is
+    /// warm.
     spare: Vec<SequenceState>,
     next: SeqId,
 }
@@ -620,6 +626,9 @@ impl Engine for ModelEngine {
     fn position(&self, seq: SeqId) -> usize {
         self.seqs.get(&seq).map_or(0, SequenceState::position)
     }
+    fn states_held(&self) -> usize {
+        self.seqs.len() + self.spare.len() + self.cache.entries.len()
+    }
     fn release(&mut self, seq: SeqId) {
         self.stepped.remove(&seq);
         let tokens = self.history.remove(&seq);
@@ -633,8 +642,11 @@ impl Engine for ModelEngine {
             }
             _ => vec![state],
         };
+        // A let-go state is kept as a spare while the states held stay within what running and
+        // cached sequences may hold at once: a state freed and another allocated later would only
+        // churn the allocator (resident memory creeping up), never lower the peak.
         for s in freed {
-            if self.spare.len() + self.seqs.len() < self.capacity {
+            if self.states_held() < self.capacity + self.cache.capacity {
                 self.spare.push(s);
             }
         }

@@ -45,6 +45,8 @@ pub struct Metrics {
     pub prefix_tokens: AtomicU64,
     /// Samples of an `n` > 1 request that copied the prompt read for the first sample.
     pub shared_prompts: AtomicU64,
+    /// Gauge: sequence states the engine holds (running, prefix-cached, spare).
+    pub sequence_states: AtomicU64,
     /// Gauge: client connections open.
     pub open_connections: AtomicU64,
     /// Connections answered 503 and closed because `--max-connections` were open.
@@ -186,6 +188,12 @@ impl Metrics {
             "forward_serve_shared_prompt_samples_total",
             "Samples of an n > 1 request that copied the prompt read for the first sample.",
             self.shared_prompts.load(Relaxed),
+        );
+        gauge(
+            &mut s,
+            "forward_serve_sequence_states",
+            "Sequence states (KV caches) the engine holds: running, prefix-cached and spare.",
+            self.sequence_states.load(Relaxed) as f64,
         );
         gauge(
             &mut s,

@@ -382,6 +382,9 @@ pub fn run(
                 true
             }
         });
+        metrics
+            .sequence_states
+            .store(engine.states_held() as u64, Relaxed);
         if control.abort.load(Relaxed) {
             // Drain the queue too.
             while let Ok(r) = queue.try_recv() {

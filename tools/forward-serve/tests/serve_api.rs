@@ -413,6 +413,13 @@ async fn bad_input_is_4xx_with_openai_error() {
         ),
         (
             "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]})
+                .to_string(),
+            400,
+            Some("messages[1].role"),
+        ),
+        (
+            "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(),
             400,
             Some("max_tokens"),
@@ -438,6 +445,15 @@ async fn bad_input_is_4xx_with_openai_error() {
             assert_eq!(e["param"], p, "{path} {body}: {e}");
         }
     }
+    // The Ollama chat route checks roles in the same place.
+    let r = post(
+        a,
+        "/api/chat",
+        &json!({"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}).to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("messages[0].role"), "{}", r.text());
     let r = post(
         a,
         "/v1/completions",
