@@ -339,3 +339,85 @@ async fn a_flood_beyond_the_queue_is_turned_away_and_every_request_is_answered()
     );
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_its_stream_does_not_hold_up_the_others() {
+    let c = Config {
+        max_tokens_limit: 4000,
+        ..cfg(Duration::from_secs(5), Duration::from_secs(5), 64)
+    };
+    let s = TestServer::start(c, 8192, Duration::ZERO).await;
+    // A long stream whose client never reads: its socket buffers fill and the server's writes
+    // wait, but the engine thread must not.
+    let prompt = "never read ".repeat(300);
+    let body = json!({"prompt": prompt, "max_tokens": 4000, "stream": true}).to_string();
+    // A small receive window makes the server's writes wait early.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut deaf = socket.connect(s.addr).await.expect("connect");
+    deaf.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        Some(body.as_bytes()),
+        &[],
+    ))
+    .await
+    .expect("write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut times = Vec::new();
+    for i in 0..20 {
+        times.push(good_request(s.addr, i).await);
+    }
+    let (p50, p99) = p50_p99(times);
+    eprintln!("beside a client that never reads: p50 {p50:?} p99 {p99:?}");
+    assert!(p99 < Duration::from_secs(2), "p99 {p99:?}");
+    drop(deaf);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let m = s.metrics().await;
+    assert_eq!(
+        metric(&m, "forward_serve_active_sequences"),
+        Some(0.0),
+        "{m}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_headers_sent_fast_are_refused_at_the_size_limit() {
+    let s = TestServer::start(
+        cfg(Duration::from_secs(10), Duration::from_secs(10), 64),
+        256,
+        Duration::ZERO,
+    )
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.expect("connect");
+    let t0 = Instant::now();
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    // Header lines as fast as the socket takes them, up to 64 MiB: the server must stop
+    // reading long before.
+    let line = format!("X-Filler: {}\r\n", "a".repeat(1000));
+    let mut sent = 0usize;
+    while sent < 64 << 20 {
+        match tokio::time::timeout(Duration::from_secs(2), c.write_all(line.as_bytes())).await {
+            Ok(Ok(())) => sent += line.len(),
+            _ => break,
+        }
+    }
+    let (got, closed) = until_closed(&mut c, Duration::from_secs(5)).await;
+    assert!(closed.is_some(), "still open after {sent} bytes of headers");
+    // What was sent includes what both sockets' kernel buffers absorbed (a few MiB on loopback).
+    assert!(sent < 32 << 20, "{sent} bytes of headers were read");
+    if !got.is_empty() {
+        let r = parse_response(&got);
+        assert_eq!(r.status, 431, "{}", r.text());
+    }
+    eprintln!(
+        "endless headers: cut off after {} KiB in {:?}",
+        sent >> 10,
+        t0.elapsed()
+    );
+    good_request(s.addr, 0).await;
+    s.stop().await;
+}
