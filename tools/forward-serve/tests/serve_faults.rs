@@ -17,10 +17,10 @@ mod serve_common;
 mod smollm2;
 
 use serde_json::{json, Value};
-use serve_common::{get, post_json, Resp};
+use serve_common::{addr_of, get, post_json, spawn_command, Resp};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 /// Executions per decode pass of SmolLM2 on the xdna backend: one per weight matrix (30 layers ×
@@ -55,17 +55,16 @@ struct Server {
 
 impl Server {
     fn start(gguf: &Path, env: &[(&str, String)], tag: &str) -> Server {
-        use std::io::BufRead;
         let stats = std::env::temp_dir().join(format!(
             "forward-serve-faults-{}-{tag}.jsonl",
             std::process::id()
         ));
         let _ = std::fs::remove_file(&stats);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-            .arg("--model")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_forward-serve"));
+        cmd.arg("--model")
             .arg(gguf)
             .args(["--backend", "xdna", "--ctx", "256", "--max-batch", "16"])
-            .args(["--max-queue", "64", "--prefix-cache", "0", "--port", "0"])
+            .args(["--max-queue", "64", "--prefix-cache", "0"])
             .env_remove("XDNA_BACKEND")
             .env_remove("XDNA_DEVICE")
             .env_remove("XDNA_KERNELS")
@@ -73,28 +72,9 @@ impl Server {
             .env("XDNA_ALLOW_DESCRIPTOR_KERNELS", "1")
             .env("XDNA_SHIM_STATS", &stats)
             .env("XDNA_SHIM_STATS_EVERY", "1")
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn forward-serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-            {
-                if let Some(a) = line.strip_prefix("forward-serve listening on http://") {
-                    let _ = tx.send(a.trim().to_string());
-                }
-            }
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("listening line")
-            .parse()
-            .expect("address");
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+        let (child, base) = spawn_command(cmd, Duration::from_secs(120));
+        let addr = addr_of(&base);
         Server { child, addr, stats }
     }
 

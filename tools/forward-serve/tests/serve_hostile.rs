@@ -68,14 +68,14 @@ fn cfg(header: Duration, body: Duration, max_connections: usize) -> Config {
     }
 }
 
+/// The fake engine behind `cfg`'s bounds, answering at once.
+async fn start(header: Duration, body: Duration, max_connections: usize) -> TestServer {
+    TestServer::start(cfg(header, body, max_connections), 256, Duration::ZERO).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_trickled_a_byte_at_a_time_are_cut_off_at_the_header_timeout() {
-    let s = TestServer::start(
-        cfg(Duration::from_secs(1), Duration::from_secs(30), 64),
-        256,
-        Duration::ZERO,
-    )
-    .await;
+    let s = start(Duration::from_secs(1), Duration::from_secs(30), 64).await;
     let addr = s.addr;
     let slow = tokio::spawn(async move {
         let mut c = TcpStream::connect(addr).await.expect("connect");
@@ -120,12 +120,7 @@ async fn headers_trickled_a_byte_at_a_time_are_cut_off_at_the_header_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_never_finishes_gets_408_at_the_body_timeout() {
-    let s = TestServer::start(
-        cfg(Duration::from_secs(5), Duration::from_secs(1), 64),
-        256,
-        Duration::ZERO,
-    )
-    .await;
+    let s = start(Duration::from_secs(5), Duration::from_secs(1), 64).await;
     // A declared length never reached, and a chunked body that keeps coming forever.
     let declared =
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
@@ -180,12 +175,7 @@ Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_idle_connections_leave_other_clients_served_and_time_out() {
     let _ = forward_serve::listen::raise_fd_limit();
-    let s = TestServer::start(
-        cfg(Duration::from_secs(3), Duration::from_secs(30), 1100),
-        256,
-        Duration::ZERO,
-    )
-    .await;
+    let s = start(Duration::from_secs(3), Duration::from_secs(30), 1100).await;
     let mut baseline = Vec::new();
     for i in 0..30 {
         baseline.push(good_request(s.addr, i).await);
@@ -239,12 +229,7 @@ async fn a_thousand_idle_connections_leave_other_clients_served_and_time_out() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_over_the_cap_gets_503_and_a_freed_slot_serves_again() {
-    let s = TestServer::start(
-        cfg(Duration::from_secs(30), Duration::from_secs(30), 8),
-        256,
-        Duration::ZERO,
-    )
-    .await;
+    let s = start(Duration::from_secs(30), Duration::from_secs(30), 8).await;
     let mut idle = Vec::new();
     for _ in 0..8 {
         idle.push(TcpStream::connect(s.addr).await.expect("connect"));
@@ -384,12 +369,7 @@ async fn a_client_that_never_reads_its_stream_does_not_hold_up_the_others() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endless_headers_sent_fast_are_refused_at_the_size_limit() {
-    let s = TestServer::start(
-        cfg(Duration::from_secs(10), Duration::from_secs(10), 64),
-        256,
-        Duration::ZERO,
-    )
-    .await;
+    let s = start(Duration::from_secs(10), Duration::from_secs(10), 64).await;
     let mut c = TcpStream::connect(s.addr).await.expect("connect");
     let t0 = Instant::now();
     c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")

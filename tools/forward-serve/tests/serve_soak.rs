@@ -13,10 +13,10 @@ mod serve_common;
 mod smollm2;
 
 use serde_json::{json, Value};
-use serve_common::{parse_response, post_json, request_bytes, Resp};
+use serve_common::{addr_of, parse_response, post_json, request_bytes, spawn_command, Resp};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -229,38 +229,16 @@ async fn mixed_traffic_every_answer_checked() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(45);
-    let (child, base) = {
-        use std::io::BufRead;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-            .arg("--model")
-            .arg(&gguf)
-            .args(["--backend", "host", "--ctx", "512", "--max-batch", "8"])
-            .args(["--max-queue", "64", "--prefix-cache", "4", "--port", "0"])
-            .env_remove("XDNA_BACKEND")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn forward-serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-            {
-                if let Some(a) = line.strip_prefix("forward-serve listening on http://") {
-                    let _ = tx.send(a.trim().to_string());
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("listening line");
-        (child, base)
-    };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_forward-serve"));
+    cmd.arg("--model")
+        .arg(&gguf)
+        .args(["--backend", "host", "--ctx", "512", "--max-batch", "8"])
+        .args(["--max-queue", "64", "--prefix-cache", "4"])
+        .env_remove("XDNA_BACKEND");
+    let (child, base) = spawn_command(cmd, Duration::from_secs(120));
     let pid = child.id();
     let _server = Server(child);
-    let addr: SocketAddr = base.parse().expect("address");
+    let addr = addr_of(&base);
 
     // Every template alone, one at a time: the answers the soak must reproduce.
     let templates = Template::all();

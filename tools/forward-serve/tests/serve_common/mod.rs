@@ -251,9 +251,19 @@ pub fn err_of(r: &Resp) -> Value {
 /// The `forward-serve` binary started with `args` and `--port 0`, and its base URL
 /// (`http://127.0.0.1:PORT`) once it prints its listening line (within `wait`).
 pub fn spawn_binary(args: &[&std::ffi::OsStr], wait: Duration) -> (std::process::Child, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_forward-serve"));
+    cmd.args(args);
+    spawn_command(cmd, wait)
+}
+
+/// `cmd` (the `forward-serve` binary with its arguments and environment) started with
+/// `--port 0`, and its base URL once it prints its listening line (within `wait`).
+pub fn spawn_command(
+    mut cmd: std::process::Command,
+    wait: Duration,
+) -> (std::process::Child, String) {
     use std::io::BufRead;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_forward-serve"))
-        .args(args)
+    let mut child = cmd
         .args(["--port", "0"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -273,6 +283,13 @@ pub fn spawn_binary(args: &[&std::ffi::OsStr], wait: Duration) -> (std::process:
     });
     let base = rx.recv_timeout(wait).expect("listening line");
     (child, base)
+}
+
+/// The loopback address in a base URL from [`spawn_command`].
+pub fn addr_of(base: &str) -> SocketAddr {
+    base.trim_start_matches("http://")
+        .parse()
+        .expect("a socket address")
 }
 
 /// Serve `loaded` in process on a loopback port: its address, the stop switch and the server.
