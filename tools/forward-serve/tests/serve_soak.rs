@@ -388,6 +388,11 @@ async fn mixed_traffic_every_answer_checked() {
         g.served
     );
     assert!(g.cancelled > 0 && g.malformed_4xx > 0 && g.speculative > 0 && g.streamed > 0);
+    let most_states = rss.iter().map(|&(_, _, n)| n).max().unwrap_or(0);
+    assert!(
+        most_states <= 8 + 4,
+        "{most_states} sequence states held; --max-batch 8 + --prefix-cache 4 is the bound"
+    );
     assert!(
         growth <= 0.05,
         "resident memory grew {:.1} % after the warm-up ({first} → {peak} KiB)",
