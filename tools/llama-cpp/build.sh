@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds llama.cpp (the independent reference the tests compare with) from the source vendored in
+# the PyPI llama-cpp-python sdist, and prints the directory holding its programs. Cached under
+# ${XDG_CACHE_HOME:-~/.cache}/xdna/llama.cpp/<version>-<cpu>: built for this CPU (GGML_NATIVE),
+# so the key includes the CPU's flags. Needs cmake (PyPI `cmake`), a C++ compiler and pip.
+set -euo pipefail
+version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
+root="${XDG_CACHE_HOME:-$HOME/.cache}/xdna/llama.cpp"
+dir="$root/$version-$cpu"
+targets=(llama-perplexity llama-quantize)
+if [[ -x "$dir/bin/llama-quantize" && -x "$dir/bin/llama-perplexity" ]]; then
+  echo "$dir/bin"
+  exit 0
+fi
+mkdir -p "$root"
+work=$(mktemp -d "$root/build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+sdist="$root/llama_cpp_python-$version.tar.gz"
+if [[ ! -f "$sdist" ]]; then
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
+    "llama-cpp-python==$version" -d "$work" >&2
+  mv "$work/llama_cpp_python-$version.tar.gz" "$sdist"
+fi
+tar xzf "$sdist" -C "$work"
+src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DBUILD_SHARED_LIBS=OFF >&2
+cmake --build "$work/build" -j"$(nproc)" --target "${targets[@]}" >&2
+mkdir -p "$dir.tmp/bin"
+for t in "${targets[@]}"; do cp "$work/build/bin/$t" "$dir.tmp/bin/"; done
+rm -rf "$dir"
+mv "$dir.tmp" "$dir"
+echo "$dir/bin"
