@@ -801,6 +801,7 @@ pub(crate) fn submit(app: &App, p: &Params) -> Result<Submitted, ApiError> {
             group: (p.n > 1).then_some(SampleGroup {
                 id: group_id,
                 index,
+                count: p.n,
             }),
         };
         app.metrics.queue_depth.fetch_add(1, Relaxed);

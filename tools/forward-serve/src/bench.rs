@@ -313,6 +313,7 @@ fn samples_case(
                     let group = grouped.then_some(SampleGroup {
                         id: r as u64,
                         index: i,
+                        count: n,
                     });
                     submit_ids(tx, metrics, ids.clone(), 1, 0.8, i as u64, group)
                 })

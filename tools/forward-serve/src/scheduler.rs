@@ -99,7 +99,13 @@ pub struct SampleGroup {
     pub id: u64,
     /// This sample's index (0: the leader).
     pub index: usize,
+    /// Samples in the group (`n`).
+    pub count: usize,
 }
+
+/// How long admission keeps reading the queue for samples still due behind their leader (a
+/// request whose later samples could not be queued is cancelled, and they never come).
+const SAMPLES_WAIT: Duration = Duration::from_millis(50);
 
 /// One generation request, as queued.
 pub struct GenRequest {
@@ -181,11 +187,10 @@ impl Active {
     fn leads_prefill_of(&self, group: u64) -> bool {
         !self.done
             && self.fed < self.req.prompt.len()
-            && self.req.group
-                == Some(SampleGroup {
-                    id: group,
-                    index: 0,
-                })
+            && self
+                .req
+                .group
+                .is_some_and(|g| g.id == group && g.index == 0)
     }
 }
 
@@ -277,7 +282,11 @@ pub fn run(
     let mut decide_ws = DecideWorkspace::new();
     let mut closed = false;
     loop {
-        // Admit.
+        // Admit. The samples of a group are queued one after another right behind their leader;
+        // until they are here (briefly: the handler sends them at once), the queue is read again,
+        // so they wait for the leader's prompt instead of reading it themselves.
+        let mut samples_due = 0usize;
+        let admit_start = Instant::now();
         while !closed && active.len() < cap {
             let next = if active.is_empty() {
                 match queue.blocking_recv() {
@@ -290,6 +299,12 @@ pub fn run(
             } else {
                 match queue.try_recv() {
                     Ok(r) => Some(r),
+                    Err(mpsc::error::TryRecvError::Empty)
+                        if samples_due > 0 && admit_start.elapsed() < SAMPLES_WAIT =>
+                    {
+                        std::thread::yield_now();
+                        continue;
+                    }
                     Err(mpsc::error::TryRecvError::Empty) => None,
                     Err(mpsc::error::TryRecvError::Disconnected) => {
                         closed = true;
@@ -299,6 +314,11 @@ pub fn run(
             };
             let Some(req) = next else { break };
             metrics.queue_depth.fetch_sub(1, Relaxed);
+            match req.group {
+                Some(g) if g.index == 0 => samples_due += g.count.saturating_sub(1),
+                Some(_) => samples_due = samples_due.saturating_sub(1),
+                None => {}
+            }
             // A later sample of a group whose leader is reading the prompt waits for its copy.
             let wait = match req.group {
                 Some(g) if g.index > 0 && !req.prompt_logprobs => {
