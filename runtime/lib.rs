@@ -44,6 +44,7 @@ pub mod cli;
 pub mod device;
 pub mod error;
 pub mod ffi;
+pub mod ggml;
 pub mod kernels;
 pub mod model;
 pub mod spec;

@@ -9,6 +9,7 @@
 //! This module owns the byte layouts and the slow, obviously-correct scalar encode/decode of a
 //! single tile. Fast kernels live in `kernels`; containers and files live in `weights`.
 
+use crate::ggml::GgmlType;
 use half::{bf16, f16};
 
 /// Output rows per tile.
@@ -74,6 +75,11 @@ pub enum WeightFormat {
     F16,
     /// Plain row-major f32 `[rows, cols]`.
     F32,
+    /// Rows of ggml blocks exactly as a GGUF file stores them (`[rows, cols / block]` blocks,
+    /// each row on its own): the host executor runs them from these bytes (`kernels::ggml_dot`);
+    /// no device kernel reads them. One of [`GgmlType::BLOCK_QUANTS`] other than Q4_1 and Q8_0,
+    /// which become q4_1 / Q8 tiles exactly.
+    Ggml(GgmlType),
 }
 
 /// Error of a tile-level operation: which rule the data broke.
@@ -107,7 +113,7 @@ pub enum TileError {
 
 impl WeightFormat {
     /// All formats, for listing and round-trip tests.
-    pub const ALL: [WeightFormat; 13] = [
+    pub const ALL: [WeightFormat; 23] = [
         WeightFormat::Q41 {
             scale: ScaleType::Bf16,
             order: TileOrder::ColumnMajor,
@@ -145,6 +151,16 @@ impl WeightFormat {
         WeightFormat::Bf16,
         WeightFormat::F16,
         WeightFormat::F32,
+        WeightFormat::Ggml(GgmlType::Q4_0),
+        WeightFormat::Ggml(GgmlType::Q5_0),
+        WeightFormat::Ggml(GgmlType::Q5_1),
+        WeightFormat::Ggml(GgmlType::Q2_K),
+        WeightFormat::Ggml(GgmlType::Q3_K),
+        WeightFormat::Ggml(GgmlType::Q4_K),
+        WeightFormat::Ggml(GgmlType::Q5_K),
+        WeightFormat::Ggml(GgmlType::Q6_K),
+        WeightFormat::Ggml(GgmlType::IQ4_NL),
+        WeightFormat::Ggml(GgmlType::IQ4_XS),
     ];
 
     /// The short name used in kernel file names (`gemm_<name>_m16_k576_n960.elf`).
@@ -189,6 +205,21 @@ impl WeightFormat {
             WeightFormat::Bf16 => "bf16",
             WeightFormat::F16 => "f16",
             WeightFormat::F32 => "f32",
+            WeightFormat::Ggml(ty) => match ty {
+                GgmlType::Q4_0 => "ggml_q4_0",
+                GgmlType::Q4_1 => "ggml_q4_1",
+                GgmlType::Q5_0 => "ggml_q5_0",
+                GgmlType::Q5_1 => "ggml_q5_1",
+                GgmlType::Q8_0 => "ggml_q8_0",
+                GgmlType::Q2_K => "ggml_q2_k",
+                GgmlType::Q3_K => "ggml_q3_k",
+                GgmlType::Q4_K => "ggml_q4_k",
+                GgmlType::Q5_K => "ggml_q5_k",
+                GgmlType::Q6_K => "ggml_q6_k",
+                GgmlType::IQ4_NL => "ggml_iq4_nl",
+                GgmlType::IQ4_XS => "ggml_iq4_xs",
+                _ => "ggml_unsupported",
+            },
         }
     }
 
@@ -207,7 +238,9 @@ impl WeightFormat {
             WeightFormat::Q8 { .. } => Some(Q8_TILE_BYTES),
             WeightFormat::Q8Legacy => Some(Q8_LEGACY_TILE_BYTES),
             WeightFormat::Q4K => Some(Q4K_TILE_BYTES),
-            WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32 => None,
+            WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32 | WeightFormat::Ggml(_) => {
+                None
+            }
         }
     }
 
@@ -248,9 +281,25 @@ impl WeightFormat {
                 Ok(rows / TILE_ROWS * (self.padded_cols(cols) / self.tile_cols()) * tile)
             }
             (None, Some(elem)) => Ok(rows * cols * elem),
-            (None, None) => Ok(0),
+            (None, None) => match self {
+                WeightFormat::Ggml(ty) => Ok(rows * ggml_row_bytes(ty, cols)?),
+                _ => Ok(0),
+            },
         }
     }
+}
+
+/// Bytes of one row of `cols` values of ggml block type `ty`; `cols` must fill whole blocks.
+pub fn ggml_row_bytes(ty: GgmlType, cols: usize) -> Result<usize, TileError> {
+    let (values, bytes) = ty.block();
+    if !cols.is_multiple_of(values) {
+        return Err(TileError::NotMultiple {
+            what: "columns of a ggml block matrix",
+            value: cols,
+            multiple: values,
+        });
+    }
+    Ok(cols / values * bytes)
 }
 
 #[inline]
@@ -381,7 +430,7 @@ pub fn decode_tile(format: WeightFormat, tile: &[u8], out: &mut [f32]) -> Result
             }
         }
         // Plain formats have no tile: rejected by `tile_bytes()` above.
-        WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32 => {}
+        WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32 | WeightFormat::Ggml(_) => {}
     }
     Ok(())
 }
@@ -449,6 +498,11 @@ pub fn decode_row(
         });
     }
     match format {
+        WeightFormat::Ggml(ty) => {
+            let row_bytes = ggml_row_bytes(ty, cols)?;
+            crate::ggml::dequantize(ty, &data[row * row_bytes..(row + 1) * row_bytes], out)
+                .map_err(TileError::UnknownFormat)?;
+        }
         WeightFormat::F32 => {
             for (c, o) in out.iter_mut().enumerate() {
                 let at = (row * cols + c) * 4;

@@ -13,6 +13,7 @@
 use std::cell::RefCell;
 
 use super::avx2::{self, Q4Layout, Q4Scales, Q8Layout};
+use super::ggml_dot;
 use super::host_layout::{self, Packing};
 use super::pool::{ChunkCounter, Pool, ShareCounter, SharedMut};
 use super::quant::QuantizedRows;
@@ -146,7 +147,9 @@ impl<'a> WeightMatrix<'a> {
             WeightFormat::Q8 { .. } | WeightFormat::Q8Legacy => blocks * groups * (64 + 1024),
             // s8 + m8 (64 B) + codes (512 B) per group, row super scales (128 B) per tile
             WeightFormat::Q4K => blocks * (groups * (64 + 512) + self.cols.div_ceil(256) * 128),
-            WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32 => self.data.len(),
+            WeightFormat::Bf16 | WeightFormat::F16 | WeightFormat::F32 | WeightFormat::Ggml(_) => {
+                self.data.len()
+            }
         }
     }
 
@@ -170,6 +173,8 @@ enum FastKernel {
     Q4(Q4Layout),
     Q8(Q8Layout),
     Plain(avx2::PlainKind),
+    /// Rows of ggml blocks (`ggml_dot`), AVX2 when `fast`.
+    Ggml,
 }
 
 fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
@@ -241,6 +246,7 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
         WeightFormat::Bf16 => FastKernel::Plain(avx2::PlainKind::Bf16),
         WeightFormat::F16 => FastKernel::Plain(avx2::PlainKind::F16),
         WeightFormat::F32 => FastKernel::Plain(avx2::PlainKind::F32),
+        WeightFormat::Ggml(_) => FastKernel::Ggml,
     }
 }
 
@@ -370,6 +376,31 @@ impl HostExecutor {
         self.int_dot() == Some(avx2::IntDot::Vnni)
     }
 
+    /// Which kernel this executor runs a matrix of `format` with on this CPU, in words (`xdna
+    /// pack info`): the kernel family and the instruction set chosen at run time.
+    pub fn kernel_for(&self, format: WeightFormat) -> String {
+        let int_dot = match self.int_dot() {
+            Some(avx2::IntDot::Vnni) => "AVX-512 VNNI",
+            Some(_) => "AVX2",
+            None => "scalar",
+        };
+        let simd = if self.uses_avx2() { "AVX2" } else { "scalar" };
+        match fast_kernel(format, Packing::Tiles) {
+            FastKernel::Q4(_) => format!("q4 tile dot on q8 activations ({int_dot})"),
+            FastKernel::Q8(_) => format!("q8 tile dot on q8 activations ({int_dot})"),
+            FastKernel::Plain(_) => {
+                format!("{} row dot on f32 activations ({simd})", format.name())
+            }
+            FastKernel::Ggml => format!(
+                "ggml block rows unpacked to i8, dot on q8 activations ({})",
+                match self.int_dot() {
+                    Some(avx2::IntDot::Vnni) => "AVX2 unpack, AVX-512 VNNI dot",
+                    _ => simd,
+                }
+            ),
+        }
+    }
+
     /// The integer dot product the fast kernels use, or `None` on the scalar path.
     fn int_dot(&self) -> Option<avx2::IntDot> {
         if !self.uses_avx2() {
@@ -458,7 +489,9 @@ impl HostExecutor {
                 });
             });
         };
-        if w.format.tile_bytes().is_some() && fast.is_some() {
+        // ggml blocks always take q8 activations (their scalar reference too, as ggml's do).
+        let ggml = matches!(w.format, WeightFormat::Ggml(_));
+        if (w.format.tile_bytes().is_some() && fast.is_some()) || ggml {
             ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
                 Ok(mut act) => {
                     act.quantize(x, m, w.cols);
@@ -602,6 +635,22 @@ fn compute_block(
     scalar: &mut ScalarScratch,
 ) {
     let k = w.cols;
+    if let (WeightFormat::Ggml(ty), Some(act)) = (w.format, act) {
+        let n0 = block * TILE_ROWS;
+        let path = match fast {
+            Some(avx2::IntDot::Vnni) => ggml_dot::Path::Avx512Vnni,
+            Some(avx2::IntDot::Maddubs) => ggml_dot::Path::Avx2,
+            None => ggml_dot::Path::Scalar,
+        };
+        // The length was validated against the shape, so each row is data.len() / rows bytes.
+        let row_bytes = w.data.len() / w.rows.max(1);
+        let out_rows = (w.rows - n0).min(TILE_ROWS);
+        ggml_dot::block(
+            path, ty, w.data, row_bytes, k, n0, out_rows, act, rows, out, TILE_ROWS,
+        );
+        let _ = (kernel, x, scalar);
+        return;
+    }
     if let Some(tile_bytes) = w.format.tile_bytes() {
         let block_bytes = w.block_bytes();
         let data = &w.data[block * block_bytes..(block + 1) * block_bytes];
@@ -621,7 +670,7 @@ fn compute_block(
                     FastKernel::Q8(layout) => unsafe {
                         avx2::q8_block(layout, data, act, rows, dot, out)
                     },
-                    FastKernel::Plain(_) => {}
+                    FastKernel::Plain(_) | FastKernel::Ggml => {}
                 }
                 return;
             }

@@ -46,6 +46,7 @@ pub mod device_exec;
 pub mod elf;
 pub mod fastexp;
 pub mod gemm;
+pub mod ggml_dot;
 pub mod host_layout;
 pub mod pool;
 pub mod quant;

@@ -1,4 +1,5 @@
-//! Scalar references: decode the weights with `tiles::decode_tile` and take f64 dot products.
+//! Scalar references: decode the weights with `tiles::decode_tile` (ggml block rows with
+//! `ggml::dequantize`) and take f64 dot products.
 //! Slow and obviously correct; every fast path is tested against them.
 
 use super::gemm::WeightMatrix;
@@ -81,7 +82,7 @@ pub fn gemm_reference_quantized(
     m: usize,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    if w.format.tile_bytes().is_none() {
+    if !quantizes_activations(w.format) {
         return gemm_reference(w, x, m, y);
     }
     check_shapes(w, x, m, y)?;
@@ -121,7 +122,8 @@ pub(crate) fn check_shapes(
     Ok(())
 }
 
-/// Is `format` one whose fast path quantizes activations (all tile formats)?
+/// Is `format` one whose fast path quantizes activations (all tile formats, and ggml block rows
+/// on every path)?
 pub fn quantizes_activations(format: WeightFormat) -> bool {
-    format.tile_bytes().is_some()
+    format.tile_bytes().is_some() || matches!(format, WeightFormat::Ggml(_))
 }

@@ -255,6 +255,98 @@ pub(super) fn projection(
     Ok(p)
 }
 
+/// Projections of one input stacked by output rows (q ‖ k ‖ v, gate ‖ up): one matrix when the
+/// parts share a format (their rows concatenate), else each part on its own, run one after the
+/// other into its rows of the output ([`StackedProjection`]): llama-quantize's mixes store v in
+/// another type than q and k.
+#[allow(clippy::too_many_arguments)] // the loader's context and one placement callback
+fn stacked_projection(
+    opts: &LoadOptions,
+    exec: &Arc<Executor>,
+    pkg: &Arc<Package>,
+    names: &[&str],
+    rows_each: &[usize],
+    cols: usize,
+    place: &mut dyn FnMut(KernelProjection) -> Result<Box<dyn Projection>, ModelError>,
+) -> Result<Box<dyn Projection>, ModelError> {
+    let mut formats = Vec::with_capacity(names.len());
+    for (&n, &r) in names.iter().zip(rows_each) {
+        formats.push(pkg.matrix(n, r, cols)?.format);
+    }
+    if formats.windows(2).all(|w| w[0] == w[1]) {
+        return place(projection(opts, exec, pkg, names, rows_each, cols)?);
+    }
+    let mut parts = Vec::with_capacity(names.len());
+    for (&n, &r) in names.iter().zip(rows_each) {
+        parts.push(place(projection(opts, exec, pkg, &[n], &[r], cols)?)?);
+    }
+    Ok(Box::new(StackedProjection {
+        parts,
+        rows: rows_each.iter().sum(),
+        cols,
+    }))
+}
+
+/// Several projections of one input whose outputs are concatenated per row.
+struct StackedProjection {
+    parts: Vec<Box<dyn Projection>>,
+    rows: usize,
+    cols: usize,
+}
+
+thread_local! {
+    /// One part's output before it is copied into its columns of the stacked output.
+    static PART_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Projection for StackedProjection {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn weight_bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.weight_bytes()).sum()
+    }
+    fn gemm(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        family: RowFamily,
+    ) -> Result<(), ModelError> {
+        if y.len() < m * self.rows {
+            return Err(ModelError::Shape {
+                what: format!(
+                    "stacked projection output: {} < {m} × {}",
+                    y.len(),
+                    self.rows
+                ),
+            });
+        }
+        PART_OUT.with(|cell| {
+            let mut own = Vec::new();
+            let mut guard = cell.try_borrow_mut();
+            let buf: &mut Vec<f32> = match guard.as_deref_mut() {
+                Ok(b) => b,
+                Err(_) => &mut own,
+            };
+            let mut col0 = 0;
+            for part in &self.parts {
+                let n = part.rows();
+                buf.resize(m * n, 0.0);
+                part.gemm(x, m, buf, family)?;
+                for (i, row) in buf.chunks_exact(n).enumerate() {
+                    y[i * self.rows + col0..i * self.rows + col0 + n].copy_from_slice(row);
+                }
+                col0 += n;
+            }
+            Ok(())
+        })
+    }
+}
+
 /// Token embeddings decoded row by row from the package's matrix (no allocation per lookup for
 /// q8 / q4_1 tiles and plain formats).
 ///
@@ -550,7 +642,37 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
         return super::load_hybrid::load(pkg, opts, &exec, c, backend);
     }
     let (wfmt, head_fmt) = projection_formats(pkg, &c)?;
-    let (set, needs) = match kernel_dir(pkg, opts) {
+    // Matrices kept in a GGUF file's own block rows run on the host executor only.
+    let host_only = pkg.host_only_matrix();
+    let host_opts;
+    let opts = match (&host_only, opts.backend) {
+        (Some((name, format)), Backend::Xdna) => {
+            return Err(ModelError::Unsupported {
+                what: format!(
+                    "{}: {name} is stored as {} (a GGUF file's own block rows), which no device kernel reads; run it with --backend host, or requantize the GGUF to Q4_1 or Q8_0 for the NPU",
+                    pkg.dir().display(),
+                    format.name()
+                ),
+            });
+        }
+        (Some((name, format)), _) => {
+            if opts.backend == Backend::Auto {
+                tracing::info!(target: crate::STATUS_TARGET, "backend auto → host: {name} is {} (GGUF block rows, host only)", format.name());
+            }
+            host_opts = LoadOptions {
+                backend: Backend::Host,
+                kernels: None,
+                exact: opts.exact,
+            };
+            &host_opts
+        }
+        (None, _) => opts,
+    };
+    let kernel_set_dir = match opts.backend {
+        Backend::Host if host_only.is_some() => None,
+        _ => kernel_dir(pkg, opts),
+    };
+    let (set, needs) = match kernel_set_dir {
         Some(dir) => {
             let set = KernelSet::load(&dir)?;
             let needs = kernels::family_needs(&c.kernel_shapes(wfmt, head_fmt));
@@ -589,13 +711,16 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
         let p = format!("model.layers.{i}");
         let n = |s: &str| format!("{p}.{s}");
         let qkv = if fused {
-            projection(
-                opts,
-                &exec,
-                pkg,
-                &[&n("self_attn.qkv_proj.weight")],
-                &[c.qkv_rows()],
-                c.hidden,
+            place(
+                projection(
+                    opts,
+                    &exec,
+                    pkg,
+                    &[&n("self_attn.qkv_proj.weight")],
+                    &[c.qkv_rows()],
+                    c.hidden,
+                )?,
+                &mut tally,
             )?
         } else {
             let (q, k, v) = (
@@ -603,26 +728,38 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
                 n("self_attn.k_proj.weight"),
                 n("self_attn.v_proj.weight"),
             );
-            projection(opts, &exec, pkg, &[&q, &k, &v], &[qd, kvd, kvd], c.hidden)?
-        };
-        let gate_up = if fused {
-            projection(
+            stacked_projection(
                 opts,
                 &exec,
                 pkg,
-                &[&n("mlp.gate_up_proj.weight")],
-                &[2 * c.intermediate],
+                &[&q, &k, &v],
+                &[qd, kvd, kvd],
                 c.hidden,
+                &mut |p| place(p, &mut tally),
+            )?
+        };
+        let gate_up = if fused {
+            place(
+                projection(
+                    opts,
+                    &exec,
+                    pkg,
+                    &[&n("mlp.gate_up_proj.weight")],
+                    &[2 * c.intermediate],
+                    c.hidden,
+                )?,
+                &mut tally,
             )?
         } else {
             let (g, u) = (n("mlp.gate_proj.weight"), n("mlp.up_proj.weight"));
-            projection(
+            stacked_projection(
                 opts,
                 &exec,
                 pkg,
                 &[&g, &u],
                 &[c.intermediate, c.intermediate],
                 c.hidden,
+                &mut |p| place(p, &mut tally),
             )?
         };
         let o = projection(
@@ -666,7 +803,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
         };
         layers.push(Layer::Attention(LayerWeights {
             attn_norm: pkg.vector(&n("input_layernorm.weight"))?,
-            qkv: place(qkv, &mut tally)?,
+            qkv,
             qkv_bias,
             q_norm,
             k_norm,
@@ -677,7 +814,7 @@ fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, 
                 None
             },
             ffn_norm: pkg.vector(&n("post_attention_layernorm.weight"))?,
-            gate_up: place(gate_up, &mut tally)?,
+            gate_up,
             down: place(down, &mut tally)?,
         }));
     }

@@ -1,5 +1,5 @@
-//! `xdna pack import`: GGUF (llama architecture, or Qwen3.5 `qwen35` hybrids through
-//! [`super::import_qwen35`]) → package directory.
+//! `xdna pack import`: GGUF (llama, qwen2 and qwen3 architectures, or Qwen3.5 `qwen35` hybrids
+//! through [`super::import_qwen35`]) → package directory.
 //!
 //! Output (`docs/formats.md` has the details):
 //! - `model.q4nx`: safetensors; F32 norms first, then `I8` tile grids `[n_tiles, chunk]`:
@@ -124,6 +124,43 @@ impl Planned {
     }
 }
 
+/// The package format a GGUF weight matrix is stored in: q4_1 / Q8 tiles for Q4_1 / Q8_0 (an
+/// exact re-layout, with `scale` as the tile scale type), the tensor's own rows for the other ggml
+/// block types and the float types; any other type is refused naming the tensor and its type.
+pub fn weight_format(
+    f: &GgufFile,
+    t: &GgufTensor<'_>,
+    scale: ScaleType,
+) -> Result<WeightFormat, WeightsError> {
+    match t.ggml_type {
+        GgmlType::Q4_1 => Ok(WeightFormat::Q41 {
+            scale,
+            order: TileOrder::ColumnMajor,
+        }),
+        GgmlType::Q8_0 => Ok(WeightFormat::Q8 {
+            scale,
+            order: TileOrder::ColumnMajor,
+        }),
+        GgmlType::F32 => Ok(WeightFormat::F32),
+        GgmlType::F16 => Ok(WeightFormat::F16),
+        GgmlType::BF16 => Ok(WeightFormat::Bf16),
+        ty if ty.is_block_quant() => Ok(WeightFormat::Ggml(ty)),
+        other => Err(WeightsError::tensor(
+            f.path(),
+            t.name,
+            format!(
+                "ggml type {} cannot be imported (readable: f32, f16, bf16, {})",
+                other.name(),
+                GgmlType::BLOCK_QUANTS.map(GgmlType::name).join(", ")
+            ),
+        )),
+    }
+}
+
+/// The attention-only architectures [`plan`] reads: llama (rotary rows interleaved by the
+/// converter), qwen2 (q/k/v bias) and qwen3 (q/k RMS norm).
+pub const ATTENTION_ONLY_ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
 /// The error for a GGUF architecture the import does not read.
 pub(super) fn unsupported_architecture(f: &GgufFile, arch: &str) -> WeightsError {
     let why = match arch {
@@ -135,7 +172,8 @@ pub(super) fn unsupported_architecture(f: &GgufFile, arch: &str) -> WeightsError
     WeightsError::invalid(
         f.path(),
         format!(
-            "general.architecture = {arch:?}{why}: only \"llama\" and \"qwen35\" can be imported"
+            "general.architecture = {arch:?}{why}: only {} and \"qwen35\" can be imported",
+            ATTENTION_ONLY_ARCHS.map(|a| format!("{a:?}")).join(", ")
         ),
     )
 }
@@ -158,32 +196,18 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(ModelConfig, Vec<Planned>
     let arch = f.architecture().ok_or_else(|| {
         WeightsError::invalid(f.path(), "metadata \"general.architecture\" missing")
     })?;
-    if arch != "llama" {
+    if !ATTENTION_ONLY_ARCHS.contains(&arch) {
         return Err(unsupported_architecture(f, arch));
     }
+    // Only llama.cpp's LlamaModel conversion interleaves Q/K rows per rotary pair; qwen2/qwen3
+    // are stored in Hugging Face order.
+    let interleaved = arch == "llama";
     let p = ModelConfig::from_gguf(f)?;
     let q41 = WeightFormat::Q41 {
         scale,
         order: TileOrder::ColumnMajor,
     };
-    let q8 = WeightFormat::Q8 {
-        scale,
-        order: TileOrder::ColumnMajor,
-    };
-    let tile_format = |t: &GgufTensor<'_>| -> Result<WeightFormat, WeightsError> {
-        match t.ggml_type {
-            GgmlType::Q4_1 => Ok(q41),
-            GgmlType::Q8_0 => Ok(q8),
-            other => Err(WeightsError::tensor(
-                f.path(),
-                t.name,
-                format!(
-                    "ggml type {} cannot be imported (Q4_1 and Q8_0 are supported)",
-                    other.name()
-                ),
-            )),
-        }
-    };
+    let tile_format = |t: &GgufTensor<'_>| weight_format(f, t, scale);
     let part =
         |name: String, heads: Option<usize>| -> Result<(Part, WeightFormat, usize), WeightsError> {
             let t = f.require_tensor(&name)?;
@@ -237,7 +261,8 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(ModelConfig, Vec<Planned>
                 ps.push(pt);
             }
             let rows: usize = ps.iter().map(|p| p.rows).sum();
-            if !rows.is_multiple_of(tiles::TILE_ROWS) {
+            let tiled = fmt.is_none_or(|x| x.tile_bytes().is_some());
+            if tiled && !rows.is_multiple_of(tiles::TILE_ROWS) {
                 return Err(WeightsError::tensor(
                     f.path(),
                     out,
@@ -271,6 +296,22 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(ModelConfig, Vec<Planned>
             len: t.elements(),
         })
     };
+    // Projections read from one input (q, k, v; gate, up) are written fused when every layer's
+    // parts share a format, else each on its own, for the whole package (the loader decides per
+    // package): llama-quantize's mixes (Q4_K_M: v in Q6_K beside q, k in Q4_K) are stored split.
+    let mut fuse = true;
+    for i in 0..p.layers {
+        let format_of = |s: &str| -> Result<WeightFormat, WeightsError> {
+            tile_format(&f.require_tensor(&format!("blk.{i}.{s}.weight"))?)
+        };
+        let (q, k, val) = (
+            format_of("attn_q")?,
+            format_of("attn_k")?,
+            format_of("attn_v")?,
+        );
+        let (gate, up) = (format_of("ffn_gate")?, format_of("ffn_up")?);
+        fuse &= q == k && k == val && gate == up;
+    }
     let mut v = Vec::new();
     for i in 0..p.layers {
         v.push(vector(
@@ -281,6 +322,31 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(ModelConfig, Vec<Planned>
             format!("model.layers.{i}.post_attention_layernorm.weight"),
             format!("blk.{i}.ffn_norm.weight"),
         )?);
+    }
+    for i in 0..p.layers {
+        let attn = |s: &str| format!("model.layers.{i}.self_attn.{s}");
+        if p.qkv_bias {
+            for (hf, gguf) in [
+                ("q_proj", "attn_q"),
+                ("k_proj", "attn_k"),
+                ("v_proj", "attn_v"),
+            ] {
+                v.push(vector(
+                    attn(&format!("{hf}.bias")),
+                    format!("blk.{i}.{gguf}.bias"),
+                )?);
+            }
+        }
+        if p.qk_norm {
+            v.push(vector(
+                attn("q_norm.weight"),
+                format!("blk.{i}.attn_q_norm.weight"),
+            )?);
+            v.push(vector(
+                attn("k_norm.weight"),
+                format!("blk.{i}.attn_k_norm.weight"),
+            )?);
+        }
     }
     v.push(vector(
         "model.norm.weight".into(),
@@ -298,21 +364,27 @@ pub fn plan(f: &GgufFile, scale: ScaleType) -> Result<(ModelConfig, Vec<Planned>
     }
     for i in 0..p.layers {
         let b = |s: &str| format!("blk.{i}.{s}.weight");
-        v.push(matrix(
-            &format!("model.layers.{i}.self_attn.qkv_proj.weight"),
-            vec![
-                (b("attn_q"), Some(p.heads)),
-                (b("attn_k"), Some(p.kv_heads)),
-                (b("attn_v"), None),
-            ],
-        )?);
+        let attn = |s: &str| format!("model.layers.{i}.self_attn.{s}.weight");
+        let mlp = |s: &str| format!("model.layers.{i}.mlp.{s}.weight");
+        let (q, k, val) = (
+            (b("attn_q"), interleaved.then_some(p.heads)),
+            (b("attn_k"), interleaved.then_some(p.kv_heads)),
+            (b("attn_v"), None),
+        );
+        let (gate, up) = ((b("ffn_gate"), None), (b("ffn_up"), None));
+        if fuse {
+            v.push(matrix(&attn("qkv_proj"), vec![q, k, val])?);
+            v.push(matrix(&mlp("gate_up_proj"), vec![gate, up])?);
+        } else {
+            v.push(matrix(&attn("q_proj"), vec![q])?);
+            v.push(matrix(&attn("k_proj"), vec![k])?);
+            v.push(matrix(&attn("v_proj"), vec![val])?);
+            v.push(matrix(&mlp("gate_proj"), vec![gate])?);
+            v.push(matrix(&mlp("up_proj"), vec![up])?);
+        }
         v.push(matrix(
             &format!("model.layers.{i}.self_attn.o_proj.weight"),
             vec![(b("attn_output"), None)],
-        )?);
-        v.push(matrix(
-            &format!("model.layers.{i}.mlp.gate_up_proj.weight"),
-            vec![(b("ffn_gate"), None), (b("ffn_up"), None)],
         )?);
         v.push(matrix(
             &format!("model.layers.{i}.mlp.down_proj.weight"),
@@ -439,6 +511,9 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
     let f = GgufFile::open(gguf)?;
     let tokenizer = Tokenizer::from_gguf(&f)?;
     let (mut description, planned) = plan_any(&f, opts.scale)?;
+    let fused = planned
+        .iter()
+        .any(|p| matches!(p, Planned::Matrix { name, .. } if name.ends_with("qkv_proj.weight")));
     std::fs::create_dir_all(out).map_err(|e| WeightsError::io(out, e))?;
 
     // Header declarations and metadata.
@@ -480,11 +555,17 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
                 let bytes = format
                     .matrix_bytes(*rows, *cols)
                     .map_err(|e| WeightsError::tensor(gguf, name, e.to_string()))?;
-                let tb = format.tile_bytes().unwrap_or(1);
+                let (dtype, shape) = match (format, format.tile_bytes()) {
+                    (_, Some(tb)) => (Dtype::I8, vec![bytes / tb, tb]),
+                    (WeightFormat::F32, None) => (Dtype::F32, vec![*rows, *cols]),
+                    (WeightFormat::F16, None) => (Dtype::F16, vec![*rows, *cols]),
+                    (WeightFormat::Bf16, None) => (Dtype::BF16, vec![*rows, *cols]),
+                    (_, None) => (Dtype::U8, vec![*rows, bytes / rows.max(&1)]),
+                };
                 decl.push(Declared {
                     name: name.clone(),
-                    dtype: Dtype::I8,
-                    shape: vec![bytes / tb, tb],
+                    dtype,
+                    shape,
                 });
                 meta.insert(format!("xdna.format.{name}"), format.name().to_string());
                 meta.insert(format!("xdna.shape.{name}"), format!("{rows},{cols}"));
@@ -558,7 +639,30 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
                     .iter()
                     .map(|p| f.require_tensor(&p.tensor).map(|t| (t, p)))
                     .collect::<Result<_, _>>()?;
-                let tb = format.tile_bytes().unwrap_or(0);
+                let Some(tb) = format.tile_bytes() else {
+                    // The tensors' own rows, copied (in the planned row order).
+                    if col_blocks.is_some() {
+                        return Err(WeightsError::tensor(
+                            gguf,
+                            name,
+                            format!("columns of {} cannot be reordered", format.name()),
+                        ));
+                    }
+                    let mut chunk = Vec::new();
+                    for r in 0..*rows {
+                        let (t, src) = source_row(&views, r).ok_or_else(|| {
+                            WeightsError::tensor(gguf, name, format!("row {r} beyond the sources"))
+                        })?;
+                        chunk.extend_from_slice(t.row_data(src)?);
+                        if chunk.len() >= 1 << 20 || r + 1 == *rows {
+                            w.write(name, &chunk)?;
+                            bar.inc(chunk.len() as u64);
+                            chunk.clear();
+                        }
+                    }
+                    f.release_pages();
+                    continue;
+                };
                 let mut block = vec![0u8; format.padded_cols(*cols) / tiles::TILE_COLS * tb];
                 for pb in 0..rows / tiles::TILE_ROWS {
                     build_row_block(
@@ -583,7 +687,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
     description.vocab = description.vocab.max(tokenizer.vocab_size());
     write_json(
         &out.join("config.json"),
-        &config_json(&f, &description, opts.scale),
+        &config_json(&f, &description, opts.scale, fused),
     )?;
     write_json(&out.join("tokenizer.json"), &tokenizer_json(&tokenizer))?;
     write_json(
@@ -603,12 +707,16 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), WeightsError> {
 
 /// The package's `config.json`: the description as Hugging Face names it, plus how this import
 /// stored the weights (`xdna`: fused matrices, tile scale type and order, norm dtype, source).
-fn config_json(f: &GgufFile, description: &ModelConfig, scale: ScaleType) -> serde_json::Value {
+fn config_json(
+    f: &GgufFile,
+    description: &ModelConfig,
+    scale: ScaleType,
+    fused: bool,
+) -> serde_json::Value {
     let mut c = description.to_json();
     c["torch_dtype"] = "bfloat16".into();
     let storage = serde_json::json!({
-        // The llama plan fuses QKV and gate+up; the qwen35 plan keeps them separate.
-        "fused": !description.is_hybrid(),
+        "fused": fused,
         "scale_type": match scale { ScaleType::F16 => "f16", ScaleType::Bf16 => "bf16" },
         "tile_order": "column_major",
         "norm_dtype": "F32",
@@ -908,8 +1016,11 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
         .join("packages")
         .join(format!("{stem}-{:x}-{mtime:x}", meta.len()));
     let dir = import_once(gguf, &dir, ImportOptions::default())?;
-    if super::Package::open_dir(&dir).is_ok_and(|p| p.config().is_hybrid()) {
-        // Hybrid models run on the host backend only (docs/model.md); no device kernel set.
+    if super::Package::open_dir(&dir)
+        .is_ok_and(|p| p.config().is_hybrid() || p.host_only_matrix().is_some())
+    {
+        // Hybrid models and GGUF block rows run on the host backend only (docs/model.md); no
+        // device kernel set.
         return Ok(dir);
     }
     // The kernel set is what the xdna backend runs; a model whose shapes cannot be derived still

@@ -333,8 +333,22 @@ impl Package {
     pub fn has_tensor(&self, name: &str) -> bool {
         self.weights.contains(name)
     }
+
+    /// The first matrix stored as ggml block rows (`WeightFormat::Ggml`), which only the host
+    /// executor runs, with its format; `None` when every matrix has a device format.
+    pub fn host_only_matrix(&self) -> Option<(String, WeightFormat)> {
+        self.weights
+            .entries()
+            .iter()
+            .find_map(|e| match self.weights.format_of(&e.name) {
+                Ok(f @ WeightFormat::Ggml(_)) => Some((e.name.clone(), f)),
+                _ => None,
+            })
+    }
+
     /// Whether attention/MLP matrices are fused (`qkv_proj`, `gate_up_proj`) as in our imports,
-    /// or separate (`q/k/v_proj`, `gate/up_proj`) as in FastFlowLM packages.
+    /// or separate (`q/k/v_proj`, `gate/up_proj`) as in FastFlowLM packages and imports of mixed
+    /// weight types.
     pub fn fused(&self) -> bool {
         self.has_tensor("model.layers.0.self_attn.qkv_proj.weight")
     }
@@ -378,6 +392,9 @@ impl Package {
             ));
         }
         let shape_ok = match (format.tile_bytes(), t.shape.len()) {
+            (None, _) if matches!(format, WeightFormat::Ggml(_)) => {
+                t.shape == [rows, expected / rows.max(1)]
+            }
             (None, _) => t.shape == [rows, cols],
             (Some(_), 3) => {
                 t.shape[0] == rows / tiles::TILE_ROWS

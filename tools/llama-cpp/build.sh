@@ -9,10 +9,6 @@ cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
 root="${XDG_CACHE_HOME:-$HOME/.cache}/xdna/llama.cpp"
 dir="$root/$version-$cpu"
 targets=(llama-perplexity llama-quantize)
-if [[ -x "$dir/bin/llama-quantize" && -x "$dir/bin/llama-perplexity" ]]; then
-  echo "$dir/bin"
-  exit 0
-fi
 mkdir -p "$root"
 work=$(mktemp -d "$root/build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -22,14 +18,26 @@ if [[ ! -f "$sdist" ]]; then
     "llama-cpp-python==$version" -d "$work" >&2
   mv "$work/llama_cpp_python-$version.tar.gz" "$sdist"
 fi
-tar xzf "$sdist" -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+# gguf-py, llama.cpp's own GGUF reader and writer (tools/llama-cpp/random_gguf.py uses it), beside
+# the programs: $dir/gguf-py.
+if [[ ! -f "$dir/gguf-py/gguf/__init__.py" && -x "$dir/bin/llama-quantize" ]]; then
+  tar xzf "$sdist" -C "$work" "llama_cpp_python-$version/vendor/llama.cpp/gguf-py"
+  rm -rf "$dir/gguf-py"
+  cp -r "$src/gguf-py" "$dir/gguf-py"
+fi
+if [[ -x "$dir/bin/llama-quantize" && -x "$dir/bin/llama-perplexity" ]]; then
+  echo "$dir/bin"
+  exit 0
+fi
+tar xzf "$sdist" -C "$work"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$work/build" -j"$(nproc)" --target "${targets[@]}" >&2
 mkdir -p "$dir.tmp/bin"
 for t in "${targets[@]}"; do cp "$work/build/bin/$t" "$dir.tmp/bin/"; done
+cp -r "$src/gguf-py" "$dir.tmp/gguf-py"
 rm -rf "$dir"
 mv "$dir.tmp" "$dir"
 echo "$dir/bin"

@@ -30,8 +30,15 @@ enum Cmd {
         #[arg(long)]
         quiet: bool,
     },
-    /// List tensors (roles, dtypes/formats, shapes, bytes) of a package dir, .q4nx or .gguf file.
-    Info { path: PathBuf },
+    /// List tensors (roles, dtypes/formats, shapes, bytes) of a package dir, .q4nx or .gguf file;
+    /// for a GGUF file also the host kernel and the device format each matrix would get, and
+    /// whether the file imports, before anything is loaded.
+    Info {
+        path: PathBuf,
+        /// One JSON object (GGUF files only).
+        #[arg(long)]
+        json: bool,
+    },
     /// Compare a package's matrices with the GGUF it was imported from (max abs / rms error).
     Compare { package: PathBuf, gguf: PathBuf },
     /// Print the default model's package directory (downloading/importing it if needed).
@@ -177,6 +184,14 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 );
                 return Ok(());
             }
+            if let Some((name, format)) = pkg.host_only_matrix() {
+                eprintln!(
+                    "wrote {} ({name} and others are {}, GGUF block rows: host backend only, no kernel set)",
+                    output.display(),
+                    format.name()
+                );
+                return Ok(());
+            }
             // The package's kernel set: every shape it needs, in the weight formats it was
             // written with (f16 scales → q41h / q8h, bf16 → q41 / q8).
             let (wfmt, head) = match scale {
@@ -198,7 +213,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             );
             Ok(())
         }
-        Cmd::Info { path } => info(&path),
+        Cmd::Info { path, json } => info(&path, json),
         Cmd::Compare { package, gguf } => {
             let pkg = Package::open(&package)?;
             let (q41, q8) = import::compare(&pkg, &gguf)?;
@@ -223,58 +238,17 @@ pub fn run(args: Args) -> xdna::Result<()> {
     }
 }
 
-fn info(path: &std::path::Path) -> xdna::Result<()> {
+fn info(path: &std::path::Path, json: bool) -> xdna::Result<()> {
     let is_gguf = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
     if is_gguf {
-        let f = GgufFile::open(path)?;
-        println!(
-            "{}: GGUF v{}, {} metadata entries, {} tensors, alignment {}",
-            path.display(),
-            f.version(),
-            f.metadata_entries().len(),
-            f.tensor_infos().len(),
-            f.alignment()
-        );
-        for (k, v) in f.metadata_entries() {
-            let shown = match v {
-                xdna::weights::gguf::Value::Array(a) => format!(
-                    "[{} × {}]",
-                    a.len(),
-                    a.first().map(|x| x.type_name()).unwrap_or("?")
-                ),
-                xdna::weights::gguf::Value::String(s) if s.len() > 60 => format!(
-                    "{:?}… ({} bytes)",
-                    &s[..s.char_indices().nth(50).map(|x| x.0).unwrap_or(s.len())],
-                    s.len()
-                ),
-                other => format!("{other:?}"),
-            };
-            println!("  {k} = {shown}");
-        }
-        let mut total = 0u64;
-        println!(
-            "{:<40} {:<10} {:<8} {:<16} {:>12}",
-            "tensor", "role", "type", "shape", "bytes"
-        );
-        for t in f.tensor_infos() {
-            total += t.size as u64;
-            println!(
-                "{:<40} {:<10} {:<8} {:<16} {:>12}",
-                t.name,
-                TensorRole::of(&t.name).name(),
-                t.ggml_type.name(),
-                format!("{:?}", t.shape),
-                t.size
-            );
-        }
-        println!(
-            "total: {} tensors, {} ({total} bytes)",
-            f.tensor_infos().len(),
-            human(total)
-        );
-        return Ok(());
+        return gguf_info(path, json);
+    }
+    if json {
+        return Err(xdna::Error::Usage(
+            "--json: only for GGUF files (a package's tensors are listed as text)".into(),
+        ));
     }
     let (st, pkg) = if path.is_dir() {
         let pkg = Package::open(path)?;
@@ -365,5 +339,150 @@ fn info(path: &std::path::Path) -> xdna::Result<()> {
         st.entries().len(),
         human(total)
     );
+    Ok(())
+}
+
+/// What one GGUF tensor becomes: the package format it is imported to, the kernel the host
+/// executor runs it with on this CPU, and the device format (or why there is none).
+struct TensorPlan {
+    format: Option<String>,
+    host: String,
+    device: String,
+}
+
+fn tensor_plan(f: &GgufFile, t: &xdna::weights::gguf::TensorInfo) -> TensorPlan {
+    if t.shape.len() != 2 {
+        return TensorPlan {
+            format: None,
+            host: "read once as f32 (vector)".into(),
+            device: "f32 vector (host-side)".into(),
+        };
+    }
+    let format = f
+        .tensor(&t.name)
+        .ok_or_else(|| xdna::weights::WeightsError::Other(format!("{}: not found", t.name)))
+        .and_then(|view| import::weight_format(f, &view, ScaleType::F16));
+    match format {
+        Ok(format) => TensorPlan {
+            format: Some(format.name().to_string()),
+            host: xdna::kernels::gemm::HostExecutor::global().kernel_for(format),
+            device: match format {
+                WeightFormat::Ggml(ty) => format!(
+                    "none: host only (no device kernel reads ggml {} rows; Q4_1, Q8_0 do)",
+                    ty.name()
+                ),
+                WeightFormat::Q41 { .. } | WeightFormat::Q8 { .. } => {
+                    format!("{} tiles (exact re-layout)", format.name())
+                }
+                other => format!("{} rows", other.name()),
+            },
+        },
+        Err(e) => TensorPlan {
+            format: None,
+            host: format!("refused: {e}"),
+            device: "refused".into(),
+        },
+    }
+}
+
+fn gguf_info(path: &std::path::Path, json: bool) -> xdna::Result<()> {
+    let f = GgufFile::open(path)?;
+    // The whole-file decision (architecture, names, shapes, types) the import would make.
+    let import_verdict = import::plan_any(&f, ScaleType::F16).map(|_| ());
+    let plans: Vec<TensorPlan> = f
+        .tensor_infos()
+        .iter()
+        .map(|t| tensor_plan(&f, t))
+        .collect();
+    if json {
+        let tensors: Vec<serde_json::Value> = f
+            .tensor_infos()
+            .iter()
+            .zip(&plans)
+            .map(|(t, p)| {
+                serde_json::json!({
+                    "name": t.name,
+                    "role": TensorRole::of(&t.name).name(),
+                    "type": t.ggml_type.name(),
+                    "shape": t.shape,
+                    "bytes": t.size,
+                    "package_format": p.format,
+                    "host_kernel": p.host,
+                    "device": p.device,
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "path": path.display().to_string(),
+            "version": f.version(),
+            "architecture": f.architecture(),
+            "tensors": tensors,
+            "imports": import_verdict.is_ok(),
+            "refusal": import_verdict.as_ref().err().map(|e| e.to_string()),
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "{}: GGUF v{}, {} metadata entries, {} tensors, alignment {}",
+        path.display(),
+        f.version(),
+        f.metadata_entries().len(),
+        f.tensor_infos().len(),
+        f.alignment()
+    );
+    for (k, v) in f.metadata_entries() {
+        let shown = match v {
+            xdna::weights::gguf::Value::Array(a) => format!(
+                "[{} × {}]",
+                a.len(),
+                a.first().map(|x| x.type_name()).unwrap_or("?")
+            ),
+            xdna::weights::gguf::Value::String(s) if s.len() > 60 => format!(
+                "{:?}… ({} bytes)",
+                &s[..s.char_indices().nth(50).map(|x| x.0).unwrap_or(s.len())],
+                s.len()
+            ),
+            other => format!("{other:?}"),
+        };
+        println!("  {k} = {shown}");
+    }
+    let mut total = 0u64;
+    println!(
+        "{:<32} {:<10} {:<8} {:<14} {:>10}  {:<52} device",
+        "tensor", "role", "type", "shape", "bytes", "host kernel"
+    );
+    for (t, p) in f.tensor_infos().iter().zip(&plans) {
+        total += t.size as u64;
+        println!(
+            "{:<32} {:<10} {:<8} {:<14} {:>10}  {:<52} {}",
+            t.name,
+            TensorRole::of(&t.name).name(),
+            t.ggml_type.name(),
+            format!("{:?}", t.shape),
+            t.size,
+            p.host,
+            p.device
+        );
+    }
+    println!(
+        "total: {} tensors, {} ({total} bytes)",
+        f.tensor_infos().len(),
+        human(total)
+    );
+    let host_only = f
+        .tensor_infos()
+        .iter()
+        .zip(&plans)
+        .find(|(_, p)| p.format.as_deref().is_some_and(|n| n.starts_with("ggml_")));
+    match (import_verdict, host_only) {
+        (Ok(()), None) => println!("import: yes (host and xdna backends)"),
+        (Ok(()), Some((t, _))) => println!(
+            "import: yes, host backend only ({} is ggml {}, which no device kernel reads)",
+            t.name,
+            t.ggml_type.name()
+        ),
+        (Err(e), _) => println!("import: refused: {e}"),
+    }
     Ok(())
 }

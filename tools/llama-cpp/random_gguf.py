@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Writes a small random-weight GGUF of one model family with llama.cpp's own writer (gguf-py,
+from the llama-cpp-python sdist: tools/llama-cpp/build.sh puts it beside the programs), for
+checking xdna's reading of that family against llama.cpp on the same file.
+
+The tokenizer (every `tokenizer.*` key) is copied from an existing GGUF, so both runtimes
+tokenize real text the same way; the weights are drawn from a fixed seed. Weights are strong
+enough (projections at ~1/sqrt(fan-in), biases and norm gains far from 0 and 1) that attention,
+rotary positions, biases and q/k norms all move the predictions: a family-specific part read
+wrongly changes the perplexity by far more than rounding does.
+
+Usage: random_gguf.py --arch {llama,qwen2,qwen3} --tokenizer-from FILE.gguf --out FILE.gguf
+"""
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
+    ap.add_argument("--tokenizer-from", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=29)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    a = ap.parse_args()
+
+    import gguf  # noqa: E402  (found through PYTHONPATH: the sdist's gguf-py)
+
+    src = gguf.GGUFReader(a.tokenizer_from)
+    rng = np.random.default_rng(a.seed)
+    arch = a.arch
+    w = gguf.GGUFWriter(a.out, arch)
+    w.add_name(f"random {arch}")
+    w.add_block_count(a.layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(a.hidden)
+    w.add_feed_forward_length(a.ffn)
+    w.add_head_count(a.heads)
+    w.add_head_count_kv(a.kv_heads)
+    w.add_key_length(a.head_dim)
+    w.add_value_length(a.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    vocab = 0
+    for field in src.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            values = field.contents()
+            if field.name == "tokenizer.ggml.tokens":
+                vocab = len(values)
+            w.add_key_value(field.name, values, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(field.name, field.contents(), vtype)
+    if vocab == 0:
+        print(f"{a.tokenizer_from}: no tokenizer.ggml.tokens", file=sys.stderr)
+        return 1
+
+    def matrix(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def gains(n: int) -> np.ndarray:
+        return rng.uniform(0.5, 1.5, n).astype(np.float32)
+
+    h, hd = a.hidden, a.head_dim
+    # Tied embeddings: the output head is token_embd.
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, h)) * 0.15).astype(np.float32))
+    w.add_tensor("output_norm.weight", gains(h))
+    for i in range(a.layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", gains(h))
+        w.add_tensor(b + "attn_q.weight", matrix(a.heads * hd, h, 2.0))
+        w.add_tensor(b + "attn_k.weight", matrix(a.kv_heads * hd, h, 2.0))
+        w.add_tensor(b + "attn_v.weight", matrix(a.kv_heads * hd, h))
+        if arch == "qwen2":
+            w.add_tensor(b + "attn_q.bias", rng.uniform(-1, 1, a.heads * hd).astype(np.float32))
+            w.add_tensor(b + "attn_k.bias", rng.uniform(-1, 1, a.kv_heads * hd).astype(np.float32))
+            w.add_tensor(b + "attn_v.bias", rng.uniform(-1, 1, a.kv_heads * hd).astype(np.float32))
+        if arch == "qwen3":
+            w.add_tensor(b + "attn_q_norm.weight", gains(hd) * 2.0)
+            w.add_tensor(b + "attn_k_norm.weight", gains(hd) * 2.0)
+        w.add_tensor(b + "attn_output.weight", matrix(h, a.heads * hd))
+        w.add_tensor(b + "ffn_norm.weight", gains(h))
+        w.add_tensor(b + "ffn_gate.weight", matrix(a.ffn, h))
+        w.add_tensor(b + "ffn_up.weight", matrix(a.ffn, h))
+        w.add_tensor(b + "ffn_down.weight", matrix(h, a.ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
