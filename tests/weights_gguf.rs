@@ -482,8 +482,12 @@ fn corrupt_inputs_name_the_problem() {
 fn decode_f32_rejects_size_mismatch() {
     let mut out = [0f32; 32];
     assert!(decode_f32(GgmlType::Q4_1, &[0u8; 19], &mut out).is_err());
-    assert!(decode_f32(GgmlType::Q5_0, &[0u8; 22], &mut out).is_err());
+    assert!(decode_f32(GgmlType::Q5_0, &[0u8; 21], &mut out).is_err());
+    assert!(decode_f32(GgmlType::Q5_0, &[0u8; 22], &mut out).is_ok());
     assert!(decode_f32(GgmlType::Q8_0, &[0u8; 34], &mut out).is_ok());
+    // A type with no decoder (ternary TQ2_0, 256 values in 66 bytes) is an error, not garbage.
+    let mut wide = [0f32; 256];
+    assert!(decode_f32(GgmlType::TQ2_0, &[0u8; 66], &mut wide).is_err());
 }
 
 fn smollm() -> Option<PathBuf> {
