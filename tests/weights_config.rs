@@ -300,6 +300,27 @@ fn gguf_errors_name_the_file_and_the_key() {
         e.contains("\"llama.rope.scaling.type\"") && e.contains("yarn"),
         "{e}"
     );
+    // Llama 3.1 rope scaling as llama.cpp's converter writes it: per-dimension divisors in a
+    // tensor, no scaling key. Refused, not read as plain RoPE.
+    let e = gguf_description(
+        "gguf_rope_freqs",
+        &tiny_llama_gguf(|w| {
+            w.tensor(
+                "rope_freqs.weight",
+                &[8],
+                GGML_F32,
+                &[1f32, 1.0, 1.0, 1.5, 4.0, 8.0, 8.0, 8.0]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            )
+        }),
+    )
+    .expect_err("rope_freqs");
+    assert!(
+        e.contains("model.gguf") && e.contains("rope_freqs.weight") && e.contains("llama3"),
+        "{e}"
+    );
     let mut huge = GgufWriter::new();
     huge.str("general.architecture", "qwen3");
     for (key, v) in [

@@ -235,6 +235,11 @@ pub(super) fn projection(
             }
             v.extend_from_slice(view.data);
         }
+        // The copy is what runs from now on: the pages the copy read are released, so the
+        // parts are not resident twice (they stay in the page cache).
+        for (_, view) in &views {
+            MappedBytes::new(pkg, view.data)?.release_pages(0..view.data.len());
+        }
         Bytes::Owned(v)
     };
     let mut p = KernelProjection {

@@ -29,6 +29,7 @@ pub mod fflm_layout;
 pub mod forward;
 pub mod gdn;
 pub mod gguf_lite;
+pub mod kl_divergence;
 pub mod kv_cache;
 pub mod layers;
 pub mod load;

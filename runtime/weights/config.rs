@@ -801,6 +801,18 @@ fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, Wei
             ))
         }
     };
+    // llama.cpp's converter writes Llama 3.1's rope scaling as per-dimension frequency divisors
+    // in this tensor, with no scaling key: reading the file without them would rotate every
+    // low-frequency pair at the wrong speed.
+    if f.tensor("rope_freqs.weight").is_some() {
+        return Err(config_error(
+            f.path(),
+            "rope_freqs.weight",
+            "per-dimension RoPE frequency factors (llama.cpp's form of Llama 3.1 rope scaling) \
+             are not read by this import; a package whose config.json has rope_scaling \
+             {\"rope_type\": \"llama3\"} is",
+        ));
+    }
     let layers = f.require_u64(&k("block_count"))?;
     let layers = usize::try_from(layers)
         .ok()

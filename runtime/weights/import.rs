@@ -18,7 +18,9 @@
 use super::config::ModelConfig;
 use super::gguf::{GgmlType, GgufFile, GgufTensor};
 use super::safetensors::{Declared, Dtype, Writer};
-use super::tokenizer::{PreTokenizer, Tokenizer};
+use super::tokenizer::{
+    PreTokenizer, Tokenizer, DEFAULT_NUMBER_PATTERN, DEFAULT_PUNCT_PATTERN, DEFAULT_TRIPLE_PATTERN,
+};
 use super::WeightsError;
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat};
 use std::collections::BTreeMap;
@@ -134,6 +136,12 @@ pub fn weight_format(
 ) -> Result<WeightFormat, WeightsError> {
     match t.ggml_type {
         GgmlType::Q4_1 => Ok(WeightFormat::Q41 {
+            scale,
+            order: TileOrder::ColumnMajor,
+        }),
+        // A q4_0 block is a q4_1 group with min −8·d, exact in f16 (a power-of-two multiple;
+        // `build_row_block` checks it), so with f16 tile scales it is stored and run as q4_1.
+        GgmlType::Q4_0 if scale == ScaleType::F16 => Ok(WeightFormat::Q41 {
             scale,
             order: TileOrder::ColumnMajor,
         }),
@@ -459,14 +467,33 @@ fn build_row_block(
                 }
                 match format {
                     WeightFormat::Q41 { scale, order } => {
-                        let b = &row[src * 20..src * 20 + 20];
-                        let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                        let m = half::f16::from_bits(u16::from_le_bytes([b[2], b[3]])).to_f32();
+                        let f16_at = |b: &[u8], i: usize| {
+                            half::f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+                        };
+                        // q4_1: d, m, 16 bytes of nibbles; q4_0: d, 16 bytes, value d·(q − 8).
+                        let (b, d, m, qs) = match t.ggml_type {
+                            GgmlType::Q4_0 => {
+                                let b = &row[src * 18..src * 18 + 18];
+                                let d = f16_at(b, 0);
+                                let m = -8.0 * d;
+                                if half::f16::from_f32(m).to_f32() != m {
+                                    return Err(WeightsError::Other(format!(
+                                        "{}: q4_0 scale {d} has no exact q4_1 minimum",
+                                        t.name
+                                    )));
+                                }
+                                (b, d, m, 2)
+                            }
+                            _ => {
+                                let b = &row[src * 20..src * 20 + 20];
+                                (b, f16_at(b, 0), f16_at(b, 2), 4)
+                            }
+                        };
                         let codes: [u8; 32] = std::array::from_fn(|i| {
                             if i < 16 {
-                                b[4 + i] & 0x0F
+                                b[qs + i] & 0x0F
                             } else {
-                                b[4 + i - 16] >> 4
+                                b[qs + i - 16] >> 4
                             }
                         });
                         tiles::set_q41_cell(tile, scale, order, g, r, d, m, &codes);
@@ -775,6 +802,17 @@ pub fn tokenizer_json(tok: &Tokenizer) -> serde_json::Value {
                 byte_level.clone(),
             ]
         }),
+        // llama.cpp's `default`, in the HF form that lists its four splits (this runtime reads it
+        // back as that; the byte-level step in the middle is where GPT-2's split happens).
+        PreTokenizer::LlamaCppDefault => serde_json::json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                { "type": "Split", "pattern": { "Regex": DEFAULT_PUNCT_PATTERN }, "behavior": "Isolated", "invert": false },
+                byte_level.clone(),
+                { "type": "Split", "pattern": { "Regex": DEFAULT_NUMBER_PATTERN }, "behavior": "Isolated", "invert": false },
+                { "type": "Split", "pattern": { "Regex": DEFAULT_TRIPLE_PATTERN }, "behavior": "Isolated", "invert": false },
+            ]
+        }),
         p @ (PreTokenizer::Llama3 | PreTokenizer::Qwen2 | PreTokenizer::Qwen35) => {
             serde_json::json!({
                 "type": "Sequence",
@@ -999,7 +1037,13 @@ pub fn import_once(
     }
 }
 
-/// Import a GGUF into the cache (keyed by file name, size and mtime) and return the package dir.
+/// The revision of what an import writes: part of the cache key, so a package imported by a
+/// build that stored a tensor or the tokenizer differently is imported again, not reused. Raise
+/// it whenever the package written for the same file changes.
+pub const IMPORT_REVISION: u32 = 2;
+
+/// Import a GGUF into the cache (keyed by file name, size, mtime and [`IMPORT_REVISION`]) and
+/// return the package dir.
 pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
     let meta = std::fs::metadata(gguf).map_err(|e| WeightsError::io(gguf, e))?;
     let mtime = meta
@@ -1012,9 +1056,10 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    let dir = cache_dir()?
-        .join("packages")
-        .join(format!("{stem}-{:x}-{mtime:x}", meta.len()));
+    let dir = cache_dir()?.join("packages").join(format!(
+        "{stem}-{:x}-{mtime:x}-r{IMPORT_REVISION}",
+        meta.len()
+    ));
     let dir = import_once(gguf, &dir, ImportOptions::default())?;
     if super::Package::open_dir(&dir)
         .is_ok_and(|p| p.config().is_hybrid() || p.host_only_matrix().is_some())

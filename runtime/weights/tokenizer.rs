@@ -11,7 +11,9 @@
 //!   ByteLevel(use_regex)]`): every `\p{N}` char split off first, then GPT-2 on each piece;
 //! - [`PreTokenizer::Llama3`] / [`PreTokenizer::Qwen2`] / [`PreTokenizer::Qwen35`] (llama.cpp
 //!   `llama-bpe` / `qwen2` / `qwen35`, HF `Split(pattern, Isolated)` +
-//!   `ByteLevel(use_regex=false)`), for FastFlowLM packages and Qwen3.5 GGUFs.
+//!   `ByteLevel(use_regex=false)`), for FastFlowLM packages and Qwen3.5 GGUFs;
+//! - [`PreTokenizer::LlamaCppDefault`] (llama.cpp `default`, and a GGUF without
+//!   `tokenizer.ggml.pre`): punctuation runs, GPT-2, `\p{N}+`, digit triples, in turn.
 //!
 //! Other `tokenizer.json` pre-tokenizers are refused by name rather than tokenized differently.
 //!
@@ -38,6 +40,11 @@ pub enum PreTokenizer {
     /// llama.cpp `qwen35` (Qwen3.5): Qwen2's pattern with combining marks (`\p{M}`) kept in
     /// letter runs.
     Qwen35,
+    /// llama.cpp `default` (also what it reads when `tokenizer.ggml.pre` is missing): four splits
+    /// in turn, each over every piece the previous one left — runs of punctuation and
+    /// `$+<=>^~|` ([`DEFAULT_PUNCT_PATTERN`]), the GPT-2 pattern, `\p{N}+`, then ASCII digit
+    /// triples from the left.
+    LlamaCppDefault,
 }
 
 /// GPT-2's split pattern (HF ByteLevel `use_regex`).
@@ -47,6 +54,12 @@ pub const GPT2_PATTERN: &str =
 pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split pattern.
 pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The first split of llama.cpp's `default` pre-tokenizer.
+pub const DEFAULT_PUNCT_PATTERN: &str = r"[\p{P}\$\+<=>\^~\|]+";
+/// Its third split.
+pub const DEFAULT_NUMBER_PATTERN: &str = r"\p{N}+";
+/// Its fourth split.
+pub const DEFAULT_TRIPLE_PATTERN: &str = r"[0-9][0-9][0-9]";
 /// Qwen3.5's split pattern (llama.cpp `LLAMA_VOCAB_PRE_TYPE_QWEN35`, from its `tokenizer.json`).
 pub const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -54,7 +67,9 @@ impl PreTokenizer {
     /// The split pattern as HF and llama.cpp write it (with the `\s+(?!\S)` lookahead).
     pub fn pattern(self) -> &'static str {
         match self {
-            PreTokenizer::Gpt2 | PreTokenizer::SmolLm => GPT2_PATTERN,
+            PreTokenizer::Gpt2 | PreTokenizer::SmolLm | PreTokenizer::LlamaCppDefault => {
+                GPT2_PATTERN
+            }
             PreTokenizer::Llama3 => LLAMA3_PATTERN,
             PreTokenizer::Qwen2 => QWEN2_PATTERN,
             PreTokenizer::Qwen35 => QWEN35_PATTERN,
@@ -86,6 +101,8 @@ pub struct Tokenizer {
     pre: PreTokenizer,
     gpt2: regex::Regex,
     digit: regex::Regex,
+    /// llama.cpp `default`'s other three splits, in order around the GPT-2 one.
+    default_splits: [regex::Regex; 3],
     source: PathBuf,
 }
 
@@ -214,6 +231,12 @@ impl Tokenizer {
         let gpt2 =
             regex::Regex::new(&pre.pattern_without_lookahead()).map_err(|e| err(e.to_string()))?;
         let digit = regex::Regex::new(r"\p{N}").map_err(|e| err(e.to_string()))?;
+        let compile = |p: &str| regex::Regex::new(p).map_err(|e| err(e.to_string()));
+        let default_splits = [
+            compile(DEFAULT_PUNCT_PATTERN)?,
+            compile(DEFAULT_NUMBER_PATTERN)?,
+            compile(DEFAULT_TRIPLE_PATTERN)?,
+        ];
         Ok(Tokenizer {
             bytes,
             strings: tokens,
@@ -231,6 +254,7 @@ impl Tokenizer {
             pre,
             gpt2,
             digit,
+            default_splits,
             source: source.to_path_buf(),
         })
     }
@@ -281,18 +305,21 @@ impl Tokenizer {
                 _ => None,
             })
             .collect();
-        let pre = match f.get_str("tokenizer.ggml.pre").unwrap_or("gpt2") {
+        // A missing key is read as llama.cpp reads it ("default"); a name that is not known is
+        // refused, as llama.cpp refuses it, rather than split differently.
+        let pre = match f.get_str("tokenizer.ggml.pre").unwrap_or("default") {
             "smollm" | "starcoder" | "refact" | "command-r" => PreTokenizer::SmolLm,
-            "llama3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizer::Llama3,
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizer::Llama3,
             "qwen2" | "deepseek-r1-qwen" => PreTokenizer::Qwen2,
             "qwen35" => PreTokenizer::Qwen35,
-            "gpt2" | "default" | "gpt-2" => PreTokenizer::Gpt2,
+            "gpt2" | "gpt-2" => PreTokenizer::Gpt2,
+            "default" => PreTokenizer::LlamaCppDefault,
             other => {
-                tracing::warn!(
-                    "{}: pre-tokenizer {other:?} not known; using GPT-2's",
-                    f.path().display()
-                );
-                PreTokenizer::Gpt2
+                return Err(err(format!(
+                    "tokenizer.ggml.pre = {other:?} is not a pre-tokenizer this runtime splits by \
+                     (it reads smollm, starcoder, refact, command-r, llama3, llama-v3, llama-bpe, \
+                     falcon3, pixtral, qwen2, deepseek-r1-qwen, qwen35, gpt-2, default)"
+                )))
             }
         };
         Tokenizer::new(f.path(), tokens, &merges, &added, pre)
@@ -502,6 +529,11 @@ impl Tokenizer {
                 }
                 self.encode_gpt2(&text[last..], out);
             }
+            PreTokenizer::LlamaCppDefault => {
+                for p in self.split_default(text) {
+                    self.bpe(p.as_bytes(), out);
+                }
+            }
         }
     }
 
@@ -522,8 +554,29 @@ impl Tokenizer {
                 }
                 self.split_gpt2(&text[last..], &mut pieces);
             }
+            PreTokenizer::LlamaCppDefault => pieces = self.split_default(text),
         }
         pieces
+    }
+
+    /// llama.cpp's `default` splitting: each split in turn over every piece so far, the matches
+    /// and the text between them all kept as pieces (llama.cpp's `unicode_regex_split`).
+    fn split_default<'t>(&self, text: &'t str) -> Vec<&'t str> {
+        let [punct, number, triple] = &self.default_splits;
+        let mut pieces = Vec::new();
+        split_keeping(punct, text, &mut pieces);
+        let mut next = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            self.split_gpt2(p, &mut next);
+        }
+        for re in [number, triple] {
+            pieces.clear();
+            for p in &next {
+                split_keeping(re, p, &mut pieces);
+            }
+            std::mem::swap(&mut pieces, &mut next);
+        }
+        next
     }
 
     fn split_gpt2<'t>(&self, text: &'t str, pieces: &mut Vec<&'t str>) {
@@ -647,6 +700,21 @@ impl Tokenizer {
     }
 }
 
+/// `text` split at the matches of `re`: the matches and the non-empty text between them, in order.
+fn split_keeping<'t>(re: &regex::Regex, text: &'t str, pieces: &mut Vec<&'t str>) {
+    let mut last = 0;
+    for m in re.find_iter(text) {
+        if m.start() > last {
+            pieces.push(&text[last..m.start()]);
+        }
+        pieces.push(m.as_str());
+        last = m.end();
+    }
+    if last < text.len() {
+        pieces.push(&text[last..]);
+    }
+}
+
 /// Recognize an HF `pre_tokenizer` object.
 pub fn pre_tokenizer_of(v: &serde_json::Value) -> Option<PreTokenizer> {
     let byte_level = |b: &serde_json::Value| -> Option<bool> {
@@ -659,6 +727,19 @@ pub fn pre_tokenizer_of(v: &serde_json::Value) -> Option<PreTokenizer> {
         return None;
     }
     let list = v["pretokenizers"].as_array()?;
+    let isolated = |split: &serde_json::Value, pattern: &str| {
+        split["type"] == "Split"
+            && split["behavior"] == "Isolated"
+            && split["invert"].as_bool() != Some(true)
+            && split["pattern"]["Regex"].as_str() == Some(pattern)
+    };
+    if let [punct, bl, number, triple] = list.as_slice() {
+        return (isolated(punct, DEFAULT_PUNCT_PATTERN)
+            && byte_level(bl) == Some(true)
+            && isolated(number, DEFAULT_NUMBER_PATTERN)
+            && isolated(triple, DEFAULT_TRIPLE_PATTERN))
+        .then_some(PreTokenizer::LlamaCppDefault);
+    }
     let [split, bl] = list.as_slice() else {
         return None;
     };

@@ -8,7 +8,7 @@ version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
 root="${XDG_CACHE_HOME:-$HOME/.cache}/xdna/llama.cpp"
 dir="$root/$version-$cpu"
-targets=(llama-perplexity llama-quantize)
+targets=(llama-perplexity llama-quantize llama-tokenize llama-bench)
 mkdir -p "$root"
 work=$(mktemp -d "$root/build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -26,7 +26,9 @@ if [[ ! -f "$dir/gguf-py/gguf/__init__.py" && -x "$dir/bin/llama-quantize" ]]; t
   rm -rf "$dir/gguf-py"
   cp -r "$src/gguf-py" "$dir/gguf-py"
 fi
-if [[ -x "$dir/bin/llama-quantize" && -x "$dir/bin/llama-perplexity" ]]; then
+built=1
+for t in "${targets[@]}"; do [[ -x "$dir/bin/$t" ]] || built=0; done
+if [[ $built == 1 ]]; then
   echo "$dir/bin"
   exit 0
 fi

@@ -23,6 +23,10 @@ def main() -> int:
     ap.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
     ap.add_argument("--tokenizer-from", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--pre",
+        help="write this tokenizer.ggml.pre instead of the source's (pre-tokenizer checks)",
+    )
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
@@ -55,6 +59,8 @@ def main() -> int:
         if not field.name.startswith("tokenizer."):
             continue
         vtype = field.types[0]
+        if field.name == "tokenizer.ggml.pre" and a.pre is not None:
+            continue
         if vtype == gguf.GGUFValueType.ARRAY:
             values = field.contents()
             if field.name == "tokenizer.ggml.tokens":
@@ -62,6 +68,8 @@ def main() -> int:
             w.add_key_value(field.name, values, vtype, sub_type=field.types[-1])
         else:
             w.add_key_value(field.name, field.contents(), vtype)
+    if a.pre is not None:
+        w.add_tokenizer_pre(a.pre)
     if vocab == 0:
         print(f"{a.tokenizer_from}: no tokenizer.ggml.tokens", file=sys.stderr)
         return 1

@@ -465,3 +465,72 @@ async fn stop_server(
         .expect("join")
         .expect("clean stop");
 }
+
+/// llama-quantize's Q4_K_M of the default model (q4_K, q5_0, q6_K and q8_0 matrices read from
+/// their own rows), made with llama.cpp from `XDNA_LLAMA_CPP_BIN` (`.ci/run` builds it; without
+/// it the test skips loudly, and fails under CI): None when unavailable.
+fn q4_k_m_file(default: &std::path::Path) -> Option<PathBuf> {
+    let Some(bin) = std::env::var_os("XDNA_LLAMA_CPP_BIN") else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "XDNA_LLAMA_CPP_BIN is unset under CI (.ci/run builds llama.cpp and sets it)"
+        );
+        eprintln!("\n!!!!!!!! SKIPPED: llama.cpp unavailable; run tools/llama-cpp/build.sh and set XDNA_LLAMA_CPP_BIN !!!!!!!!\n");
+        return None;
+    };
+    let out =
+        std::env::temp_dir().join(format!("forward-serve-{}-Q4_K_M.gguf", std::process::id()));
+    let run = std::process::Command::new(PathBuf::from(bin).join("llama-quantize"))
+        .arg("--allow-requantize")
+        .arg(default)
+        .arg(&out)
+        .arg("Q4_K_M")
+        .output()
+        .expect("run llama-quantize");
+    assert!(
+        run.status.success(),
+        "llama-quantize failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    Some(out)
+}
+
+/// A Q4_K_M file served: each greedy completion is the model layer's own greedy text for the
+/// file, and four at once (batched rows of the ggml block kernels) return what each returns alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_q4_k_m_file_serves_the_model_layers_greedy_text_alone_and_batched() {
+    let Some(default) = model_path() else { return };
+    let Some(path) = q4_k_m_file(&default) else {
+        return;
+    };
+    let n = 16;
+    let prompts = &forward_serve::bench::BENCH_PROMPTS[..4];
+    let cfg = Config {
+        request_timeout: Duration::from_secs(600),
+        ..Config::default()
+    };
+    let (addr, stop, server) = start_real(&path, cfg).await;
+    let mut alone = Vec::new();
+    for p in prompts {
+        alone.push(greedy_text(addr, p, n, Value::Null).await);
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        let (file, pr) = (path.clone(), *p);
+        let want = tokio::task::spawn_blocking(move || reference_greedy(&file, pr, n))
+            .await
+            .expect("reference");
+        assert_eq!(alone[i], want, "prompt {i} {p:?}");
+    }
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let p = p.to_string();
+            tokio::spawn(async move { greedy_text(addr, &p, n, Value::Null).await })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.expect("join"), alone[i], "prompt {i} batched");
+    }
+    stop_server(stop, server).await;
+    let _ = std::fs::remove_file(&path);
+}

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use xdna::cli::ModelArgs;
+use xdna::model::kl_divergence::{compare_with_saved, SavedLogits};
 use xdna::model::load::open_model;
 use xdna::model::perplexity::{
     compare, perplexity, score_continuation, PerplexityComparison, PerplexityResult,
@@ -11,9 +12,19 @@ use xdna::model::reference::{ActivationRounding, Reference};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The text file.
-    #[arg(long, required_unless_present = "score")]
+    /// The text file (with --kl-divergence-base: checked to tokenize to the saved tokens).
+    #[arg(long, required_unless_present_any = ["score", "kl_divergence_base"])]
     file: Option<PathBuf>,
+    /// Compare with the logits llama.cpp saved (`llama-perplexity --kl-divergence-base FILE`):
+    /// run the file's own tokens and chunks, print both perplexities, the mean KL divergence from
+    /// the saved distributions, how often the top-1 tokens agree, and every row where they differ
+    /// although the saved top-2 margin exceeds --top1-margin (exit status 1 if any).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["score", "reference", "compare_reference"])]
+    kl_divergence_base: Option<PathBuf>,
+    /// With --kl-divergence-base: the saved top-2 margin, in nats, above which a row's top-1
+    /// tokens must agree.
+    #[arg(long, default_value_t = 0.1, requires = "kl_divergence_base", value_parser = parse_margin)]
+    top1_margin: f32,
     /// Score instead: a JSON-lines file of `{"context", "continuation"}` strings; prints one JSON
     /// line per pair with the token ids, `loglikelihood` and `is_greedy`. The pair is split into
     /// ids as lm-evaluation-harness splits it (the context's trailing whitespace moves to the
@@ -21,9 +32,9 @@ pub struct Args {
     /// Loads the model with `--ctx` positions.
     #[arg(long, conflicts_with_all = ["file", "reference", "compare_reference"])]
     score: Option<PathBuf>,
-    /// Tokens per chunk.
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
+    /// Tokens per chunk [default: 512; with --kl-divergence-base the saved file's].
+    #[arg(long)]
+    ctx: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -50,6 +61,21 @@ pub struct Args {
     reference_refine: Option<f32>,
 }
 
+impl Args {
+    fn ctx(&self) -> usize {
+        self.ctx.unwrap_or(512)
+    }
+}
+
+fn parse_margin(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(m) if m.is_finite() && m >= 0.0 => Ok(m),
+        _ => Err(format!(
+            "`{s}` is not a margin: a finite number of nats ≥ 0"
+        )),
+    }
+}
+
 fn parse_ratio(s: &str) -> Result<f32, String> {
     match s.trim().parse::<f32>() {
         Ok(r) if r.is_finite() && r >= 0.0 => Ok(r),
@@ -60,6 +86,9 @@ fn parse_ratio(s: &str) -> Result<f32, String> {
 pub fn run(args: Args) -> xdna::Result<()> {
     if let Some(pairs) = &args.score {
         return score(&args, pairs);
+    }
+    if let Some(base) = &args.kl_divergence_base {
+        return kl_divergence(&args, base);
     }
     let Some(file) = &args.file else {
         return Err(xdna::Error::Usage("--file or --score is required".into()));
@@ -83,18 +112,18 @@ pub fn run(args: Args) -> xdna::Result<()> {
         reference_perplexity(&args, &text, &mut progress)?
     } else {
         let opts = args.model.load_options(args.exact);
-        let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx, &opts)?;
-        if model.context() < args.ctx {
+        let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx(), &opts)?;
+        if model.context() < args.ctx() {
             return Err(xdna::Error::Usage(format!(
                 "--ctx {} exceeds the model's {} positions",
-                args.ctx,
+                args.ctx(),
                 model.context()
             )));
         }
         let tokens = pkg.tokenizer().encode(&text, false);
         let r = perplexity(
             &tokens,
-            args.ctx,
+            args.ctx(),
             pkg.leading_bos(),
             &mut |chunk, first, f| {
                 model.reset();
@@ -109,7 +138,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             }
             let r_ref = perplexity(
                 &tokens,
-                args.ctx,
+                args.ctx(),
                 pkg.leading_bos(),
                 &mut |chunk, first, f| reference.score_chunk(chunk, first, f),
                 &mut progress,
@@ -122,7 +151,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
     if json {
         let mut v = serde_json::json!({
             "ppl": r.ppl, "ppl_uncertainty": r.uncertainty(), "tokens": r.tokens,
-            "chunks": r.chunks, "ctx": args.ctx, "text_tokens": text_tokens,
+            "chunks": r.chunks, "ctx": args.ctx(), "text_tokens": text_tokens,
             "per_chunk": r.per_chunk, "seconds": secs, "backend": forward,
         });
         if let Some(c) = comparison {
@@ -153,7 +182,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             .map_or(String::new(), |u| format!(" ± {u:.4}"));
         println!(
             "perplexity {:.4}{plus_minus} over {} scored tokens ({} chunks of {}, {} text tokens, {}{how}, {:.1} s)",
-            r.ppl, r.tokens, r.chunks, args.ctx, text_tokens, forward, secs
+            r.ppl, r.tokens, r.chunks, args.ctx(), text_tokens, forward, secs
         );
         if let Some(c) = comparison {
             println!(
@@ -165,6 +194,112 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 c.mean_abs_token_nll
             );
         }
+    }
+    Ok(())
+}
+
+/// `--kl-divergence-base FILE`: this run against llama.cpp's saved logits.
+fn kl_divergence(args: &Args, base: &std::path::Path) -> xdna::Result<()> {
+    let mut saved = SavedLogits::open(base)?;
+    if let Some(ctx) = args.ctx.filter(|&c| c != saved.n_ctx) {
+        return Err(xdna::Error::Usage(format!(
+            "--ctx {ctx} differs from the {} tokens per chunk {} was saved with",
+            saved.n_ctx,
+            base.display()
+        )));
+    }
+    let opts = args.model.load_options(args.exact);
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), saved.n_ctx, &opts)?;
+    if model.context() < saved.n_ctx {
+        return Err(xdna::Error::Usage(format!(
+            "{} was saved with {} tokens per chunk; the model holds {} positions",
+            base.display(),
+            saved.n_ctx,
+            model.context()
+        )));
+    }
+    if let Some(file) = &args.file {
+        let text = std::fs::read_to_string(file).map_err(|e| xdna::Error::io(file, e))?;
+        let ours: Vec<u32> = pkg
+            .leading_bos()
+            .into_iter()
+            .chain(pkg.tokenizer().encode(&text, false))
+            .collect();
+        let n = saved.tokens.len();
+        if let Some(at) = (0..n).find(|&i| ours.get(i) != saved.tokens.get(i)) {
+            return Err(xdna::Error::Usage(format!(
+                "{} tokenizes differently from {}: token {at} is {:?} here and {} there",
+                file.display(),
+                base.display(),
+                ours.get(at),
+                saved.tokens[at]
+            )));
+        }
+    }
+    let json = args.json;
+    let t0 = std::time::Instant::now();
+    let c = compare_with_saved(
+        &mut saved,
+        pkg.leading_bos(),
+        args.top1_margin,
+        &mut |chunk, first, f| {
+            model.reset();
+            model.prefill_with(chunk, first, f)
+        },
+        &mut |chunk, kld| {
+            if !json {
+                eprint!("[{}]{kld:.6},", chunk + 1);
+            }
+        },
+    )?;
+    let secs = t0.elapsed().as_secs_f64();
+    let backend = model.weights().backend.to_string();
+    if json {
+        let mut v = serde_json::to_value(&c).map_err(|e| xdna::Error::Usage(e.to_string()))?;
+        v["chunks"] = saved.n_chunk.into();
+        v["ctx"] = saved.n_ctx.into();
+        v["seconds"] = secs.into();
+        v["backend"] = backend.into();
+        v["tokens_checked"] = args.file.is_some().into();
+        println!("{v}");
+    } else {
+        eprintln!();
+        println!(
+            "{} rows ({} chunks of {}, {backend}, {secs:.1} s): perplexity {:.4}, saved {:.4} ({:+.3} %)",
+            c.rows,
+            saved.n_chunk,
+            saved.n_ctx,
+            c.ppl,
+            c.saved_ppl,
+            100.0 * (c.ppl / c.saved_ppl - 1.0)
+        );
+        println!(
+            "mean KL divergence {:.6} ± {:.6} nats (max {:.4}); same top-1 {:.3} % ({} of {})",
+            c.mean_kld,
+            c.mean_kld_uncertainty,
+            c.max_kld,
+            100.0 * c.same_top as f64 / c.rows as f64,
+            c.same_top,
+            c.rows
+        );
+        println!(
+            "rows with a saved top-2 margin over {} nats: {}, top-1 differs in {}",
+            c.margin, c.confident_rows, c.confident_disagreement_count
+        );
+        for d in &c.confident_disagreements {
+            println!(
+                "  chunk {} row {}: saved top-1 {} (margin {:.3}), here {}",
+                d.chunk, d.row, d.saved_top, d.saved_margin, d.top
+            );
+        }
+    }
+    if c.confident_disagreement_count > 0 {
+        return Err(xdna::Error::Usage(format!(
+            "the top-1 token differs from {} in {} rows where its margin exceeds {} nats",
+            base.display(),
+            c.confident_disagreement_count,
+            c.margin
+        )));
     }
     Ok(())
 }
@@ -182,7 +317,7 @@ fn reference_perplexity(
     let tokens = pkg.tokenizer().encode(text, false);
     let r = perplexity(
         &tokens,
-        args.ctx,
+        args.ctx(),
         pkg.leading_bos(),
         &mut |chunk, first, f| reference.score_chunk(chunk, first, f),
         progress,
@@ -214,7 +349,7 @@ fn open_reference(gguf: &std::path::Path, args: &Args) -> xdna::Result<Reference
 fn score(args: &Args, pairs: &std::path::Path) -> xdna::Result<()> {
     let text = std::fs::read_to_string(pairs).map_err(|e| xdna::Error::io(pairs, e))?;
     let opts = args.model.load_options(args.exact);
-    let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx, &opts)?;
+    let (pkg, mut model) = open_model(args.model.path.as_deref(), args.ctx(), &opts)?;
     let tok = pkg.tokenizer();
     for (n, line) in text
         .lines()
