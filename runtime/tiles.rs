@@ -25,8 +25,12 @@ pub const GROUPS: usize = TILE_COLS / GROUP;
 pub const Q41_TILE_BYTES: usize = 5120;
 /// Bytes of a Q8 tile (32 × 256): 256 scales (2 bytes) + 8192 codes.
 pub const Q8_TILE_BYTES: usize = 8704;
-/// Bytes of the legacy "q8 packed in q4nx" tile (32 × 128).
+/// Bytes of the legacy "q8 packed in q4nx" tile (32 × 128): FLM_Q4NX_Converter's
+/// `_pack_q4nx_8b` (`_pack_q8nx` padded to a q4_1 chunk): 128 bf16 scales `[0, 256)`, the same
+/// scales again in its "min" slot `[256, 512)`, 4096 codes from [`Q8_LEGACY_CODES`], 512 zero bytes.
 pub const Q8_LEGACY_TILE_BYTES: usize = 5120;
+/// Offset of the code area in a legacy q8 tile (right after the scale and "min" slots).
+pub const Q8_LEGACY_CODES: usize = 512;
 /// Bytes of a Q4_K tile: s8, m8, nibbles, per-row super scale and (negated) super min.
 pub const Q4K_TILE_BYTES: usize = 4736;
 
@@ -409,7 +413,7 @@ pub fn decode_tile(format: WeightFormat, tile: &[u8], out: &mut [f32]) -> Result
             for r in 0..TILE_ROWS {
                 for c in 0..128 {
                     let d = scale_to_f32(ScaleType::Bf16, read_u16(tile, 2 * cell(c / GROUP, r)));
-                    let q = tile[1024 + (r / 16) * 2048 + c * 16 + r % 16] as i8;
+                    let q = tile[Q8_LEGACY_CODES + (r / 16) * 2048 + c * 16 + r % 16] as i8;
                     out[r * cols + c] = q as f32 * d;
                 }
             }

@@ -27,19 +27,9 @@ const Q8: WeightFormat = WeightFormat::Q8 {
     order: TileOrder::ColumnMajor,
 };
 
-/// xorshift64*.
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// A random but well-formed tile matrix of `[n, k]`.
 fn weights(format: WeightFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {

@@ -7,23 +7,9 @@ use xdna::tiles::{
     self, cell, scale_from_f32, scale_to_f32, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS,
 };
 
-/// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f32() * scale).collect()
-    }
-}
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// Round-trip a scale through its stored type, so codes are chosen against the stored value.
 fn stored(scale: ScaleType, v: f32) -> f32 {
@@ -82,11 +68,15 @@ fn encode(format: WeightFormat, w: &[f32], n: usize, k: usize) -> Vec<u8> {
                         WeightFormat::Q8Legacy => {
                             let (d, codes) = q8_codes(ScaleType::Bf16, &vals);
                             let bits = scale_from_f32(ScaleType::Bf16, d);
-                            tile[2 * cell(g, r)..2 * cell(g, r) + 2]
-                                .copy_from_slice(&bits.to_le_bytes());
+                            // The converter writes the scales twice (its "min" slot too).
+                            for slot in [0, 256] {
+                                tile[slot + 2 * cell(g, r)..slot + 2 * cell(g, r) + 2]
+                                    .copy_from_slice(&bits.to_le_bytes());
+                            }
                             for (i, &code) in codes.iter().enumerate() {
                                 let c = g * GROUP + i;
-                                tile[1024 + (r / 16) * 2048 + c * 16 + r % 16] = code as u8;
+                                tile[tiles::Q8_LEGACY_CODES + (r / 16) * 2048 + c * 16 + r % 16] =
+                                    code as u8;
                             }
                         }
                         _ => unreachable!("plain and Q4K handled above"),

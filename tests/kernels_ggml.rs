@@ -7,19 +7,9 @@ use xdna::kernels::reference::gemm_reference_quantized;
 use xdna::kernels::{HostExecutor, WeightMatrix};
 use xdna::tiles::WeightFormat;
 
-/// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// Offsets of the f16 fields (scales, minimums) inside one block of `ty`.
 fn half_fields(ty: GgmlType) -> &'static [usize] {

@@ -309,10 +309,11 @@ fn nibble_order_detection_for_flm_files() {
     assert_eq!(st.tile_order(), TileOrder::ColumnMajor);
     assert_eq!(st.format_of("b.weight").unwrap(), WeightFormat::Q4K);
     // 8704 → Q8; unknown chunk → error naming the size; legacy q8 heuristic.
+    // FLM_Q4NX_Converter `_pack_q4nx_8b`: scales [0, 256) repeated in [256, 512), codes
+    // [512, 4608), 512 zero bytes.
     let mut legacy = vec![0u8; 5120];
-    legacy[..256].fill(0x3F);
-    legacy[512..768].fill(0x3F);
-    legacy[1024..4608].fill(3);
+    legacy[..512].fill(0x3F);
+    legacy[512..4608].fill(3);
     let tq = flm_file(
         "q8",
         &[

@@ -238,7 +238,7 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
         WeightFormat::Q8Legacy => FastKernel::Q8(Q8Layout {
             f16_scales: false,
             column_major: false,
-            codes: 1024,
+            codes: tiles::Q8_LEGACY_CODES,
             plane: 2048,
             tile_cols: 128,
             tile_bytes: tiles::Q8_LEGACY_TILE_BYTES,

@@ -506,14 +506,12 @@ impl SafeTensors {
     }
 }
 
-/// Legacy 32×128 q8 tile: last 512 bytes zero and the "min" slot equal to the scale slot.
+/// Legacy 32×128 q8 tile (FLM_Q4NX_Converter `_pack_q4nx_8b`): 128 scales `[0, 256)` repeated
+/// in the "min" slot `[256, 512)`, codes `[512, 4608)`, and the last 512 bytes zero.
 fn looks_like_legacy_q8(data: &[u8]) -> bool {
     let mut any = false;
     for c in data.chunks_exact(tiles::Q41_TILE_BYTES).take(4) {
-        if c[4608..].iter().any(|&b| b != 0)
-            || c[..256] != c[512..768]
-            || c[256..512] != c[768..1024]
-        {
+        if c[4608..].iter().any(|&b| b != 0) || c[..256] != c[256..512] {
             return false;
         }
         any = true;
