@@ -511,13 +511,13 @@ fn random_gguf(bin: &Path, tokenizer_from: &Path, args: &[&str], out: &Path) {
     );
 }
 
-/// A random-weight GGUF of `arch` (`random_gguf.py --arch`).
-fn random_family_gguf(bin: &Path, tokenizer_from: &Path, arch: &str) -> PathBuf {
+/// A random-weight GGUF (`random_gguf.py ARGS`), named after `what`.
+fn random_family_gguf(bin: &Path, tokenizer_from: &Path, what: &str, args: &[&str]) -> PathBuf {
     let out = std::env::temp_dir().join(format!(
-        "xdna-llama-cpp-{}-random-{arch}.gguf",
+        "xdna-llama-cpp-{}-random-{what}.gguf",
         std::process::id()
     ));
-    random_gguf(bin, tokenizer_from, &["--arch", arch], &out);
+    random_gguf(bin, tokenizer_from, args, &out);
     out
 }
 
@@ -525,9 +525,11 @@ fn random_family_gguf(bin: &Path, tokenizer_from: &Path, arch: &str) -> PathBuf 
 /// qwen2 (q/k/v bias, rows in Hugging Face order) and qwen3 (q/k RMS norm), random weights
 /// strong enough that every family-specific part moves the predictions (dropping qwen2's bias
 /// moves its perplexity by 5 %): within 1 % of llama.cpp's perplexity, in f32 and as
-/// llama-quantize's Q4_K_M (hidden 256: real q4_K / q6_K in every matrix). The f32 files, where
-/// xdna rounds nothing, have the exact forward's top-1 token in every row where its margin
-/// exceeds 0.1 nat.
+/// llama-quantize's Q4_K_M (hidden 256: real q4_K / q6_K in every matrix). A llama file with
+/// Llama 3.1 rope scaling as llama.cpp's converter writes it (`rope_freqs.weight`, original
+/// context 64 so that most pairs are slowed 8×: reading it as plain RoPE moves the perplexity by
+/// 3.9 % and flips the top-1 token of nearly every row) is checked in f32. The f32 files, where xdna rounds nothing, have the exact forward's
+/// top-1 token in every row where its margin exceeds 0.1 nat.
 #[test]
 fn random_models_of_each_family_have_llama_cpps_perplexity() {
     let (Some(bin), Some(gguf)) = (llama_cpp_bin(), smollm2::smollm2_gguf()) else {
@@ -535,11 +537,19 @@ fn random_models_of_each_family_have_llama_cpps_perplexity() {
     };
     let text = text_head("families", 15_000);
     let mut failed = Vec::new();
-    for arch in ["llama", "qwen2", "qwen3"] {
-        let f32_file = random_family_gguf(&bin, &gguf, arch);
-        let q4_k_m = quantize(&bin, &f32_file, "Q4_K_M");
-        for (file, what) in [(&f32_file, "f32"), (&q4_k_m, "Q4_K_M")] {
-            let what = format!("random {arch} {what}");
+    let llama3_rope: &[&str] = &["--arch", "llama", "--llama3-rope", "8", "1", "4", "64"];
+    for (family, args, quantized) in [
+        ("llama", &["--arch", "llama"][..], true),
+        ("qwen2", &["--arch", "qwen2"][..], true),
+        ("qwen3", &["--arch", "qwen3"][..], true),
+        ("llama-rope-freqs", llama3_rope, false),
+    ] {
+        let f32_file = random_family_gguf(&bin, &gguf, family, args);
+        let q4_k_m = quantized.then(|| quantize(&bin, &f32_file, "Q4_K_M"));
+        for (file, what) in
+            std::iter::once((&f32_file, "f32")).chain(q4_k_m.as_ref().map(|q| (q, "Q4_K_M")))
+        {
+            let what = format!("random {family} {what}");
             let c = check_file(&bin, file, &text, &what);
             failed.extend(c.failures(0.01));
             if file == &f32_file && confident_flips(&c.xdna_from_exact) > 0 {
@@ -549,14 +559,16 @@ fn random_models_of_each_family_have_llama_cpps_perplexity() {
                 ));
             }
         }
-        if arch == "qwen3" {
+        if let (Some(q), "qwen3") = (&q4_k_m, family) {
             assert!(
-                matrix_types(&q4_k_m).iter().any(|t| t == "q4_K"),
+                matrix_types(q).iter().any(|t| t == "q4_K"),
                 "the Q4_K_M file holds no q4_K matrix"
             );
         }
         let _ = std::fs::remove_file(&f32_file);
-        let _ = std::fs::remove_file(&q4_k_m);
+        if let Some(q) = q4_k_m {
+            let _ = std::fs::remove_file(q);
+        }
     }
     let _ = std::fs::remove_file(&text);
     assert!(failed.is_empty(), "{failed:?}");

@@ -228,6 +228,27 @@ fn tiny_llama_gguf(edit: impl FnOnce(&mut GgufWriter)) -> GgufWriter {
     w
 }
 
+/// A qwen3 GGUF with `blocks` layers: hidden 64, 4 heads, a 300-token F32 embedding.
+fn tiny_qwen3_gguf(blocks: u32) -> GgufWriter {
+    let mut w = GgufWriter::new();
+    w.str("general.architecture", "qwen3");
+    for (key, v) in [
+        ("embedding_length", 64),
+        ("feed_forward_length", 128),
+        ("block_count", blocks),
+        ("attention.head_count", 4),
+    ] {
+        w.u32(&format!("qwen3.{key}"), v);
+    }
+    w.tensor(
+        "token_embd.weight",
+        &[64, 300],
+        GGML_F32,
+        &vec![0u8; 64 * 300 * 4],
+    );
+    w
+}
+
 fn gguf_description(name: &str, w: &GgufWriter) -> Result<ModelConfig, String> {
     let path = scratch(name).join("model.gguf");
     std::fs::write(&path, w.bytes()).expect("write gguf");
@@ -260,24 +281,51 @@ fn gguf_metadata_gives_the_description() {
         (Some(1), &[2][..])
     );
     // qwen3 keys: the same shape, with per-head q/k norms.
-    let mut qwen3 = GgufWriter::new();
-    qwen3.str("general.architecture", "qwen3");
-    for (key, v) in [
-        ("embedding_length", 64),
-        ("feed_forward_length", 128),
-        ("block_count", 2),
-        ("attention.head_count", 4),
-    ] {
-        qwen3.u32(&format!("qwen3.{key}"), v);
-    }
-    qwen3.tensor(
-        "token_embd.weight",
-        &[64, 300],
-        GGML_F32,
-        &vec![0u8; 64 * 300 * 4],
-    );
+    let qwen3 = tiny_qwen3_gguf(2);
     let q = gguf_description("gguf_qwen3", &qwen3).expect("qwen3");
     assert!(q.qk_norm && !q.qkv_bias && q.kv_heads == 4);
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Llama 3.1 rope scaling as llama.cpp's converter writes it (one frequency divisor per rotated
+/// pair in `rope_freqs.weight`, no scaling key) divides each pair's frequency, and survives the
+/// package's `config.json`.
+#[test]
+fn gguf_rope_freqs_divide_each_pairs_frequency() {
+    let divisors = [1f32, 1.0, 1.0, 1.5, 4.0, 8.0, 8.0, 8.0];
+    let c = gguf_description(
+        "gguf_rope_freqs",
+        &tiny_llama_gguf(|w| w.tensor("rope_freqs.weight", &[8], GGML_F32, &f32_bytes(&divisors))),
+    )
+    .expect("rope_freqs");
+    let inv = c.rope_inv_freq();
+    assert_eq!(inv.len(), 8);
+    for (j, (&f, &d)) in inv.iter().zip(&divisors).enumerate() {
+        // head_dim 16, theta 500000: pair j turns at 500000^(-2j/16) / divisor j.
+        let want = 500000f64.powf(-((2 * j) as f64) / 16.0) / f64::from(d);
+        assert!((f - want).abs() <= want * 1e-15, "pair {j}: {f} vs {want}");
+    }
+    let back = ModelConfig::from_json(&c.to_json(), "config.json").expect("round trip");
+    assert_eq!(back, c);
+    let mut short = c.to_json();
+    short["rope_scaling"]["divisors"] = serde_json::json!([1.0, 2.0]);
+    let e = ModelConfig::from_json(&short, "config.json")
+        .expect_err("2 divisors")
+        .to_string();
+    assert!(
+        e.contains("rope_scaling.divisors") && e.contains("2 divisors"),
+        "{e}"
+    );
+    let mut qwen3 = tiny_qwen3_gguf(2);
+    qwen3.tensor("rope_freqs.weight", &[8], GGML_F32, &f32_bytes(&divisors));
+    let e = gguf_description("gguf_qwen3_freqs", &qwen3).expect_err("qwen3 rope_freqs");
+    assert!(
+        e.contains("rope_freqs.weight") && e.contains("qwen3"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -300,43 +348,50 @@ fn gguf_errors_name_the_file_and_the_key() {
         e.contains("\"llama.rope.scaling.type\"") && e.contains("yarn"),
         "{e}"
     );
-    // Llama 3.1 rope scaling as llama.cpp's converter writes it: per-dimension divisors in a
-    // tensor, no scaling key. Refused, not read as plain RoPE.
-    let e = gguf_description(
-        "gguf_rope_freqs",
-        &tiny_llama_gguf(|w| {
-            w.tensor(
-                "rope_freqs.weight",
-                &[8],
-                GGML_F32,
-                &[1f32, 1.0, 1.0, 1.5, 4.0, 8.0, 8.0, 8.0]
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect::<Vec<u8>>(),
-            )
-        }),
-    )
-    .expect_err("rope_freqs");
-    assert!(
-        e.contains("model.gguf") && e.contains("rope_freqs.weight") && e.contains("llama3"),
-        "{e}"
-    );
-    let mut huge = GgufWriter::new();
-    huge.str("general.architecture", "qwen3");
-    for (key, v) in [
-        ("embedding_length", 64),
-        ("feed_forward_length", 128),
-        ("block_count", 4_000_000_000),
-        ("attention.head_count", 4),
+    // rope_freqs.weight: wrong length, a zero divisor, on a family llama.cpp does not read it
+    // for, beside a scaling key.
+    for (name, values, edit_arch, why) in [
+        (
+            "gguf_freqs_len",
+            &[1f32; 7][..],
+            None,
+            "7 values for 8 rotated pairs",
+        ),
+        (
+            "gguf_freqs_zero",
+            &[1f32, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0][..],
+            None,
+            "value 2 is 0",
+        ),
+        (
+            "gguf_freqs_linear",
+            &[1f32; 8][..],
+            Some("linear"),
+            "both this tensor and",
+        ),
     ] {
-        huge.u32(&format!("qwen3.{key}"), v);
+        let e = gguf_description(
+            name,
+            &tiny_llama_gguf(|w| {
+                if let Some(kind) = edit_arch {
+                    w.str("llama.rope.scaling.type", kind);
+                    w.f32("llama.rope.scaling.factor", 2.0);
+                }
+                w.tensor(
+                    "rope_freqs.weight",
+                    &[values.len() as u64],
+                    GGML_F32,
+                    &f32_bytes(values),
+                )
+            }),
+        )
+        .expect_err(name);
+        assert!(
+            e.contains("model.gguf") && e.contains("rope_freqs.weight") && e.contains(why),
+            "{e}"
+        );
     }
-    huge.tensor(
-        "token_embd.weight",
-        &[64, 300],
-        GGML_F32,
-        &vec![0u8; 64 * 300 * 4],
-    );
+    let huge = tiny_qwen3_gguf(4_000_000_000);
     let e = gguf_description("gguf_blocks", &huge).expect_err("four billion blocks");
     assert!(
         e.contains("\"qwen3.block_count\"") && e.contains("at most 1024 layers"),

@@ -60,6 +60,10 @@ pub enum RopeScaling {
         /// The context length (tokens) the model was trained at before the extension.
         original_max_position_embeddings: f64,
     },
+    /// One divisor per rotated pair, applied to that pair's frequency: llama.cpp's
+    /// `rope_freqs.weight` (how its converter stores Llama 3.1 scaling). Written to a package's
+    /// `config.json` as `{"rope_type": "frequency_divisors", "divisors": [...]}`.
+    FrequencyDivisors(Vec<f64>),
 }
 
 /// The transformer's shape and numerical constants.
@@ -319,6 +323,20 @@ impl ModelConfig {
         };
         cfg.check_dims()
             .map_err(|(field, expected)| f.bad(field.json_name(), expected))?;
+        if let RopeScaling::FrequencyDivisors(d) = &cfg.rope_scaling {
+            if d.len() != cfg.rotary_dim / 2 {
+                return Err(config_error(
+                    file,
+                    "rope_scaling.divisors",
+                    format!(
+                        "{} divisors for {} rotated pairs (rotary dimension {})",
+                        d.len(),
+                        cfg.rotary_dim / 2,
+                        cfg.rotary_dim
+                    ),
+                ));
+            }
+        }
         Ok(cfg)
     }
 
@@ -462,11 +480,15 @@ impl ModelConfig {
         if self.mlp_bias {
             c["mlp_bias"] = json!(true);
         }
-        match self.rope_scaling {
+        match &self.rope_scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => {
                 c["rope_scaling"] =
                     json!({"rope_type": "linear", "type": "linear", "factor": factor});
+            }
+            RopeScaling::FrequencyDivisors(divisors) => {
+                c["rope_scaling"] =
+                    json!({"rope_type": "frequency_divisors", "divisors": divisors});
             }
             RopeScaling::Llama3 {
                 factor,
@@ -580,15 +602,21 @@ impl ModelConfig {
                     / self
                         .rope_theta
                         .powf((2 * j) as f64 / self.rotary_dim as f64);
-                match self.rope_scaling {
+                match &self.rope_scaling {
                     RopeScaling::None => freq,
                     RopeScaling::Linear { factor } => freq / factor,
+                    // Checked at parse: one finite, positive divisor per pair.
+                    RopeScaling::FrequencyDivisors(divisors) => {
+                        freq / divisors.get(j).copied().unwrap_or(1.0)
+                    }
                     RopeScaling::Llama3 {
                         factor,
                         low_freq_factor,
                         high_freq_factor,
                         original_max_position_embeddings: old,
                     } => {
+                        let (factor, low_freq_factor, high_freq_factor, old) =
+                            (*factor, *low_freq_factor, *high_freq_factor, *old);
                         let low_wavelen = old / low_freq_factor;
                         let high_wavelen = old / high_freq_factor;
                         let wavelen = 2.0 * std::f64::consts::PI / freq;
@@ -680,10 +708,23 @@ fn parse_rope_scaling(f: &Fields<'_>) -> Result<RopeScaling, WeightsError> {
             high_freq_factor: f.f64("high_freq_factor")?,
             original_max_position_embeddings: f.f64("original_max_position_embeddings")?,
         }),
+        "frequency_divisors" => {
+            let divisors = f
+                .opt("divisors", "an array of positive numbers", |x| {
+                    x.as_array()?
+                        .iter()
+                        .map(|d| d.as_f64().filter(|d| d.is_finite() && *d > 0.0))
+                        .collect::<Option<Vec<f64>>>()
+                })?
+                .ok_or_else(|| f.missing("divisors"))?;
+            Ok(RopeScaling::FrequencyDivisors(divisors))
+        }
         other => Err(config_error(
             f.file,
             &f.name(kind_field),
-            format!("{other:?} is not supported (default, linear and llama3 are)"),
+            format!(
+                "{other:?} is not supported (default, linear, llama3 and frequency_divisors are)"
+            ),
         )),
     }
 }
@@ -801,18 +842,45 @@ fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, Wei
             ))
         }
     };
-    // llama.cpp's converter writes Llama 3.1's rope scaling as per-dimension frequency divisors
-    // in this tensor, with no scaling key: reading the file without them would rotate every
-    // low-frequency pair at the wrong speed.
-    if f.tensor("rope_freqs.weight").is_some() {
-        return Err(config_error(
-            f.path(),
-            "rope_freqs.weight",
-            "per-dimension RoPE frequency factors (llama.cpp's form of Llama 3.1 rope scaling) \
-             are not read by this import; a package whose config.json has rope_scaling \
-             {\"rope_type\": \"llama3\"} is",
-        ));
-    }
+    // llama.cpp's converter writes Llama 3.1's rope scaling as one frequency divisor per rotated
+    // pair in this tensor, with no scaling key; llama.cpp reads it for llama only.
+    let rope_scaling = match f.tensor("rope_freqs.weight") {
+        None => rope_scaling,
+        Some(t) => {
+            let bad = |what: String| config_error(f.path(), "rope_freqs.weight", what);
+            if arch != "llama" {
+                return Err(bad(format!(
+                    "per-pair RoPE frequency divisors are read for llama files only, not {arch}"
+                )));
+            }
+            if rope_scaling != RopeScaling::None {
+                return Err(bad(format!(
+                    "both this tensor and {} are set; llama.cpp would apply both",
+                    k("rope.scaling.type")
+                )));
+            }
+            let divisors = t
+                .decode_f32()
+                .map_err(|e| bad(format!("cannot be read: {e}")))?;
+            if divisors.len() != head_dim / 2 {
+                return Err(bad(format!(
+                    "{} values for {} rotated pairs (head dimension {head_dim})",
+                    divisors.len(),
+                    head_dim / 2
+                )));
+            }
+            if let Some((i, d)) = divisors
+                .iter()
+                .enumerate()
+                .find(|(_, d)| !(d.is_finite() && **d > 0.0))
+            {
+                return Err(bad(format!(
+                    "value {i} is {d}; divisors must be finite and positive"
+                )));
+            }
+            RopeScaling::FrequencyDivisors(divisors.iter().map(|&d| f64::from(d)).collect())
+        }
+    };
     let layers = f.require_u64(&k("block_count"))?;
     let layers = usize::try_from(layers)
         .ok()

@@ -9,10 +9,15 @@ enough (projections at ~1/sqrt(fan-in), biases and norm gains far from 0 and 1) 
 rotary positions, biases and q/k norms all move the predictions: a family-specific part read
 wrongly changes the perplexity by far more than rounding does.
 
+With `--llama3-rope FACTOR LOW HIGH ORIGINAL` a llama file gets Llama 3.1 rope scaling the way
+llama.cpp's converter (`convert_hf_to_gguf.py`, LlamaModel) writes it: one frequency divisor per
+rotated pair in `rope_freqs.weight`, computed by the converter's formula, and no scaling key.
+
 Usage: random_gguf.py --arch {llama,qwen2,qwen3} --tokenizer-from FILE.gguf --out FILE.gguf
 """
 
 import argparse
+import math
 import sys
 
 import numpy as np
@@ -34,7 +39,16 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument(
+        "--llama3-rope",
+        nargs=4,
+        type=float,
+        metavar=("FACTOR", "LOW_FREQ_FACTOR", "HIGH_FREQ_FACTOR", "ORIGINAL_CONTEXT"),
+        help="llama only: Llama 3.1 rope scaling, stored as llama.cpp's converter stores it",
+    )
     a = ap.parse_args()
+    if a.llama3_rope is not None and a.arch != "llama":
+        ap.error("--llama3-rope is for --arch llama")
 
     import gguf  # noqa: E402  (found through PYTHONPATH: the sdist's gguf-py)
 
@@ -52,7 +66,8 @@ def main() -> int:
     w.add_key_length(a.head_dim)
     w.add_value_length(a.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
+    rope_base = 10000.0 if arch == "llama" else 1000000.0
+    w.add_rope_freq_base(rope_base)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     vocab = 0
     for field in src.fields.values():
@@ -84,6 +99,8 @@ def main() -> int:
     # Tied embeddings: the output head is token_embd.
     w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, h)) * 0.15).astype(np.float32))
     w.add_tensor("output_norm.weight", gains(h))
+    if a.llama3_rope is not None:
+        w.add_tensor("rope_freqs.weight", llama3_rope_divisors(rope_base, hd, *a.llama3_rope))
     for i in range(a.layers):
         b = f"blk.{i}."
         w.add_tensor(b + "attn_norm.weight", gains(h))
@@ -107,6 +124,26 @@ def main() -> int:
     w.write_tensors_to_file()
     w.close()
     return 0
+
+
+def llama3_rope_divisors(
+    base: float, dim: int, factor: float, low: float, high: float, original: float
+) -> np.ndarray:
+    """The frequency divisor of each rotated pair, as convert_hf_to_gguf.py computes it: 1 for
+    wavelengths under original/high, `factor` over original/low, the smooth blend between."""
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wavelen, high_wavelen = original / low, original / high
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 if __name__ == "__main__":
