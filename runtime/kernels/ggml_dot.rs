@@ -14,6 +14,13 @@
 //! shifts, the dot with ggml's sign trick `maddubs(|q|, sign(c, q))`) and the portable scalar
 //! reference ([`unpack_row_reference`], [`dot_reference`]). The unpacked codes are the same bytes
 //! either way; the dots differ only in float summation order.
+//!
+//! Q4_K, Q5_K and Q6_K on the AVX2 path skip the scratch row: their codes are unsigned once
+//! split from the block (Q6_K's centre of 32 is subtracted as `maddubs(32, c)`), so
+//! `maddubs(u, c)` takes them straight from the block's bytes, and the eight 32-value groups of
+//! a 256-value block are summed in one fixed `hadd` tree (`x86::k_block`). The decode step of
+//! those types costs 2–2.5× less than unpack-then-dot (docs/performance.md). The AVX-512 VNNI
+//! path keeps unpack-then-dot for every type.
 
 // Unsafe is needed for the AVX2 intrinsics.
 #![allow(unsafe_code)]
@@ -167,6 +174,27 @@ pub fn block(
             ty, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
         );
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx2 {
+        let kind = match ty {
+            GgmlType::Q4_K => Some(x86::KQuant::Q4),
+            GgmlType::Q5_K => Some(x86::KQuant::Q5),
+            GgmlType::Q6_K => Some(x86::KQuant::Q6),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            // SAFETY: `Path::Avx2` is only chosen when AVX2, FMA and F16C are available
+            // (`gemm`); `data` holds rows n0 .. n0 + out_rows of `row_bytes` (cols / 256 whole
+            // blocks: the matrix length and width are validated), `act` holds `cols` codes for
+            // every row of `act_rows`, and `out` holds `stride` floats per activation row.
+            unsafe {
+                x86::k_block(
+                    kind, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
+                )
+            };
+            return;
+        }
     }
     SCRATCH.with(|cell| {
         let mut fallback = UnpackedRow::default();
@@ -480,6 +508,322 @@ mod x86 {
         hsum(_mm256_add_ps(acc, acc_min))
     }
 
+    /// The eight 6-bit scales and eight 6-bit minimums of a Q4_K / Q5_K block from its 12 packed
+    /// bytes at `p`, as i32 lanes: [`ggml::scale_min_k4`] for all eight sub-blocks at once, on
+    /// three little-endian words `w0 w1 w2` (bytes 0-3, 4-7, 8-11). Sub-blocks 0-3 keep the low 6
+    /// bits of `w0` (scales) and `w1` (minimums); 4-7 take a nibble of `w2` (low: scale, high:
+    /// minimum) topped with the two high bits of the matching byte of `w0` / `w1`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn k4_scales_mins(p: *const u8) -> (__m256i, __m256i) {
+        let word =
+            |i: usize| u32::from_le_bytes([*p.add(i), *p.add(i + 1), *p.add(i + 2), *p.add(i + 3)]);
+        let (w0, w1, w2) = (word(0), word(4), word(8));
+        const LOW6: u32 = 0x3F3F_3F3F;
+        const LOW4: u32 = 0x0F0F_0F0F;
+        const TOP2: u32 = 0x0303_0303;
+        let sc_hi = (w2 & LOW4) | (((w0 >> 6) & TOP2) << 4);
+        let mn_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & TOP2) << 4);
+        let sc = (w0 & LOW6) as u64 | ((sc_hi as u64) << 32);
+        let mn = (w1 & LOW6) as u64 | ((mn_hi as u64) << 32);
+        (
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)),
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64)),
+        )
+    }
+
+    /// Activation rows whose accumulators one pass over a weight row's blocks keeps.
+    const K_ACT_CHUNK: usize = 8;
+
+    /// Which super-block type a fused kernel reads.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub enum KQuant {
+        /// Q4_K: 144-byte blocks, 4-bit codes, 6-bit scales and minimums per 32 values.
+        Q4,
+        /// Q5_K: 176-byte blocks, Q4_K plus a fifth bit per value.
+        Q5,
+        /// Q6_K: 210-byte blocks, 6-bit codes centred on 32, an i8 scale per 16 values.
+        Q6,
+    }
+
+    /// Q4_K / Q5_K / Q6_K rows dotted straight from their bytes, no unpacked scratch row. Per
+    /// 256-value block the codes are split into eight 32-value groups of unsigned codes `u`, each
+    /// taken against its activation group with `maddubs(u, c)` (u ≤ 63, |c| ≤ 128: pair sums
+    /// inside i16, no sign trick), and the eight group sums gathered into one vector by
+    /// [`lane_sums8`]:
+    /// - Q4_K / Q5_K (`w = d·sc·u − dmin·m` per 32 values): `Σ_g d·sc_g·d_act_g·isum_g` and
+    ///   `−Σ_g dmin·m_g·(d_act_g·Σc_g)` (`act.sums`), one FMA each into separate accumulators;
+    /// - Q6_K (`w = d·sc·(u − 32)`, one i8 `sc` per 16 values): `maddubs(u, c) − maddubs(32, c)`
+    ///   weighted by the two sub-blocks' scales in one `madd`, then one FMA with `d·d_act_g`.
+    ///
+    /// A block's codes and scales are extracted once for up to [`K_ACT_CHUNK`] activation rows,
+    /// whose accumulators stay in registers (`N` is the chunk's row count). Every activation row
+    /// runs the same sequence of operations whatever the other rows are: batched rows keep the
+    /// bits of single rows. Same value as [`super::dot_reference`] up to float summation order.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; `data` holds rows `n0 .. n0 + out_rows` of `row_bytes` (`cols / 256`
+    /// blocks of `kind`), `act` holds `cols` codes and `cols / 32` scales and sums for each row
+    /// of `act_rows`, `out` holds `(act_rows.len() - 1) * stride + out_rows` floats.
+    #[allow(clippy::too_many_arguments)] // one work item's context
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn k_block(
+        kind: KQuant,
+        data: &[u8],
+        row_bytes: usize,
+        cols: usize,
+        n0: usize,
+        out_rows: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        for r in 0..out_rows {
+            let row = data.as_ptr().add((n0 + r) * row_bytes);
+            for first in act_rows.clone().step_by(K_ACT_CHUNK) {
+                let n = (act_rows.end - first).min(K_ACT_CHUNK);
+                let mut sums = [0f32; K_ACT_CHUNK];
+                macro_rules! rows {
+                    ($n:literal) => {
+                        match kind {
+                            KQuant::Q4 => k45_rows::<$n, false>(row, cols, act, first, &mut sums),
+                            KQuant::Q5 => k45_rows::<$n, true>(row, cols, act, first, &mut sums),
+                            KQuant::Q6 => q6k_rows::<$n>(row, cols, act, first, &mut sums),
+                        }
+                    };
+                }
+                match n {
+                    1 => rows!(1),
+                    2 => rows!(2),
+                    3 => rows!(3),
+                    4 => rows!(4),
+                    5 => rows!(5),
+                    6 => rows!(6),
+                    7 => rows!(7),
+                    _ => rows!(8),
+                }
+                for (slot, sum) in sums.iter().take(n).enumerate() {
+                    out[(first + slot - act_rows.start) * stride + r] = *sum;
+                }
+            }
+        }
+    }
+
+    /// One Q4_K (`FIVE = false`) or Q5_K row against activation rows `first .. first + N`:
+    /// `out[slot]` for each.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k45_rows<const N: usize, const FIVE: bool>(
+        row: *const u8,
+        cols: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        let block_bytes = if FIVE { 176 } else { 144 };
+        let groups = act.groups();
+        let m4 = _mm256_set1_epi8(0x0F);
+        let sixteen = _mm256_set1_epi8(16);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_min = [_mm256_setzero_ps(); N];
+        for b in 0..cols / 256 {
+            let p = row.add(b * block_bytes);
+            let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
+            let (sc, mn) = k4_scales_mins(p.add(4));
+            let dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(d));
+            let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
+            let qs = p.add(if FIVE { 48 } else { 16 });
+            let qh = if FIVE {
+                _mm256_loadu_si256(p.add(16) as *const __m256i)
+            } else {
+                _mm256_setzero_si256()
+            };
+            // Group 2c: low nibbles of qs[32c..], 2c + 1: high nibbles; Q5_K's fifth bits are
+            // bits 2c and 2c + 1 of qh.
+            let mut q = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let bytes = _mm256_loadu_si256(qs.add(c * 32) as *const __m256i);
+                let mut lo = _mm256_and_si256(bytes, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+                if FIVE {
+                    let bit_lo = _mm256_set1_epi8(1 << (2 * c));
+                    let bit_hi = _mm256_set1_epi8((2u8 << (2 * c)) as i8);
+                    let has_lo = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_lo), bit_lo);
+                    let has_hi = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(has_lo, sixteen));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(has_hi, sixteen));
+                }
+                q[2 * c] = lo;
+                q[2 * c + 1] = hi;
+            }
+            for slot in 0..N {
+                let i = first + slot;
+                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                let isums = lane_sums8(|g| {
+                    let c = _mm256_loadu_si256(codes.add(g * 32) as *const __m256i);
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], c), ones)
+                });
+                let at = i * groups + b * 8;
+                let act_d = _mm256_loadu_ps(act.scales.as_ptr().add(at));
+                let act_sum = _mm256_loadu_ps(act.sums.as_ptr().add(at));
+                acc[slot] = _mm256_fmadd_ps(
+                    _mm256_mul_ps(dsc, act_d),
+                    _mm256_cvtepi32_ps(isums),
+                    acc[slot],
+                );
+                acc_min[slot] = _mm256_fmadd_ps(dmn, act_sum, acc_min[slot]);
+            }
+        }
+        for slot in 0..N {
+            out[slot] = hsum(_mm256_add_ps(acc[slot], acc_min[slot]));
+        }
+    }
+
+    /// One Q6_K row against activation rows `first .. first + N`: `out[slot]` for each.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6k_rows<const N: usize>(
+        row: *const u8,
+        cols: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        const BLOCK_BYTES: usize = 210;
+        let groups = act.groups();
+        let thirty_two = _mm256_set1_epi8(32);
+        // Byte masks that spread i16 lane 2j (into the low 128 bits) and 2j + 1 (into the high)
+        // of a vector holding the same eight i16 scales in each half.
+        let spread = |j: i8| {
+            let (a, b) = (4 * j, 4 * j + 2);
+            _mm256_setr_epi8(
+                a,
+                a + 1,
+                a,
+                a + 1,
+                a,
+                a + 1,
+                a,
+                a + 1,
+                a,
+                a + 1,
+                a,
+                a + 1,
+                a,
+                a + 1,
+                a,
+                a + 1,
+                b,
+                b + 1,
+                b,
+                b + 1,
+                b,
+                b + 1,
+                b,
+                b + 1,
+                b,
+                b + 1,
+                b,
+                b + 1,
+                b,
+                b + 1,
+                b,
+                b + 1,
+            )
+        };
+        let spreads = [spread(0), spread(1), spread(2), spread(3)];
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..cols / 256 {
+            let p = row.add(b * BLOCK_BYTES);
+            let d = _mm256_set1_ps(f16_at(p.add(208)));
+            // Sub-block scales as i16: groups 0-3 take theirs from s0..s7, 4-7 from s8..s15,
+            // sub-block 2g in the low half, 2g + 1 in the high half.
+            let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
+            let halves = [
+                _mm256_permute2x128_si256(scales, scales, 0x00),
+                _mm256_permute2x128_si256(scales, scales, 0x11),
+            ];
+            let mut sc = [_mm256_setzero_si256(); 8];
+            let mut q = [_mm256_setzero_si256(); 8];
+            for h in 0..2 {
+                let codes = q6k_half_codes(p, h);
+                for k in 0..4 {
+                    q[4 * h + k] = codes[k];
+                    sc[4 * h + k] = _mm256_shuffle_epi8(halves[h], spreads[k]);
+                }
+            }
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                let i = first + slot;
+                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                let isums = lane_sums8(|g| {
+                    let c = _mm256_loadu_si256(codes.add(g * 32) as *const __m256i);
+                    let centred = _mm256_sub_epi16(
+                        _mm256_maddubs_epi16(q[g], c),
+                        _mm256_maddubs_epi16(thirty_two, c),
+                    );
+                    _mm256_madd_epi16(centred, sc[g])
+                });
+                let act_d = _mm256_loadu_ps(act.scales.as_ptr().add(i * groups + b * 8));
+                *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, act_d), _mm256_cvtepi32_ps(isums), *acc);
+            }
+        }
+        for slot in 0..N {
+            out[slot] = hsum(acc[slot]);
+        }
+    }
+
+    /// One vector whose lane g is the sum of the eight i32 lanes of `group(g)`, g = 0..8, by a
+    /// fixed tree (six `hadd`s, two cross-lane permutes, one add), so the order of every sum is
+    /// the same whatever the caller.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn lane_sums8(group: impl Fn(usize) -> __m256i) -> __m256i {
+        let h01 = _mm256_hadd_epi32(group(0), group(1));
+        let h23 = _mm256_hadd_epi32(group(2), group(3));
+        let h45 = _mm256_hadd_epi32(group(4), group(5));
+        let h67 = _mm256_hadd_epi32(group(6), group(7));
+        let h0123 = _mm256_hadd_epi32(h01, h23);
+        let h4567 = _mm256_hadd_epi32(h45, h67);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(h0123, h4567, 0x20),
+            _mm256_permute2x128_si256(h0123, h4567, 0x31),
+        )
+    }
+
+    /// The unsigned 6-bit codes (0..=63, before the centre of 32 is taken off) of values
+    /// `128h + 32k .. 128h + 32k + 32`, k = 0..4, of the Q6_K block at `p`: low four bits from
+    /// `ql` (bytes `64h ..`: k = 0, 1 low nibbles of the two 32-byte runs, k = 2, 3 high
+    /// nibbles), high two bits from `qh` (bytes `128 + 32h ..`, bits `2k, 2k + 1`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q6k_half_codes(p: *const u8, h: usize) -> [__m256i; 4] {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m3 = _mm256_set1_epi8(3);
+        let ql0 = _mm256_loadu_si256(p.add(h * 64) as *const __m256i);
+        let ql1 = _mm256_loadu_si256(p.add(h * 64 + 32) as *const __m256i);
+        let qh = _mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i);
+        let lows = [
+            _mm256_and_si256(ql0, m4),
+            _mm256_and_si256(ql1, m4),
+            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+        ];
+        let highs = [
+            _mm256_and_si256(qh, m3),
+            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m3),
+            _mm256_and_si256(_mm256_srli_epi16(qh, 4), m3),
+            _mm256_and_si256(_mm256_srli_epi16(qh, 6), m3),
+        ];
+        [
+            _mm256_or_si256(lows[0], _mm256_slli_epi16(highs[0], 4)),
+            _mm256_or_si256(lows[1], _mm256_slli_epi16(highs[1], 4)),
+            _mm256_or_si256(lows[2], _mm256_slli_epi16(highs[2], 4)),
+            _mm256_or_si256(lows[3], _mm256_slli_epi16(highs[3], 4)),
+        ]
+    }
+
     /// 32 low nibbles then 32 high nibbles of 16 bytes at `p`, as `[lo0..lo15, hi0..hi15]`.
     #[target_feature(enable = "avx2")]
     unsafe fn nibbles16(p: *const u8) -> __m256i {
@@ -614,8 +958,6 @@ mod x86 {
                 true
             }
             GgmlType::Q6_K => {
-                let m4 = _mm256_set1_epi8(0x0F);
-                let m3 = _mm256_set1_epi8(3);
                 let thirty_two = _mm256_set1_epi8(32);
                 for b in 0..blocks {
                     let p = row.as_ptr().add(b * bytes);
@@ -625,23 +967,7 @@ mod x86 {
                         out.offset[b * 16 + s] = 0.0;
                     }
                     for h in 0..2 {
-                        let ql0 = _mm256_loadu_si256(p.add(h * 64) as *const __m256i);
-                        let ql1 = _mm256_loadu_si256(p.add(h * 64 + 32) as *const __m256i);
-                        let qh = _mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i);
-                        let lows = [
-                            _mm256_and_si256(ql0, m4),
-                            _mm256_and_si256(ql1, m4),
-                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        ];
-                        let highs = [
-                            _mm256_and_si256(qh, m3),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m3),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 4), m3),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 6), m3),
-                        ];
-                        for k in 0..4 {
-                            let v = _mm256_or_si256(lows[k], _mm256_slli_epi16(highs[k], 4));
+                        for (k, v) in q6k_half_codes(p, h).into_iter().enumerate() {
                             store(b * 256 + h * 128 + k * 32, _mm256_sub_epi8(v, thirty_two));
                         }
                     }
