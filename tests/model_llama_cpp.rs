@@ -95,17 +95,38 @@ fn llama_perplexity_saving(
     let out = cmd.output().expect("run llama-perplexity");
     // Removes the file on every exit from here on.
     let mut saved = LlamaSaved { ppl: 0.0, logits };
+    saved.ppl = final_estimate(&out);
+    saved
+}
+
+/// The `Final estimate: PPL = 16.2907 +/- 0.56480` of a finished llama-perplexity run.
+fn final_estimate(out: &std::process::Output) -> f64 {
     let text =
         String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "llama-perplexity failed:\n{text}");
-    let ppl = text
-        .lines()
+    text.lines()
         .find_map(|l| l.split("Final estimate: PPL = ").nth(1))
         .and_then(|r| r.split_whitespace().next())
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no final estimate in:\n{text}"));
-    saved.ppl = ppl;
-    saved
+        .unwrap_or_else(|| panic!("no final estimate in:\n{text}"))
+}
+
+/// The perplexity of the exact forward of `gguf`'s weights on `text` (chunks of 512): the file
+/// dequantized to f32 by llama-quantize and run by llama-perplexity with nothing rounded (no
+/// flash attention, f32 KV cache, f32 activations).
+fn exact_perplexity(bin: &Path, gguf: &Path, text: &Path) -> f64 {
+    let dequantized = quantize(bin, gguf, "F32");
+    let out = Command::new(bin.join("llama-perplexity"))
+        .arg("-m")
+        .arg(&dequantized)
+        .arg("-f")
+        .arg(text)
+        .args(["-c", CTX, "-b", CTX, "-t", "2", "--no-warmup"])
+        .args(["-fa", "off", "-ctk", "f32", "-ctv", "f32"])
+        .output()
+        .expect("run llama-perplexity");
+    let _ = std::fs::remove_file(&dequantized);
+    final_estimate(&out)
 }
 
 fn xdna(args: &[&std::ffi::OsStr]) -> std::process::Output {
@@ -256,12 +277,27 @@ impl FileCheck {
     /// What is out of bounds: a perplexity gap over `bound`, or xdna's fast path farther from
     /// the exact forward than llama.cpp's own run of the file (KL divergence over 1.1 × its).
     fn failures(&self, bound: f64) -> Vec<String> {
+        self.failures_with_exact(bound, None)
+    }
+
+    /// [`Self::failures`], where a perplexity gap over `bound` is not a failure when
+    /// `exact_ppl`, the exact forward's perplexity on the same text, is nearer xdna's than
+    /// llama.cpp's: llama.cpp's own run rounds activations and the KV cache too and can sit
+    /// farther than `bound` from the weights' own forward (≈ 1 % for the K-quant mixes on Zen 3).
+    fn failures_with_exact(&self, bound: f64, exact_ppl: Option<f64>) -> Vec<String> {
         let mut failed = Vec::new();
-        if self.gap.abs() > bound {
+        let ours = self.llama_ppl * (1.0 + self.gap);
+        let nearer_exact = exact_ppl.is_some_and(|e| (ours - e).abs() < (self.llama_ppl - e).abs());
+        if self.gap.abs() > bound && !nearer_exact {
             failed.push(format!(
-                "{}: perplexity gap {:+.3} %",
+                "{}: perplexity gap {:+.3} %{}",
                 self.what,
-                self.gap * 100.0
+                self.gap * 100.0,
+                exact_ppl.map_or(String::new(), |e| format!(
+                    " (exact forward {e:.4}: xdna {:+.3} %, llama.cpp {:+.3} %)",
+                    (ours / e - 1.0) * 100.0,
+                    (self.llama_ppl / e - 1.0) * 100.0
+                ))
             ));
         }
         let (ours, theirs) = (
@@ -421,8 +457,11 @@ fn peak_rss_over_weights(gguf: &Path) -> f64 {
 /// without an importance matrix, each preset with its own mix (SmolLM2's K = 576 rows are not
 /// whole 256-value super-blocks, so K-quant presets fall back to Q4_0 / Q5_0 / Q5_1 / Q8_0 /
 /// IQ4_NL there and put K-quants in ffn_down only): within 0.5 % of llama.cpp's perplexity on the
-/// same file and tokens, and no farther from the exact forward of the file's weights than
-/// llama.cpp's own run ([`FileCheck::failures`]); the peak RSS of a load at most 1.3 × the weight
+/// same file and tokens or, over it, nearer than llama.cpp's own run to the perplexity of the
+/// exact forward of the file's weights on the same text (llama.cpp's run is an approximation
+/// too: on Zen 3 its Q4_K_M and Q5_K_M runs are 0.97 % and 1.08 % above their exact forward,
+/// xdna's 0.37 % and 0.63 %), and no farther from the exact forward than llama.cpp's own run in
+/// KL divergence ([`FileCheck::failures_with_exact`]); the peak RSS of a load at most 1.3 × the weight
 /// bytes. Quantized files are read on the whole text: both
 /// runtimes round activations to 8 bits, differently (llama.cpp per 256 values for K-quants, xdna
 /// per 32), which on 6 chunks alone moves the ratio by up to ±0.7 %, on 26 chunks by about ±0.3 %.
@@ -462,7 +501,17 @@ fn files_of_every_read_weight_type_have_llama_cpps_perplexity() {
         }
         let what = format!("{preset} (matrices {counts:?})");
         covered.extend(counts.into_keys());
-        failed.extend(check_file(&bin, &f, text, &what).failures(0.005));
+        let c = check_file(&bin, &f, text, &what);
+        // Over the bound, the weights' exact forward on the same text says which runtime is off.
+        let exact = (c.gap.abs() > 0.005).then(|| exact_perplexity(&bin, &f, text));
+        if let Some(e) = exact {
+            eprintln!(
+                "{preset}: exact forward {e:.4}; xdna {:+.3} %, llama.cpp {:+.3} % from it",
+                (c.llama_ppl * (1.0 + c.gap) / e - 1.0) * 100.0,
+                (c.llama_ppl / e - 1.0) * 100.0
+            );
+        }
+        failed.extend(c.failures_with_exact(0.005, exact));
         let rss = peak_rss_over_weights(&f);
         eprintln!("{preset}: peak RSS {rss:.3} × the weight bytes");
         if rss > 1.3 {
