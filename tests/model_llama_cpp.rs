@@ -277,27 +277,12 @@ impl FileCheck {
     /// What is out of bounds: a perplexity gap over `bound`, or xdna's fast path farther from
     /// the exact forward than llama.cpp's own run of the file (KL divergence over 1.1 × its).
     fn failures(&self, bound: f64) -> Vec<String> {
-        self.failures_with_exact(bound, None)
-    }
-
-    /// [`Self::failures`], where a perplexity gap over `bound` is not a failure when
-    /// `exact_ppl`, the exact forward's perplexity on the same text, is nearer xdna's than
-    /// llama.cpp's: llama.cpp's own run rounds activations and the KV cache too and can sit
-    /// farther than `bound` from the weights' own forward (≈ 1 % for the K-quant mixes on Zen 3).
-    fn failures_with_exact(&self, bound: f64, exact_ppl: Option<f64>) -> Vec<String> {
         let mut failed = Vec::new();
-        let ours = self.llama_ppl * (1.0 + self.gap);
-        let nearer_exact = exact_ppl.is_some_and(|e| (ours - e).abs() < (self.llama_ppl - e).abs());
-        if self.gap.abs() > bound && !nearer_exact {
+        if self.gap.abs() > bound {
             failed.push(format!(
-                "{}: perplexity gap {:+.3} %{}",
+                "{}: perplexity gap {:+.3} %",
                 self.what,
-                self.gap * 100.0,
-                exact_ppl.map_or(String::new(), |e| format!(
-                    " (exact forward {e:.4}: xdna {:+.3} %, llama.cpp {:+.3} %)",
-                    (ours / e - 1.0) * 100.0,
-                    (self.llama_ppl / e - 1.0) * 100.0
-                ))
+                self.gap * 100.0
             ));
         }
         let (ours, theirs) = (
@@ -457,11 +442,10 @@ fn peak_rss_over_weights(gguf: &Path) -> f64 {
 /// without an importance matrix, each preset with its own mix (SmolLM2's K = 576 rows are not
 /// whole 256-value super-blocks, so K-quant presets fall back to Q4_0 / Q5_0 / Q5_1 / Q8_0 /
 /// IQ4_NL there and put K-quants in ffn_down only): within 0.5 % of llama.cpp's perplexity on the
-/// same file and tokens or, over it, nearer than llama.cpp's own run to the perplexity of the
-/// exact forward of the file's weights on the same text (llama.cpp's run is an approximation
-/// too: on Zen 3 its Q4_K_M and Q5_K_M runs are 0.97 % and 1.08 % above their exact forward,
-/// xdna's 0.37 % and 0.63 %), and no farther from the exact forward than llama.cpp's own run in
-/// KL divergence ([`FileCheck::failures_with_exact`]); the peak RSS of a load at most 1.3 × the weight
+/// same file and tokens, and no farther from the exact forward of the file's weights than
+/// llama.cpp's own run ([`FileCheck::failures`]); over the bound, the perplexity of that exact
+/// forward on the same text is printed beside both (on Zen 3 llama.cpp's Q4_K_M run is 0.97 %
+/// above it and xdna's 0.37 %, a gap of −0.60 % that fails the bound); the peak RSS of a load at most 1.3 × the weight
 /// bytes. Quantized files are read on the whole text: both
 /// runtimes round activations to 8 bits, differently (llama.cpp per 256 values for K-quants, xdna
 /// per 32), which on 6 chunks alone moves the ratio by up to ±0.7 %, on 26 chunks by about ±0.3 %.
@@ -502,16 +486,17 @@ fn files_of_every_read_weight_type_have_llama_cpps_perplexity() {
         let what = format!("{preset} (matrices {counts:?})");
         covered.extend(counts.into_keys());
         let c = check_file(&bin, &f, text, &what);
-        // Over the bound, the weights' exact forward on the same text says which runtime is off.
-        let exact = (c.gap.abs() > 0.005).then(|| exact_perplexity(&bin, &f, text));
-        if let Some(e) = exact {
+        // Over the bound, the weights' exact forward on the same text is printed beside both
+        // runtimes (a diagnosis of which one is off; the bound still fails the test).
+        if c.gap.abs() > 0.005 {
+            let e = exact_perplexity(&bin, &f, text);
             eprintln!(
                 "{preset}: exact forward {e:.4}; xdna {:+.3} %, llama.cpp {:+.3} % from it",
                 (c.llama_ppl * (1.0 + c.gap) / e - 1.0) * 100.0,
                 (c.llama_ppl / e - 1.0) * 100.0
             );
         }
-        failed.extend(c.failures_with_exact(0.005, exact));
+        failed.extend(c.failures(0.005));
         let rss = peak_rss_over_weights(&f);
         eprintln!("{preset}: peak RSS {rss:.3} × the weight bytes");
         if rss > 1.3 {
