@@ -319,6 +319,15 @@ fn gguf_rope_freqs_divide_each_pairs_frequency() {
         e.contains("rope_scaling.divisors") && e.contains("2 divisors"),
         "{e}"
     );
+    let mut zero = c.to_json();
+    zero["rope_scaling"]["divisors"][3] = serde_json::json!(0.0);
+    let e = ModelConfig::from_json(&zero, "config.json")
+        .expect_err("a zero divisor")
+        .to_string();
+    assert!(
+        e.contains("rope_scaling.divisors") && e.contains("divisor 3 is 0"),
+        "{e}"
+    );
     let mut qwen3 = tiny_qwen3_gguf(2);
     qwen3.tensor("rope_freqs.weight", &[8], GGML_F32, &f32_bytes(&divisors));
     let e = gguf_description("gguf_qwen3_freqs", &qwen3).expect_err("qwen3 rope_freqs");
@@ -355,13 +364,13 @@ fn gguf_errors_name_the_file_and_the_key() {
             "gguf_freqs_len",
             &[1f32; 7][..],
             None,
-            "7 values for 8 rotated pairs",
+            "7 divisors for 8 rotated pairs",
         ),
         (
             "gguf_freqs_zero",
             &[1f32, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0][..],
             None,
-            "value 2 is 0",
+            "divisor 2 is 0",
         ),
         (
             "gguf_freqs_linear",

@@ -324,18 +324,8 @@ impl ModelConfig {
         cfg.check_dims()
             .map_err(|(field, expected)| f.bad(field.json_name(), expected))?;
         if let RopeScaling::FrequencyDivisors(d) = &cfg.rope_scaling {
-            if d.len() != cfg.rotary_dim / 2 {
-                return Err(config_error(
-                    file,
-                    "rope_scaling.divisors",
-                    format!(
-                        "{} divisors for {} rotated pairs (rotary dimension {})",
-                        d.len(),
-                        cfg.rotary_dim / 2,
-                        cfg.rotary_dim
-                    ),
-                ));
-            }
+            check_divisors(d, cfg.rotary_dim)
+                .map_err(|problem| config_error(file, "rope_scaling.divisors", problem))?;
         }
         Ok(cfg)
     }
@@ -690,6 +680,28 @@ fn every_nth_layer_attention(layers: usize, every: usize) -> Vec<LayerKind> {
         .collect()
 }
 
+/// Per-pair frequency divisors fit a rotary dimension: one per rotated pair, each finite and
+/// positive (the problem, for the caller to name its source).
+fn check_divisors(divisors: &[f64], rotary_dim: usize) -> Result<(), String> {
+    if divisors.len() != rotary_dim / 2 {
+        return Err(format!(
+            "{} divisors for {} rotated pairs (rotary dimension {rotary_dim})",
+            divisors.len(),
+            rotary_dim / 2
+        ));
+    }
+    match divisors
+        .iter()
+        .enumerate()
+        .find(|(_, d)| !(d.is_finite() && **d > 0.0))
+    {
+        Some((i, d)) => Err(format!(
+            "divisor {i} is {d}; divisors must be finite and positive"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5): both carry `rope_type`
 /// (or the older `type`) and the scaling fields.
 fn parse_rope_scaling(f: &Fields<'_>) -> Result<RopeScaling, WeightsError> {
@@ -710,10 +722,10 @@ fn parse_rope_scaling(f: &Fields<'_>) -> Result<RopeScaling, WeightsError> {
         }),
         "frequency_divisors" => {
             let divisors = f
-                .opt("divisors", "an array of positive numbers", |x| {
+                .opt("divisors", "an array of numbers", |x| {
                     x.as_array()?
                         .iter()
-                        .map(|d| d.as_f64().filter(|d| d.is_finite() && *d > 0.0))
+                        .map(Value::as_f64)
                         .collect::<Option<Vec<f64>>>()
                 })?
                 .ok_or_else(|| f.missing("divisors"))?;
@@ -859,26 +871,14 @@ fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, Wei
                     k("rope.scaling.type")
                 )));
             }
-            let divisors = t
+            let divisors: Vec<f64> = t
                 .decode_f32()
-                .map_err(|e| bad(format!("cannot be read: {e}")))?;
-            if divisors.len() != head_dim / 2 {
-                return Err(bad(format!(
-                    "{} values for {} rotated pairs (head dimension {head_dim})",
-                    divisors.len(),
-                    head_dim / 2
-                )));
-            }
-            if let Some((i, d)) = divisors
-                .iter()
-                .enumerate()
-                .find(|(_, d)| !(d.is_finite() && **d > 0.0))
-            {
-                return Err(bad(format!(
-                    "value {i} is {d}; divisors must be finite and positive"
-                )));
-            }
-            RopeScaling::FrequencyDivisors(divisors.iter().map(|&d| f64::from(d)).collect())
+                .map_err(|e| bad(format!("cannot be read: {e}")))?
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            check_divisors(&divisors, head_dim).map_err(bad)?;
+            RopeScaling::FrequencyDivisors(divisors)
         }
     };
     let layers = f.require_u64(&k("block_count"))?;
