@@ -200,6 +200,17 @@ impl GgmlType {
         matches!(self, Q4_1 | Q5_1 | Q2_K | Q4_K | Q5_K)
     }
 
+    /// Values per scale of the q8 activations ggml's CPU dot product pairs with this type (its
+    /// `vec_dot_type`): 256 (`q8_K`) for the K-quants and IQ4_XS, 32 (`q8_0`, `q8_1`) for the
+    /// other block types.
+    pub fn activation_block(self) -> usize {
+        use GgmlType::*;
+        match self {
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => 256,
+            _ => 32,
+        }
+    }
+
     /// Values per sub-block with one affine pair in [`unpack`] (16 or 32), for the block types.
     pub fn sub_block(self) -> usize {
         use GgmlType::*;

@@ -8,7 +8,7 @@
 //! write (codes read from byte 1024, the scale slot expected at [512, 768)) fails here.
 
 use std::path::PathBuf;
-use xdna::kernels::quant::QuantizedRows;
+use xdna::kernels::quant::{ActivationScale, QuantizedRows};
 use xdna::kernels::{HostExecutor, WeightMatrix};
 use xdna::tiles::{self, WeightFormat, GROUP, TILE_ROWS};
 use xdna::weights::gguf::{GgmlType, GgufFile};
@@ -188,7 +188,7 @@ fn product(w: &[f32], x: &[f32], m: usize) -> (Vec<f32>, Vec<f32>) {
 /// The activations as the fast kernels see them: q8 per 32-column group (`QuantizedRows`).
 fn quantized_activations(x: &[f32], m: usize) -> Vec<f32> {
     let mut q = QuantizedRows::default();
-    q.quantize(x, m, COLS);
+    q.quantize(x, m, COLS, ActivationScale::PerGroup);
     let mut out = vec![0f32; m * COLS];
     for i in 0..m {
         for c in 0..COLS {

@@ -1375,6 +1375,82 @@ mod imp {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn quantize_group32(values: *const f32, out: *mut i8) -> (f32, i32) {
         // SAFETY: 32 floats readable (caller contract).
+        let amax = unsafe { abs_max(values, GROUP) };
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        // SAFETY: 32 floats readable, 32 bytes writable (caller contract).
+        let sum = unsafe { scaled_codes32(values, inv, out) };
+        (d, sum)
+    }
+
+    /// ggml's `quantize_row_q8_K` for one superblock of 256 (as `quant::quantize_superblock`
+    /// writes it): codes into `out`, `1/iscale` into each of the 8 `scales`, Σq per 32 into
+    /// `code_sums`; returns `1/iscale`. Bit-identical to the scalar for finite values whose
+    /// `127/max` is finite; otherwise the returned scale is not finite or a code is −128, and the
+    /// caller redoes the superblock with the scalar.
+    ///
+    /// # Safety
+    /// AVX2 available; 256 floats readable at `values`, 256 bytes writable at `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_superblock256(
+        values: *const f32,
+        out: *mut i8,
+        scales: &mut [f32; 8],
+        code_sums: &mut [i32; 8],
+    ) -> f32 {
+        // SAFETY: 256 floats readable (caller contract).
+        let amax = unsafe { abs_max(values, 8 * GROUP) };
+        let iscale = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let d = if amax > 0.0 { 1.0 / iscale } else { 0.0 };
+        for g in 0..8 {
+            // SAFETY: group g's 32 floats and 32 bytes lie inside the caller's 256.
+            code_sums[g] =
+                unsafe { scaled_codes32(values.add(g * GROUP), iscale, out.add(g * GROUP)) };
+            scales[g] = d;
+        }
+        d
+    }
+
+    /// max |x| over `n` floats (a multiple of 32) at `values`.
+    ///
+    /// # Safety
+    /// AVX2 available; `n` floats readable at `values`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn abs_max(values: *const f32, n: usize) -> f32 {
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_setzero_ps();
+        for start in (0..n).step_by(GROUP) {
+            // SAFETY: start + 32 ≤ n floats readable (caller contract).
+            let v = unsafe {
+                [
+                    _mm256_loadu_ps(values.add(start)),
+                    _mm256_loadu_ps(values.add(start + 8)),
+                    _mm256_loadu_ps(values.add(start + 16)),
+                    _mm256_loadu_ps(values.add(start + 24)),
+                ]
+            };
+            let abs = |x| _mm256_andnot_ps(sign, x);
+            let group = _mm256_max_ps(
+                _mm256_max_ps(abs(v[0]), abs(v[1])),
+                _mm256_max_ps(abs(v[2]), abs(v[3])),
+            );
+            m = _mm256_max_ps(m, group);
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
+        _mm_cvtss_f32(m1)
+    }
+
+    /// Codes `round_ties_even(x · inv)` of 32 floats into `out`; returns their sum.
+    ///
+    /// # Safety
+    /// AVX2 available; 32 floats readable at `values`, 32 bytes writable at `out`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scaled_codes32(values: *const f32, inv: f32, out: *mut i8) -> i32 {
+        // SAFETY: 32 floats readable (caller contract).
         let v = unsafe {
             [
                 _mm256_loadu_ps(values),
@@ -1383,18 +1459,6 @@ mod imp {
                 _mm256_loadu_ps(values.add(24)),
             ]
         };
-        let sign = _mm256_set1_ps(-0.0);
-        let abs = |x| _mm256_andnot_ps(sign, x);
-        let m = _mm256_max_ps(
-            _mm256_max_ps(abs(v[0]), abs(v[1])),
-            _mm256_max_ps(abs(v[2]), abs(v[3])),
-        );
-        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
-        let amax = _mm_cvtss_f32(m1);
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
         let scale = _mm256_set1_ps(inv);
         let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, scale)));
         let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
@@ -1412,7 +1476,7 @@ mod imp {
         let q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         // SAFETY: 32 bytes writable (caller contract).
         unsafe { _mm256_storeu_si256(out as *mut __m256i, q8) };
-        (d, sum)
+        sum
     }
 
     // ---- plain formats ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ use super::avx2::{self, Q4Layout, Q4Scales, Q8Layout};
 use super::ggml_dot;
 use super::host_layout::{self, Packing};
 use super::pool::{ChunkCounter, Pool, ShareCounter, SharedMut};
-use super::quant::QuantizedRows;
+use super::quant::{ActivationScale, QuantizedRows};
 use super::KernelError;
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
 
@@ -494,13 +494,13 @@ impl HostExecutor {
         if (w.format.tile_bytes().is_some() && fast.is_some()) || ggml {
             ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
                 Ok(mut act) => {
-                    act.quantize(x, m, w.cols);
+                    act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
                     run(Some(&act));
                 }
                 // Re-entered on this thread (not expected): use a temporary buffer.
                 Err(_) => {
                     let mut act = QuantizedRows::default();
-                    act.quantize(x, m, w.cols);
+                    act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
                     run(Some(&act));
                 }
             });

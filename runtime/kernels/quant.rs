@@ -1,9 +1,21 @@
-//! Activation quantization to q8 (ggml's `quantize_row_q8_1`), done once per GEMM call.
+//! Activation quantization to q8, done once per GEMM call, with one of two scale blocks
+//! ([`ActivationScale`]) — the ones ggml pairs with each weight type, so that a GGUF file gives
+//! llama.cpp's numbers:
 //!
-//! Per 32-column group of each activation row: `d = max|x| / 127`, `q = round_ties_even(x / d)`
-//! (so |q| ≤ 127, which keeps the q4 `maddubs` sums inside i16), and `s = d · Σq` — the term that
-//! multiplies a q4_1 group's min, exactly as ggml's q8_1 block carries it. Columns past the logical K
-//! (up to the quantized width) are zero.
+//! - **Per 32-column group** (ggml's `quantize_row_q8_1`, for the tile formats and ggml's 32-value
+//!   types): `d = max|x| / 127`, `q = round_ties_even(x / d)` (so |q| ≤ 127, which keeps the q4
+//!   `maddubs` sums inside i16).
+//! - **Per 256-column superblock** (ggml's `quantize_row_q8_K`, which ggml's dot products of the
+//!   K-quants and IQ4_XS take): `iscale = 127 / max|x|`, `q = round_ties_even(x · iscale)`,
+//!   `d = 1 / iscale`, the same `d` written to each of the superblock's 8 groups. ggml takes the
+//!   signed value of largest magnitude and `iscale = −127 / max`, which negates every code and `d`
+//!   alike, so `d · q` is the same number. One scale over 256 values rounds small activations
+//!   more coarsely than 8 scales do; on the default model requantized to Q4_K_M that moves
+//!   perplexity by 0.4 %, the same way as llama.cpp's (`tests/model_llama_cpp.rs`).
+//!
+//! Either way each group also carries `Σq` and `s = d · Σq` — the term that multiplies a group's
+//! minimum, as ggml's q8_1 block carries it. Columns past the logical K (up to the quantized
+//! width) are zero.
 //!
 //! [`quantize_group`] is the reference. With AVX-512 a whole run of groups (all rows at once when
 //! K is a multiple of 32) goes through one call that works on blocks of 16 groups: the maxima of
@@ -16,13 +28,37 @@
 #![allow(unsafe_code)]
 
 use super::pool::{ChunkCounter, Pool, SharedMut};
-use crate::tiles::GROUP;
+use crate::tiles::{WeightFormat, GROUP};
 
 /// Quantize over the pool from this many values on (and 2 rows, to have something to share).
 /// Timed on one core, the AVX-512 path does 16 × 576 in about 1.1 µs and 16 × 1536 in 3 µs;
 /// sharing those with a second thread (2-vCPU Sapphire Rapids VM) makes them 1.1 → 2.0 µs and
 /// 3.0 → 3.1 µs, while 32 × 1536 gains 12 % and 64 × 1536 30 %.
 const POOLED_MIN_VALUES: usize = 32 * 1536;
+
+/// The block of activation values that shares one q8 scale (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationScale {
+    /// One scale per 32-column group.
+    PerGroup,
+    /// One scale per 256-column superblock (a row's columns past its last whole superblock take
+    /// per-group scales).
+    PerSuperblock,
+}
+
+/// Columns per superblock of [`ActivationScale::PerSuperblock`].
+pub const SUPERBLOCK: usize = 256;
+
+impl ActivationScale {
+    /// The scale block ggml pairs with `format`'s weights: per superblock for the ggml types
+    /// whose dot products take `q8_K` activations, per group for every other format.
+    pub fn for_format(format: WeightFormat) -> Self {
+        match format {
+            WeightFormat::Ggml(ty) if ty.activation_block() == SUPERBLOCK => Self::PerSuperblock,
+            _ => Self::PerGroup,
+        }
+    }
+}
 
 /// Quantized activations: `rows × cols` i8 codes (cols a multiple of 32), one scale and one
 /// `d·Σq` per group.
@@ -48,8 +84,9 @@ impl QuantizedRows {
         self.cols / GROUP
     }
 
-    /// Quantize `x` (`rows × k`, row-major) in place of the previous contents; reuses capacity.
-    pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
+    /// Quantize `x` (`rows × k`, row-major) in place of the previous contents with scales per
+    /// `scale`; reuses capacity.
+    pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize, scale: ActivationScale) {
         let cols = k.div_ceil(GROUP) * GROUP;
         let groups = cols / GROUP;
         self.rows = rows;
@@ -66,6 +103,7 @@ impl QuantizedRows {
             quantize_rows(
                 x,
                 k,
+                scale,
                 GroupsOut {
                     codes: &mut self.codes,
                     scales: &mut self.scales,
@@ -98,7 +136,7 @@ impl QuantizedRows {
                         code_sums: row_span(out.code_sums, first..first + n, groups),
                     }
                 };
-                quantize_rows(&x[first * k..(first + n) * k], k, chunk_out);
+                quantize_rows(&x[first * k..(first + n) * k], k, scale, chunk_out);
             }
         });
     }
@@ -127,38 +165,136 @@ unsafe fn row_span<'a, T>(
 }
 
 /// A run of consecutive groups' slices of the [`QuantizedRows`] buffers (`codes` 32 per group).
-struct GroupsOut<'a> {
-    codes: &'a mut [i8],
-    scales: &'a mut [f32],
-    sums: &'a mut [f32],
-    code_sums: &'a mut [i32],
+pub struct GroupsOut<'a> {
+    /// 32 codes per group.
+    pub codes: &'a mut [i8],
+    /// One scale per group.
+    pub scales: &'a mut [f32],
+    /// `scale · Σ codes` per group.
+    pub sums: &'a mut [f32],
+    /// `Σ codes` per group.
+    pub code_sums: &'a mut [i32],
 }
 
-/// Rows of `k` values (`src`, row-major) into `out`, which holds those rows' groups.
-fn quantize_rows(src: &[f32], k: usize, out: GroupsOut<'_>) {
-    if k.is_multiple_of(GROUP) {
-        // No padding: the rows' groups are one contiguous run, in and out.
-        quantize_groups(src, out);
-        return;
+impl<'a> GroupsOut<'a> {
+    /// Consecutive runs of `groups` groups each (the last may hold fewer).
+    fn chunks(self, groups: usize) -> impl Iterator<Item = GroupsOut<'a>> {
+        self.codes
+            .chunks_mut(groups * GROUP)
+            .zip(self.scales.chunks_mut(groups))
+            .zip(self.sums.chunks_mut(groups))
+            .zip(self.code_sums.chunks_mut(groups))
+            .map(|(((codes, scales), sums), code_sums)| GroupsOut {
+                codes,
+                scales,
+                sums,
+                code_sums,
+            })
     }
-    let groups = k.div_ceil(GROUP);
-    let rows = out
-        .codes
-        .chunks_mut(groups * GROUP)
-        .zip(out.scales.chunks_mut(groups))
-        .zip(out.sums.chunks_mut(groups))
-        .zip(out.code_sums.chunks_mut(groups))
-        .zip(src.chunks(k));
-    for ((((codes, scales), sums), code_sums), row) in rows {
-        quantize_groups(
-            row,
+
+    /// The first `groups` groups and the rest (`groups` at most the run's length).
+    fn split_at(self, groups: usize) -> (GroupsOut<'a>, GroupsOut<'a>) {
+        let (codes, codes_rest) = self.codes.split_at_mut(groups * GROUP);
+        let (scales, scales_rest) = self.scales.split_at_mut(groups);
+        let (sums, sums_rest) = self.sums.split_at_mut(groups);
+        let (code_sums, code_sums_rest) = self.code_sums.split_at_mut(groups);
+        (
             GroupsOut {
                 codes,
                 scales,
                 sums,
                 code_sums,
             },
-        );
+            GroupsOut {
+                codes: codes_rest,
+                scales: scales_rest,
+                sums: sums_rest,
+                code_sums: code_sums_rest,
+            },
+        )
+    }
+}
+
+/// Rows of `k` values (`src`, row-major) into `out`, which holds those rows' groups.
+fn quantize_rows(src: &[f32], k: usize, scale: ActivationScale, out: GroupsOut<'_>) {
+    if scale == ActivationScale::PerSuperblock && k >= SUPERBLOCK {
+        quantize_rows_by_superblock(src, k, out);
+        return;
+    }
+    if k.is_multiple_of(GROUP) {
+        // No padding: the rows' groups are one contiguous run, in and out.
+        quantize_groups(src, out);
+        return;
+    }
+    let groups = k.div_ceil(GROUP);
+    for (row_out, row) in out.chunks(groups).zip(src.chunks(k)) {
+        quantize_groups(row, row_out);
+    }
+}
+
+/// [`quantize_rows`] with per-superblock scales: each row's whole superblocks through
+/// [`quantize_superblock_fast`], the rest of the row per group.
+fn quantize_rows_by_superblock(src: &[f32], k: usize, out: GroupsOut<'_>) {
+    let groups = k.div_ceil(GROUP);
+    let whole = k / SUPERBLOCK * SUPERBLOCK;
+    for (row_out, row) in out.chunks(groups).zip(src.chunks(k)) {
+        let (blocks_out, rest_out) = row_out.split_at(whole / GROUP);
+        let superblocks = row[..whole].chunks_exact(SUPERBLOCK);
+        for (block_out, values) in blocks_out.chunks(SUPERBLOCK / GROUP).zip(superblocks) {
+            quantize_superblock_fast(values, block_out);
+        }
+        if whole < k {
+            quantize_groups(&row[whole..], rest_out);
+        }
+    }
+}
+
+/// [`quantize_superblock`], with the AVX2 version when the CPU has it (bit-identical).
+fn quantize_superblock_fast(values: &[f32], out: GroupsOut<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if values.len() == SUPERBLOCK && out.codes.len() == SUPERBLOCK && super::avx2::available() {
+        if let (Ok(scales), Ok(code_sums)) = (
+            <&mut [f32; 8]>::try_from(&mut *out.scales),
+            <&mut [i32; 8]>::try_from(&mut *out.code_sums),
+        ) {
+            // SAFETY: AVX2 is available; `values` has 256 floats and `out.codes` 256 bytes
+            // (checked above).
+            let d = unsafe {
+                super::avx2::quantize_superblock256(
+                    values.as_ptr(),
+                    out.codes.as_mut_ptr(),
+                    scales,
+                    code_sums,
+                )
+            };
+            // As in `quantize_group_fast`: a NaN, an infinity or an overflowing `127/max` shows
+            // as a non-finite scale or a −128 code; those go to the scalar.
+            if d.is_finite() && !out.codes.contains(&i8::MIN) {
+                for ((sum, &d), &q) in out.sums.iter_mut().zip(scales.iter()).zip(code_sums.iter())
+                {
+                    *sum = d * q as f32;
+                }
+                return;
+            }
+        }
+    }
+    quantize_superblock(values, out);
+}
+
+/// Quantize one superblock of up to 256 values with one scale (ggml's `quantize_row_q8_K`, see
+/// the module docs): codes into `out.codes` (zero past `values`), the scale, `d·Σq` and `Σq` of
+/// each 32-column group into `out`. NaNs are skipped by the max and get code 0.
+pub fn quantize_superblock(values: &[f32], out: GroupsOut<'_>) {
+    let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let iscale = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    let d = if amax > 0.0 { 1.0 / iscale } else { 0.0 };
+    for (g, group) in out.chunks(1).enumerate() {
+        let start = (g * GROUP).min(values.len());
+        let end = (start + GROUP).min(values.len());
+        let sum = scaled_codes(&values[start..end], iscale, group.codes);
+        group.scales[0] = d;
+        group.sums[0] = d * sum as f32;
+        group.code_sums[0] = sum;
     }
 }
 
@@ -230,9 +366,16 @@ pub fn quantize_group(values: &[f32], out: &mut [i8]) -> (f32, i32) {
     let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    (d, scaled_codes(values, inv, out))
+}
+
+/// Codes `round_ties_even(v · inv)` of `values` into `out` (the rest of `out` zeroed); returns
+/// their sum. The clamp to ±127 only acts on a NaN (→ 0) or an infinite product: with `inv` from
+/// the values' own max, |v·inv| ≤ 127 up to rounding.
+fn scaled_codes(values: &[f32], inv: f32, out: &mut [i8]) -> i32 {
     let mut sum = 0i32;
     for (o, &v) in out.iter_mut().zip(values) {
-        // Ties to even, like `_mm256_cvtps_epi32`; |v·inv| ≤ 127 by construction (NaN → 0).
+        // Ties to even, like `_mm256_cvtps_epi32`.
         let q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
         *o = q;
         sum += q as i32;
@@ -240,7 +383,7 @@ pub fn quantize_group(values: &[f32], out: &mut [i8]) -> (f32, i32) {
     for o in out.iter_mut().skip(values.len()) {
         *o = 0;
     }
-    (d, sum)
+    sum
 }
 
 /// AVX-512 version of [`quantize_groups`], 16 groups per block, bit-identical to
@@ -629,8 +772,10 @@ mod tests {
             .collect()
     }
 
-    /// The reference for a whole batch: [`quantize_group`] over every group of every row.
-    fn quantize_slowly(x: &[f32], rows: usize, k: usize) -> QuantizedRows {
+    /// The reference for a whole batch: per group, [`quantize_group`] over every group of every
+    /// row; per superblock, [`quantize_superblock`] over each row's whole superblocks and
+    /// [`quantize_group`] over the rest.
+    fn quantize_slowly(x: &[f32], rows: usize, k: usize, scale: ActivationScale) -> QuantizedRows {
         let cols = k.div_ceil(GROUP) * GROUP;
         let groups = cols / GROUP;
         let mut q = QuantizedRows {
@@ -641,8 +786,26 @@ mod tests {
             sums: vec![0.0; rows * groups],
             code_sums: vec![0; rows * groups],
         };
+        let whole = match scale {
+            ActivationScale::PerGroup => 0,
+            ActivationScale::PerSuperblock if k >= SUPERBLOCK => k / SUPERBLOCK * SUPERBLOCK,
+            ActivationScale::PerSuperblock => 0,
+        };
+        let per = SUPERBLOCK / GROUP;
         for r in 0..rows {
-            for g in 0..groups {
+            for b in 0..whole / SUPERBLOCK {
+                let g = r * groups + b * per;
+                quantize_superblock(
+                    &x[r * k + b * SUPERBLOCK..r * k + (b + 1) * SUPERBLOCK],
+                    GroupsOut {
+                        codes: &mut q.codes[g * GROUP..(g + per) * GROUP],
+                        scales: &mut q.scales[g..g + per],
+                        sums: &mut q.sums[g..g + per],
+                        code_sums: &mut q.code_sums[g..g + per],
+                    },
+                );
+            }
+            for g in whole / GROUP..groups {
                 let values = &x[r * k + g * GROUP..r * k + (g * GROUP + GROUP).min(k)];
                 let codes = &mut q.codes[r * cols + g * GROUP..r * cols + (g + 1) * GROUP];
                 let (d, sum) = quantize_group(values, codes);
@@ -669,7 +832,9 @@ mod tests {
         // One `QuantizedRows` throughout, so stale contents from a larger call would show.
         let mut q = QuantizedRows::default();
         let mut by_one = QuantizedRows::default();
-        let ks = [1usize, 31, 32, 33, 576, 1536, 1000, 1400, 64, 16];
+        let ks = [
+            1usize, 31, 32, 33, 576, 1536, 1000, 1400, 64, 16, 256, 512, 300,
+        ];
         let mut cases = 0;
         // 37 and 40 rows of 1536 or 1400 take the pooled path (with 2+ threads).
         const { assert!(37 * 1400 >= POOLED_MIN_VALUES) };
@@ -688,8 +853,12 @@ mod tests {
                         x.extend(row);
                     }
                     let what = format!("rows {rows}, k {k}");
-                    let slow = quantize_slowly(&x, rows, k);
-                    q.quantize(&x, rows, k);
+                    let by_superblock =
+                        quantize_slowly(&x, rows, k, ActivationScale::PerSuperblock);
+                    q.quantize(&x, rows, k, ActivationScale::PerSuperblock);
+                    assert_same(&q, &by_superblock, &format!("{what}, per superblock"));
+                    let slow = quantize_slowly(&x, rows, k, ActivationScale::PerGroup);
+                    q.quantize(&x, rows, k, ActivationScale::PerGroup);
                     assert_same(&q, &slow, &what);
                     // The path without AVX-512 (the AVX2 group kernel with its redo), directly.
                     let cols = k.div_ceil(GROUP) * GROUP;
@@ -723,7 +892,7 @@ mod tests {
     fn groups_are_scaled_to_127_and_padded_with_zeros() {
         let x: Vec<f32> = (0..40).map(|i| i as f32 - 20.0).collect();
         let mut q = QuantizedRows::default();
-        q.quantize(&x, 1, 40);
+        q.quantize(&x, 1, 40, ActivationScale::PerGroup);
         assert_eq!(q.cols, 64);
         assert_eq!(q.codes[0], -127); // -20 is the group's max magnitude
         assert!(q.codes[40..].iter().all(|&c| c == 0));
@@ -733,5 +902,114 @@ mod tests {
         assert_eq!(q.sums[0], d0 * sum as f32);
         let tail: i32 = q.codes[32..64].iter().map(|&c| c as i32).sum();
         assert_eq!(q.code_sums, [sum, tail]);
+    }
+
+    /// ggml's `quantize_row_q8_K` as written in its reference C: the signed value of largest
+    /// magnitude (the first of equals), `iscale = −127 / max`, codes rounded to nearest (ties to
+    /// even, its `nearest_int`) and capped at 127, `d = 1 / iscale`.
+    fn ggml_q8_k(values: &[f32]) -> (f32, Vec<i8>) {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in values {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            return (0.0, vec![0; values.len()]);
+        }
+        let iscale = -127.0 / max;
+        let codes = values
+            .iter()
+            .map(|&v| ((iscale * v).round_ties_even() as i32).min(127) as i8)
+            .collect();
+        (1.0 / iscale, codes)
+    }
+
+    #[test]
+    fn superblocks_take_one_scale_and_give_ggmls_q8_k_products() {
+        // Hand values: the largest magnitude is −3 (at column 7), so iscale = 127/3 and every
+        // group of the superblock carries d = 1/(127/3).
+        let mut x = vec![0f32; 2 * SUPERBLOCK];
+        for (i, v) in x[..SUPERBLOCK].iter_mut().enumerate() {
+            *v = ((i % 13) as f32 - 6.0) / 4.0; // within ±1.5
+        }
+        x[7] = -3.0;
+        x[100] = 1.5; // 1.5 · 127/3 = 63.5: a tie, to even
+        x[101] = 0.75; // 31.75 → 32
+        let mut q = QuantizedRows::default();
+        q.quantize(&x, 1, 2 * SUPERBLOCK, ActivationScale::PerSuperblock);
+        let d = 1.0 / (127.0f32 / 3.0);
+        assert_eq!(q.codes[7], -127);
+        assert_eq!(q.codes[100], 64);
+        assert_eq!(q.codes[101], 32);
+        assert!(q.scales[..8].iter().all(|s| s.to_bits() == d.to_bits()));
+        for g in 0..8 {
+            let sum: i32 = q.codes[g * 32..(g + 1) * 32]
+                .iter()
+                .map(|&c| c as i32)
+                .sum();
+            assert_eq!(q.code_sums[g], sum);
+            assert_eq!(q.sums[g].to_bits(), (d * sum as f32).to_bits());
+        }
+        // The second superblock is all zeros: scale 0, codes 0.
+        assert!(q.scales[8..].iter().all(|&s| s == 0.0));
+        assert!(q.codes[SUPERBLOCK..].iter().all(|&c| c == 0));
+
+        // Against ggml's reference, on varied superblocks: the same value d·q for every column
+        // (the codes and d negated together when ggml's max is positive).
+        let mut seed = 0x05ee_d0f5_ca1e_u64;
+        for case in 0..300 {
+            let values: Vec<f32> = (0..SUPERBLOCK / GROUP)
+                .flat_map(|_| group_values(&mut seed, GROUP))
+                .collect();
+            if values.iter().any(|v| !v.is_finite()) {
+                continue;
+            }
+            let (ggml_d, ggml_codes) = ggml_q8_k(&values);
+            if !ggml_d.is_finite() {
+                continue; // 127/max overflowed: ggml's codes are meaningless there too
+            }
+            let mut q = QuantizedRows::default();
+            q.quantize(&values, 1, SUPERBLOCK, ActivationScale::PerSuperblock);
+            for (c, (&ours, &theirs)) in q.codes.iter().zip(&ggml_codes).enumerate() {
+                let a = q.scales[c / GROUP] * ours as f32;
+                let b = ggml_d * theirs as f32;
+                // Equal as numbers (a zero code times a negated d is −0).
+                assert_eq!(a, b, "case {case}, column {c}");
+            }
+        }
+    }
+
+    #[test]
+    fn scale_blocks_follow_ggmls_pairing_of_weight_types() {
+        use crate::ggml::GgmlType;
+        use ActivationScale::{PerGroup, PerSuperblock};
+        use GgmlType::*;
+        let expected = [
+            (Q2_K, PerSuperblock),
+            (Q3_K, PerSuperblock),
+            (Q4_K, PerSuperblock),
+            (Q5_K, PerSuperblock),
+            (Q6_K, PerSuperblock),
+            (IQ4_XS, PerSuperblock),
+            (Q4_0, PerGroup),
+            (Q4_1, PerGroup),
+            (Q5_0, PerGroup),
+            (Q5_1, PerGroup),
+            (Q8_0, PerGroup),
+            (IQ4_NL, PerGroup),
+        ];
+        for (ty, scale) in expected {
+            assert_eq!(
+                ActivationScale::for_format(WeightFormat::Ggml(ty)),
+                scale,
+                "{ty:?}"
+            );
+        }
+        assert_eq!(
+            ActivationScale::for_format(WeightFormat::Q8Legacy),
+            ActivationScale::PerGroup
+        );
     }
 }

@@ -3,7 +3,7 @@
 //! Slow and obviously correct; every fast path is tested against them.
 
 use super::gemm::WeightMatrix;
-use super::quant::QuantizedRows;
+use super::quant::{ActivationScale, QuantizedRows};
 use super::KernelError;
 use crate::tiles::{self, WeightFormat, GROUP, TILE_ROWS};
 
@@ -73,7 +73,7 @@ pub fn gemm_reference(
 }
 
 /// The same product with the activations first quantized exactly as the fast quantized paths do
-/// (`quant::QuantizedRows`, i.e. x̂ = d·q per 32-column group). The fast tile kernels compute this
+/// (`quant::QuantizedRows`, i.e. x̂ = d·q with the scale block the weight format takes). The fast tile kernels compute this
 /// up to f32 rounding, so the comparison can be tight. Plain formats are not quantized by the fast
 /// path; for them this equals [`gemm_reference`].
 pub fn gemm_reference_quantized(
@@ -87,7 +87,7 @@ pub fn gemm_reference_quantized(
     }
     check_shapes(w, x, m, y)?;
     let mut q = QuantizedRows::default();
-    q.quantize(x, m, w.cols);
+    q.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
     let mut dequantized = vec![0f32; m * w.cols];
     for i in 0..m {
         for c in 0..w.cols {
