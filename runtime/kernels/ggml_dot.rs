@@ -17,8 +17,10 @@
 //!
 //! Q4_K, Q5_K and Q6_K on the AVX2 path skip the scratch row: their codes are unsigned once
 //! split from the block (Q6_K's centre of 32 is subtracted as `maddubs(32, c)`), so
-//! `maddubs(u, c)` takes them straight from the block's bytes, and the eight 32-value groups of
-//! a 256-value block are summed in one fixed `hadd` tree (`x86::k_block`). The decode step of
+//! `maddubs(u, c)` takes them straight from the block's bytes; their activations have one scale
+//! per 256-value block (ggml's `q8_K`, `quant::ActivationScale::PerSuperblock`), so the `madd`
+//! that widens the pair sums also applies the sub-block scales and a block sums in integers, with
+//! one float multiply-add per block (`x86::k_block`). The decode step of
 //! those types costs 2–2.5× less than unpack-then-dot (docs/performance.md). CPUs with AVX-512
 //! VNNI take the same fused kernels for these three types (on Zen 4 their decode is 1.7–2.2×
 //! that of unpack + `vpdpbusd`) and keep unpack-then-dot for the others.
@@ -28,6 +30,7 @@
 
 use std::cell::RefCell;
 
+use super::quant::ActivationScale;
 use crate::ggml::{self, BlockCodes, GgmlType};
 use crate::tiles::GROUP;
 
@@ -171,9 +174,10 @@ pub fn block(
 ) {
     let groups = act.groups();
     // The fused K-quant kernels need AVX2 only; on VNNI CPUs they also beat unpack + vpdpbusd
-    // (module docs), so both vector paths take them.
+    // (module docs), so both vector paths take them. They sum each 256-value block in integers,
+    // which needs the block's activations to share one scale.
     #[cfg(target_arch = "x86_64")]
-    if path != Path::Scalar {
+    if path != Path::Scalar && act.scale == ActivationScale::PerSuperblock {
         let kind = match ty {
             GgmlType::Q4_K => Some(x86::KQuant::Q4),
             GgmlType::Q5_K => Some(x86::KQuant::Q5),
@@ -551,15 +555,18 @@ mod x86 {
         Q6,
     }
 
-    /// Q4_K / Q5_K / Q6_K rows dotted straight from their bytes, no unpacked scratch row. Per
-    /// 256-value block the codes are split into eight 32-value groups of unsigned codes `u`, each
-    /// taken against its activation group with `maddubs(u, c)` (u ≤ 63, |c| ≤ 128: pair sums
-    /// inside i16, no sign trick), and the eight group sums gathered into one vector by
-    /// [`lane_sums8`]:
-    /// - Q4_K / Q5_K (`w = d·sc·u − dmin·m` per 32 values): `Σ_g d·sc_g·d_act_g·isum_g` and
-    ///   `−Σ_g dmin·m_g·(d_act_g·Σc_g)` (`act.sums`), one FMA each into separate accumulators;
+    /// Q4_K / Q5_K / Q6_K rows dotted straight from their bytes, no unpacked scratch row, against
+    /// activations with one scale per 256 values (`ActivationScale::PerSuperblock`, which
+    /// `ggml_dot::block` checks). Per 256-value block the codes are split into eight 32-value
+    /// groups of unsigned codes `u`, each taken against its activation group with `maddubs(u, c)`
+    /// (u ≤ 63, |c| ≤ 127: pair sums inside i16, no sign trick) and weighted by its sub-block
+    /// scales in the `madd` that widens it to i32, so the block sums in integers and takes the
+    /// shared scales in one FMA:
+    /// - Q4_K / Q5_K (`w = d·sc·u − dmin·m` per 32 values): `d·d_act·Σ_g sc_g·isum_g` (|lane| ≤
+    ///   8 · 2·7874·63 < 2²³) and `−Σ_g dmin·m_g·(d_act·Σc_g)` (`act.sums`), one FMA each into
+    ///   separate accumulators;
     /// - Q6_K (`w = d·sc·(u − 32)`, one i8 `sc` per 16 values): `maddubs(u, c) − maddubs(32, c)`
-    ///   weighted by the two sub-blocks' scales in one `madd`, then one FMA with `d·d_act_g`.
+    ///   weighted by the two sub-blocks' scales in one `madd`, then one FMA with `d·d_act`.
     ///
     /// A block's codes and scales are extracted once for up to [`K_ACT_CHUNK`] activation rows,
     /// whose accumulators stay in registers (`N` is the chunk's row count). Every activation row
@@ -630,15 +637,17 @@ mod x86 {
         let groups = act.groups();
         let m4 = _mm256_set1_epi8(0x0F);
         let sixteen = _mm256_set1_epi8(16);
-        let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut acc_min = [_mm256_setzero_ps(); N];
         for b in 0..cols / 256 {
             let p = row.add(b * block_bytes);
             let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
             let (sc, mn) = k4_scales_mins(p.add(4));
-            let dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(d));
             let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
+            // Group g's scale in every i16 lane, the `madd` weight of its pair sums.
+            let mut scales = [0i32; 8];
+            _mm256_storeu_si256(scales.as_mut_ptr() as *mut __m256i, sc);
+            let sc16 = scales.map(|v| _mm256_set1_epi16(v as i16));
             let qs = p.add(if FIVE { 48 } else { 16 });
             let qh = if FIVE {
                 _mm256_loadu_si256(p.add(16) as *const __m256i)
@@ -666,16 +675,19 @@ mod x86 {
             for slot in 0..N {
                 let i = first + slot;
                 let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                let isums = lane_sums8(|g| {
+                let mut isum = _mm256_setzero_si256();
+                for g in 0..8 {
                     let c = _mm256_loadu_si256(codes.add(g * 32) as *const __m256i);
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], c), ones)
-                });
+                    let pairs = _mm256_maddubs_epi16(q[g], c);
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, sc16[g]));
+                }
                 let at = i * groups + b * 8;
-                let act_d = _mm256_loadu_ps(act.scales.as_ptr().add(at));
+                // One scale for the block's eight groups (per-superblock activations).
+                let act_d = *act.scales.as_ptr().add(at);
                 let act_sum = _mm256_loadu_ps(act.sums.as_ptr().add(at));
                 acc[slot] = _mm256_fmadd_ps(
-                    _mm256_mul_ps(dsc, act_d),
-                    _mm256_cvtepi32_ps(isums),
+                    _mm256_set1_ps(d * act_d),
+                    _mm256_cvtepi32_ps(isum),
                     acc[slot],
                 );
                 acc_min[slot] = _mm256_fmadd_ps(dmn, act_sum, acc_min[slot]);
@@ -742,7 +754,7 @@ mod x86 {
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..cols / 256 {
             let p = row.add(b * BLOCK_BYTES);
-            let d = _mm256_set1_ps(f16_at(p.add(208)));
+            let d = f16_at(p.add(208));
             // Sub-block scales as i16: groups 0-3 take theirs from s0..s7, 4-7 from s8..s15,
             // sub-block 2g in the low half, 2g + 1 in the high half.
             let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
@@ -762,39 +774,23 @@ mod x86 {
             for (slot, acc) in acc.iter_mut().enumerate() {
                 let i = first + slot;
                 let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                let isums = lane_sums8(|g| {
+                let mut isum = _mm256_setzero_si256();
+                for g in 0..8 {
                     let c = _mm256_loadu_si256(codes.add(g * 32) as *const __m256i);
                     let centred = _mm256_sub_epi16(
                         _mm256_maddubs_epi16(q[g], c),
                         _mm256_maddubs_epi16(thirty_two, c),
                     );
-                    _mm256_madd_epi16(centred, sc[g])
-                });
-                let act_d = _mm256_loadu_ps(act.scales.as_ptr().add(i * groups + b * 8));
-                *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, act_d), _mm256_cvtepi32_ps(isums), *acc);
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(centred, sc[g]));
+                }
+                // One scale for the block's eight groups (per-superblock activations).
+                let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * act_d), _mm256_cvtepi32_ps(isum), *acc);
             }
         }
         for slot in 0..N {
             out[slot] = hsum(acc[slot]);
         }
-    }
-
-    /// One vector whose lane g is the sum of the eight i32 lanes of `group(g)`, g = 0..8, by a
-    /// fixed tree (six `hadd`s, two cross-lane permutes, one add), so the order of every sum is
-    /// the same whatever the caller.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn lane_sums8(group: impl Fn(usize) -> __m256i) -> __m256i {
-        let h01 = _mm256_hadd_epi32(group(0), group(1));
-        let h23 = _mm256_hadd_epi32(group(2), group(3));
-        let h45 = _mm256_hadd_epi32(group(4), group(5));
-        let h67 = _mm256_hadd_epi32(group(6), group(7));
-        let h0123 = _mm256_hadd_epi32(h01, h23);
-        let h4567 = _mm256_hadd_epi32(h45, h67);
-        _mm256_add_epi32(
-            _mm256_permute2x128_si256(h0123, h4567, 0x20),
-            _mm256_permute2x128_si256(h0123, h4567, 0x31),
-        )
     }
 
     /// The unsigned 6-bit codes (0..=63, before the centre of 32 is taken off) of values

@@ -37,9 +37,10 @@ use crate::tiles::{WeightFormat, GROUP};
 const POOLED_MIN_VALUES: usize = 32 * 1536;
 
 /// The block of activation values that shares one q8 scale (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ActivationScale {
     /// One scale per 32-column group.
+    #[default]
     PerGroup,
     /// One scale per 256-column superblock (a row's columns past its last whole superblock take
     /// per-group scales).
@@ -76,6 +77,9 @@ pub struct QuantizedRows {
     pub sums: Vec<f32>,
     /// `Σ codes` per group, `[rows, cols / 32]`: the VNNI q8 kernel's offset correction.
     pub code_sums: Vec<i32>,
+    /// The scale blocks the rows were quantized with: with [`ActivationScale::PerSuperblock`],
+    /// every whole 256-column superblock's 8 groups carry one scale.
+    pub scale: ActivationScale,
 }
 
 impl QuantizedRows {
@@ -91,6 +95,7 @@ impl QuantizedRows {
         let groups = cols / GROUP;
         self.rows = rows;
         self.cols = cols;
+        self.scale = scale;
         // Every element below is overwritten (codes past K included), so keep old contents
         // instead of zero-filling on every call.
         self.codes.resize(rows * cols, 0);
@@ -785,6 +790,7 @@ mod tests {
             scales: vec![0.0; rows * groups],
             sums: vec![0.0; rows * groups],
             code_sums: vec![0; rows * groups],
+            scale,
         };
         let whole = match scale {
             ActivationScale::PerGroup => 0,
