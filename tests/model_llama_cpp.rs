@@ -449,7 +449,7 @@ fn peak_rss_over_weights(gguf: &Path) -> f64 {
 /// runtimes round activations to 8 bits with ggml's scale blocks (per 256 values for the
 /// K-quants and IQ4_XS, per 32 otherwise), but not in the same arithmetic order, which on 6
 /// chunks alone moves the ratio by a few tenths of a percent. With per-32 activation scales for
-/// the K-quants, Q4_K_M was 0.60 % below llama.cpp on Zen 3 and `Q2_K --pure` 1.9 % below:
+/// the K-quants, Q4_K_M was 0.60 % below llama.cpp on Zen 3 and `Q2_K --pure` 1.8 % (Zen 4) to 1.9 % (SPR) below:
 /// this test is what holds the pairing.
 ///
 /// The greedy criterion (top-1 equal wherever llama.cpp's top-2 margin exceeds 0.1 nat)

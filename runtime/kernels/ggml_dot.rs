@@ -20,10 +20,9 @@
 //! `maddubs(u, c)` takes them straight from the block's bytes; their activations have one scale
 //! per 256-value block (ggml's `q8_K`, `quant::ActivationScale::PerSuperblock`), so the `madd`
 //! that widens the pair sums also applies the sub-block scales and a block sums in integers, with
-//! one float multiply-add per block (`x86::k_block`). The decode step of
-//! those types costs 2–2.5× less than unpack-then-dot (docs/performance.md). CPUs with AVX-512
-//! VNNI take the same fused kernels for these three types (on Zen 4 their decode is 1.7–2.2×
-//! that of unpack + `vpdpbusd`) and keep unpack-then-dot for the others.
+//! one float multiply-add per block (`x86::k_block`). CPUs with AVX-512 VNNI take the same
+//! kernels for these three types and keep unpack-then-dot for the others: decode is 2.5–3.3×
+//! that of unpack-then-dot on Zen 3 and Zen 4 (docs/performance.md).
 
 // Unsafe is needed for the AVX2 intrinsics.
 #![allow(unsafe_code)]
@@ -518,13 +517,13 @@ mod x86 {
     }
 
     /// The eight 6-bit scales and eight 6-bit minimums of a Q4_K / Q5_K block from its 12 packed
-    /// bytes at `p`, as i32 lanes: [`ggml::scale_min_k4`] for all eight sub-blocks at once, on
+    /// bytes at `p` (scales as bytes, minimums as i32 lanes): [`ggml::scale_min_k4`] for all eight sub-blocks at once, on
     /// three little-endian words `w0 w1 w2` (bytes 0-3, 4-7, 8-11). Sub-blocks 0-3 keep the low 6
     /// bits of `w0` (scales) and `w1` (minimums); 4-7 take a nibble of `w2` (low: scale, high:
     /// minimum) topped with the two high bits of the matching byte of `w0` / `w1`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn k4_scales_mins(p: *const u8) -> (__m256i, __m256i) {
+    unsafe fn k4_scales_mins(p: *const u8) -> ([u8; 8], __m256i) {
         let word =
             |i: usize| u32::from_le_bytes([*p.add(i), *p.add(i + 1), *p.add(i + 2), *p.add(i + 3)]);
         let (w0, w1, w2) = (word(0), word(4), word(8));
@@ -536,7 +535,7 @@ mod x86 {
         let sc = (w0 & LOW6) as u64 | ((sc_hi as u64) << 32);
         let mn = (w1 & LOW6) as u64 | ((mn_hi as u64) << 32);
         (
-            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)),
+            sc.to_le_bytes(),
             _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64)),
         )
     }
@@ -645,9 +644,7 @@ mod x86 {
             let (sc, mn) = k4_scales_mins(p.add(4));
             let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
             // Group g's scale in every i16 lane, the `madd` weight of its pair sums.
-            let mut scales = [0i32; 8];
-            _mm256_storeu_si256(scales.as_mut_ptr() as *mut __m256i, sc);
-            let sc16 = scales.map(|v| _mm256_set1_epi16(v as i16));
+            let sc16 = sc.map(|v| _mm256_set1_epi16(v as i16));
             let qs = p.add(if FIVE { 48 } else { 16 });
             let qh = if FIVE {
                 _mm256_loadu_si256(p.add(16) as *const __m256i)
