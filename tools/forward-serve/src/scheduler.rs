@@ -103,12 +103,12 @@ pub struct SampleGroup {
     pub count: usize,
 }
 
-/// How long admission keeps reading the queue for samples still due behind their leader (a
-/// request whose later samples could not be queued is cancelled, and they never come). The
+/// How long admission keeps reading the queue for samples still due behind their leader. The
 /// handler queues them right after the leader, but on a loaded 2-core host it can be descheduled
-/// for longer than 50 ms (serve_e2e missed the fork under CI's parallel tests); the wait ends as
-/// soon as they arrive, so only a cancelled group pays the whole bound.
-const SAMPLES_WAIT: Duration = Duration::from_millis(250);
+/// for longer than 250 ms (serve_e2e missed the fork under CI's parallel tests). The wait ends as
+/// soon as they arrive, or as soon as the group is cancelled (a request whose later samples could
+/// not be queued cancels them, and they never come), so only a handler stalled that long pays it.
+const SAMPLES_WAIT: Duration = Duration::from_secs(2);
 
 /// One generation request, as queued.
 pub struct GenRequest {
@@ -289,6 +289,8 @@ pub fn run(
         // until they are here (briefly: the handler sends them at once), the queue is read again,
         // so they wait for the leader's prompt instead of reading it themselves.
         let mut samples_due = 0usize;
+        // The cancel flag of the group whose samples are due.
+        let mut due_group_cancel: Option<Arc<AtomicBool>> = None;
         let admit_start = Instant::now();
         while !closed && active.len() < cap {
             let next = if active.is_empty() {
@@ -303,7 +305,9 @@ pub fn run(
                 match queue.try_recv() {
                     Ok(r) => Some(r),
                     Err(mpsc::error::TryRecvError::Empty)
-                        if samples_due > 0 && admit_start.elapsed() < SAMPLES_WAIT =>
+                        if samples_due > 0
+                            && admit_start.elapsed() < SAMPLES_WAIT
+                            && !due_group_cancel.as_ref().is_some_and(|c| c.load(Relaxed)) =>
                     {
                         std::thread::yield_now();
                         continue;
@@ -318,7 +322,10 @@ pub fn run(
             let Some(req) = next else { break };
             metrics.queue_depth.fetch_sub(1, Relaxed);
             match req.group {
-                Some(g) if g.index == 0 => samples_due += g.count.saturating_sub(1),
+                Some(g) if g.index == 0 => {
+                    samples_due += g.count.saturating_sub(1);
+                    due_group_cancel = Some(req.cancel.clone());
+                }
                 Some(_) => samples_due = samples_due.saturating_sub(1),
                 None => {}
             }
