@@ -60,6 +60,10 @@ impl BatchOutput {
     pub fn tap_layers(&self) -> &[usize] {
         &self.taps
     }
+    /// Every tap's hidden states, `[taps, rows, hidden]`.
+    pub fn tap_states(&self) -> &[f32] {
+        &self.tap_states[..self.taps.len() * self.rows * self.hidden]
+    }
 }
 
 /// Counters for stats lines, and where the passes' wall time went (for `xdna bench decode`).
@@ -146,6 +150,8 @@ pub struct Model {
     replay: ReplayMode,
     /// Test hooks (empty without the `fault-injection` feature).
     faults: InjectedFaults,
+    /// Tap layers of the passes run through the speculative loop's verify contract.
+    verify_taps: Vec<usize>,
 }
 
 impl Model {
@@ -235,6 +241,7 @@ impl Model {
             stats: PassStats::default(),
             replay: ReplayMode::from_env(),
             faults: InjectedFaults::default(),
+            verify_taps: Vec::new(),
             w,
         })
     }
@@ -344,6 +351,35 @@ impl Model {
             });
         }
         Ok(())
+    }
+
+    /// Tap layers for the passes the speculative loop runs through the verify contract
+    /// (`spec::VerifyTarget`), whose calls take none: checked here, used by every later pass.
+    pub fn set_verify_taps(&mut self, layers: &[usize]) -> Result<(), ModelError> {
+        self.check_taps(layers)?;
+        self.verify_taps.clear();
+        self.verify_taps.extend_from_slice(layers);
+        Ok(())
+    }
+
+    /// The tap layers set by [`Model::set_verify_taps`].
+    pub fn verify_taps(&self) -> &[usize] {
+        &self.verify_taps
+    }
+
+    /// [`Model::step_batch_all`] with the taps set by [`Model::set_verify_taps`].
+    pub fn step_batch_verify_taps(&mut self, tokens: &[u32]) -> Result<&BatchOutput, ModelError> {
+        // Moved out for the call (the pass borrows the model mutably), then back.
+        let taps = std::mem::take(&mut self.verify_taps);
+        let result = self.step_batch_all(tokens, &taps).map(|_| ());
+        self.verify_taps = taps;
+        result?;
+        Ok(&self.out)
+    }
+
+    /// The output of the last verify pass (logits and taps), until the next pass.
+    pub fn last_pass(&self) -> &BatchOutput {
+        &self.out
     }
 
     /// One batched verify pass over `tokens` (1..=16 rows) at positions `P..P+len-1`.
@@ -580,6 +616,34 @@ impl Model {
         first_logit_row: usize,
         on_logits: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), ModelError> {
+        self.prefill_chunks(tokens, first_logit_row, on_logits, &[], &mut |_| {})
+    }
+
+    /// Feed `tokens` like [`Model::prefill_with`], computing no logits, and hand each chunk's
+    /// hidden states at the `taps` layers to `on_taps` (a [`BatchOutput`] whose rows are the
+    /// chunk's, in order; its logits are not set). Atomic like `prefill_with`; `on_taps` has
+    /// seen the chunks before a failing one.
+    pub fn prefill_tapped(
+        &mut self,
+        tokens: &[u32],
+        taps: &[usize],
+        on_taps: &mut dyn FnMut(&BatchOutput),
+    ) -> Result<(), ModelError> {
+        self.check_taps(taps)?;
+        let r = self.prefill_chunks(tokens, tokens.len(), &mut |_, _| {}, taps, on_taps);
+        self.out.rows = 0;
+        self.out.taps.clear();
+        r
+    }
+
+    fn prefill_chunks(
+        &mut self,
+        tokens: &[u32],
+        first_logit_row: usize,
+        on_logits: &mut dyn FnMut(usize, &[f32]),
+        taps: &[usize],
+        on_taps: &mut dyn FnMut(&BatchOutput),
+    ) -> Result<(), ModelError> {
         self.seq.check_ready()?;
         if tokens.is_empty() {
             return Err(ModelError::Context {
@@ -588,6 +652,7 @@ impl Model {
         }
         self.seq.check_tokens(tokens, self.w.config.vocab)?;
         self.out.taps.clear();
+        self.out.taps.extend_from_slice(taps);
         let start = self.seq.pos;
         let mut seq = std::mem::take(&mut self.seq);
         // Recurrent layers: the state at P, restored if a chunk fails (prefill is atomic).
@@ -601,12 +666,19 @@ impl Model {
                 seq: &mut seq,
                 tokens: chunk,
             }];
+            if !taps.is_empty() {
+                let need = taps.len() * chunk.len() * self.w.config.hidden;
+                if self.out.tap_states.len() < need {
+                    self.out.tap_states.resize(need, 0.0);
+                }
+                self.out.rows = chunk.len();
+            }
             if let Err(e) = self.forward_rows(
                 &mut segment,
                 RowFamily::for_rows(chunk.len()),
                 first,
                 &mut sink,
-                false,
+                !taps.is_empty(),
                 false,
             ) {
                 seq.pos = start;
@@ -615,6 +687,9 @@ impl Model {
                 break;
             }
             seq.pos += chunk.len();
+            if !taps.is_empty() {
+                on_taps(&self.out);
+            }
         }
         self.seq = seq;
         result

@@ -624,6 +624,14 @@ fn release_freed_heap() {
 
 fn load_weights(pkg: &Arc<Package>, opts: &LoadOptions) -> Result<ModelWeights, ModelError> {
     let c = pkg.config().clone();
+    if c.dflash.is_some() {
+        return Err(ModelError::Unsupported {
+            what: format!(
+                "{} is a DFlash draft, which drafts for a target model rather than running alone: use it with --speculate dflash:PATH",
+                pkg.dir().display()
+            ),
+        });
+    }
     // Hybrid (Gated DeltaNet / gated attention) packages: runtime/model/load_hybrid.rs, on the
     // host executors (their GDN shapes have no device kernels yet).
     if c.has_recurrent() || c.attn_output_gate {

@@ -225,7 +225,7 @@ pub(super) fn check_a(name: &str, a: &[f32]) -> Result<(), ModelError> {
 /// `names` stacked by rows: one fused matrix when they share a format, else a
 /// [`StackedProjection`] of separate ones (a GGUF may mix types, e.g. Q4_1 `attn_qkv` with BF16
 /// `attn_gate`; tile row blocks of different formats cannot be concatenated).
-fn stacked(
+pub(super) fn stacked(
     opts: &LoadOptions,
     exec: &Arc<Executor>,
     pkg: &Arc<Package>,

@@ -25,6 +25,7 @@
 //! - [`sampling`]: sampling settings, the logit processor and the generator.
 //! - [`text`]: streaming detokenization with stop strings.
 
+pub mod dflash;
 pub mod fflm_layout;
 pub mod forward;
 pub mod gdn;

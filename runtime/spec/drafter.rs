@@ -1,7 +1,7 @@
 //! The drafter interface.
 
 use super::decide::{AcceptanceRule, DraftProbabilities};
-use super::SpecError;
+use super::{SpecError, TapRows};
 
 /// Drafts proposed for one round, and the distribution each was drawn from.
 #[derive(Clone, Debug, Default)]
@@ -113,6 +113,20 @@ pub trait Drafter {
         let _ = (context, accepted_drafts);
         Ok(())
     }
+
+    /// Target layers whose hidden states the drafter reads (none by default). The loop asks the
+    /// target for them and hands every committed row's states to
+    /// [`observe_target_rows`](Self::observe_target_rows).
+    fn target_taps(&self) -> &[usize] {
+        &[]
+    }
+
+    /// The target's hidden states at [`target_taps`](Self::target_taps) of rows it just
+    /// committed, in position order (the prompt's rows at prefill, then each round's kept rows).
+    fn observe_target_rows(&mut self, rows: TapRows<'_>) -> Result<(), SpecError> {
+        let _ = rows;
+        Ok(())
+    }
 }
 
 /// A drafter that never proposes: the loop then decodes plainly (one row per pass).
@@ -162,5 +176,13 @@ impl<D: Drafter + ?Sized> Drafter for Box<D> {
 
     fn observe(&mut self, context: &[u32], accepted_drafts: usize) -> Result<(), SpecError> {
         (**self).observe(context, accepted_drafts)
+    }
+
+    fn target_taps(&self) -> &[usize] {
+        (**self).target_taps()
+    }
+
+    fn observe_target_rows(&mut self, rows: TapRows<'_>) -> Result<(), SpecError> {
+        (**self).observe_target_rows(rows)
     }
 }

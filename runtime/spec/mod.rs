@@ -21,6 +21,7 @@
 
 mod acceptance;
 mod decide;
+mod dflash;
 mod draft_model;
 mod drafter;
 mod model_target;
@@ -34,6 +35,7 @@ pub use acceptance::{projected_speedups, replay_acceptance};
 pub use decide::{
     decide, uniforms_needed, AcceptanceRule, DecideWorkspace, Decision, DraftProbabilities,
 };
+pub use dflash::DflashDrafter;
 pub use draft_model::{DraftModel, DraftModelDrafter, EarlyExitModel, LayerSkipDraftModel};
 pub use drafter::{DraftProposal, Drafter, NoDrafter};
 pub use model_target::{ModelDraft, ModelEarlyExit};
@@ -43,7 +45,7 @@ pub use runner::{
     SpecRunner, StopConditions,
 };
 pub use stats::SpecStats;
-pub use target::{LogitRows, VerifyTarget, MAX_DRAFTS, MAX_VERIFY_ROWS};
+pub use target::{LogitRows, TapRows, VerifyTarget, MAX_DRAFTS, MAX_VERIFY_ROWS};
 
 /// A boxed error from a collaborator of this layer (the target model or a drafter's model).
 pub type BoxedError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -151,6 +153,14 @@ pub enum SpecError {
         /// The target's error.
         #[source]
         source: BoxedError,
+    },
+    /// The drafter reads the target's hidden states, which the target does not provide.
+    #[error(
+        "drafter {drafter} reads the target's hidden states, which this target does not provide"
+    )]
+    TargetTaps {
+        /// The drafter's name.
+        drafter: &'static str,
     },
     /// A drafter's model failed.
     #[error("drafter {drafter} failed: {source}")]

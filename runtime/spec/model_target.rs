@@ -2,7 +2,7 @@
 //! contract with the model") maps one-to-one onto [`VerifyTarget`] (spec may call model, never
 //! the reverse).
 
-use super::VerifyTarget;
+use super::{TapRows, VerifyTarget};
 use crate::model::{Model, ModelError};
 
 impl VerifyTarget for Model {
@@ -17,11 +17,45 @@ impl VerifyTarget for Model {
     }
 
     fn step_batch_all(&mut self, tokens: &[u32]) -> Result<&[f32], ModelError> {
-        Ok(Model::step_batch_all(self, tokens, &[])?.all_logits())
+        Ok(self.step_batch_verify_taps(tokens)?.all_logits())
     }
 
     fn commit_verify_rows(&mut self, n: usize) -> Result<(), ModelError> {
         Model::commit_verify_rows(self, n)
+    }
+
+    fn request_taps(&mut self, layers: &[usize]) -> bool {
+        self.set_verify_taps(layers).is_ok()
+    }
+
+    fn pass_taps(&self) -> Option<TapRows<'_>> {
+        let out = self.last_pass();
+        if out.tap_layers().is_empty() || out.rows() == 0 {
+            return None;
+        }
+        TapRows::new(
+            out.tap_states(),
+            out.tap_layers().len(),
+            out.rows(),
+            self.config().hidden,
+        )
+    }
+
+    fn prefill_tapped(
+        &mut self,
+        tokens: &[u32],
+        on_rows: &mut dyn FnMut(TapRows<'_>),
+    ) -> Result<(), ModelError> {
+        let taps = self.verify_taps().to_vec();
+        if taps.is_empty() {
+            return self.prefill_with(tokens, tokens.len(), &mut |_, _| {});
+        }
+        let hidden = self.config().hidden;
+        Model::prefill_tapped(self, tokens, &taps, &mut |out| {
+            if let Some(rows) = TapRows::new(out.tap_states(), taps.len(), out.rows(), hidden) {
+                on_rows(rows);
+            }
+        })
     }
 }
 

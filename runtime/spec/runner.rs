@@ -350,6 +350,34 @@ impl<D: Drafter> SpecRunner<D> {
         self.generate_streaming(target, context, stop, |_| {})
     }
 
+    /// Feeds and commits `tokens` to `target` (the context before its pending token, before
+    /// [`generate`](Self::generate)); a drafter that reads the target's hidden states
+    /// ([`Drafter::target_taps`]) gets every row's.
+    pub fn prefill<T: VerifyTarget>(
+        &mut self,
+        target: &mut T,
+        tokens: &[u32],
+    ) -> Result<(), SpecError> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        if !target.request_taps(self.drafter.target_taps()) {
+            return Err(SpecError::TargetTaps {
+                drafter: self.drafter.name(),
+            });
+        }
+        let drafter = &mut self.drafter;
+        let mut failure = None;
+        target
+            .prefill_tapped(tokens, &mut |rows| {
+                if failure.is_none() {
+                    failure = drafter.observe_target_rows(rows).err();
+                }
+            })
+            .map_err(|e| target_error("prefill", e))?;
+        failure.map_or(Ok(()), Err)
+    }
+
     /// [`generate`](Self::generate), handing each round's emitted tokens to `on_tokens` as soon as
     /// they are committed (for streaming servers).
     pub fn generate_streaming<T: VerifyTarget>(
@@ -388,6 +416,12 @@ impl<D: Drafter> SpecRunner<D> {
             return Ok(Generation {
                 tokens: output,
                 finish: FinishReason::MaxTokens,
+            });
+        }
+        let tapped = !self.drafter.target_taps().is_empty();
+        if !target.request_taps(self.drafter.target_taps()) {
+            return Err(SpecError::TargetTaps {
+                drafter: self.drafter.name(),
             });
         }
         self.drafter.begin(&sequence)?;
@@ -460,6 +494,12 @@ impl<D: Drafter> SpecRunner<D> {
                 .commit_verify_rows(kept)
                 .map_err(|e| target_error("commit_verify_rows", e))?;
             let pass_seconds = pass_start.elapsed().as_secs_f64();
+            if tapped {
+                let rows = target.pass_taps().ok_or(SpecError::TargetTaps {
+                    drafter: self.drafter.name(),
+                })?;
+                self.drafter.observe_target_rows(rows.first(kept))?;
+            }
             if on_tokens(&decision.emitted[..kept]).is_break() && finish.is_none() {
                 finish = Some(FinishReason::Cancelled);
             }

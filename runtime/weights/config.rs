@@ -24,7 +24,7 @@ use std::path::Path;
 const HYBRID_MODEL_TYPES: [&str; 3] = ["qwen3_5", "qwen3_5_text", "qwen3_next"];
 
 /// Every `model_type` the forward runs.
-const SUPPORTED_MODEL_TYPES: [&str; 10] = [
+const SUPPORTED_MODEL_TYPES: [&str; 11] = [
     "llama",
     "mistral",
     "qwen2",
@@ -35,6 +35,7 @@ const SUPPORTED_MODEL_TYPES: [&str; 10] = [
     "qwen3_5",
     "qwen3_5_text",
     "qwen3_next",
+    "dflash",
 ];
 
 /// How rotary frequencies are scaled for long contexts.
@@ -120,7 +121,35 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// `eos_token_id`, one id or a list (GGUF: `tokenizer.ggml.eos_token_id`).
     pub eos_token_ids: Vec<u32>,
+    /// Present when the model is a DFlash block drafter (`model_type` `dflash`): Qwen3-style
+    /// layers run over a target's hidden states, not a standalone language model.
+    pub dflash: Option<DflashParams>,
 }
+
+/// What makes a model a DFlash block drafter (generation 1, z-lab `DFlashDraftModel`): its
+/// layers (Qwen3-style, described by the rest of [`ModelConfig`]) attend over context rows made
+/// from the target's hidden states and draft a whole block in one non-causal pass; it has no
+/// embedding table or head of its own (the target's are used).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DflashParams {
+    /// Rows of one drafted block: the pending token, then `block_size - 1` mask rows, each
+    /// predicting one draft (`dflash_config.block_size`; GGUF `dflash.block_size`).
+    pub block_size: usize,
+    /// The target layers (0-based) whose output, the residual stream after that layer, is one
+    /// part of a context row, in the order the fusion matrix reads them. Hugging Face
+    /// `dflash_config.target_layer_ids` holds these ids; GGUF `dflash.target_layers` holds
+    /// hidden-state indices, each id + 1.
+    pub target_layers: Vec<usize>,
+    /// The token whose embedding fills the block's mask rows (`dflash_config.mask_token_id`;
+    /// GGUF `tokenizer.ggml.mask_token_id`).
+    pub mask_token_id: u32,
+    /// Attention inside the block is causal (`is_causal`; GGUF `dflash.attention.causal`).
+    /// DFlash drafts are trained non-causal, the default.
+    pub causal: bool,
+}
+
+/// The most rows a DFlash block may have: one verify pass (the pending token and 15 drafts).
+pub const DFLASH_MAX_BLOCK: usize = 16;
 
 /// The token mixer of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -307,7 +336,7 @@ impl ModelConfig {
             qkv_bias: is_qwen2 || attention_bias,
             o_bias: attention_bias,
             mlp_bias: f.opt_bool("mlp_bias")?.unwrap_or(false),
-            qk_norm: model_type == "qwen3" || hybrid,
+            qk_norm: model_type == "qwen3" || model_type == "dflash" || hybrid,
             layer_kinds,
             linear,
             attn_output_gate: hybrid && f.opt_bool("attn_output_gate")?.unwrap_or(true),
@@ -319,6 +348,11 @@ impl ModelConfig {
                     .unwrap_or(false),
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
+            dflash: if model_type == "dflash" {
+                Some(dflash_from_json(&f)?)
+            } else {
+                None
+            },
             model_type,
         };
         cfg.check_dims()
@@ -342,11 +376,14 @@ impl ModelConfig {
         let mut cfg = match arch {
             "llama" | "qwen2" | "qwen3" => attention_only_from_gguf(g, arch)?,
             super::import_qwen35::ARCH => qwen35_from_gguf(g)?,
+            DFLASH_ARCH => dflash_from_gguf(g)?,
             other => {
                 return Err(config_error(
                     path,
                     "general.architecture",
-                    format!("{other:?} is not supported (llama, qwen2, qwen3 and qwen35 are)"),
+                    format!(
+                        "{other:?} is not supported (llama, qwen2, qwen3, qwen35 and dflash are)"
+                    ),
                 ))
             }
         };
@@ -520,6 +557,16 @@ impl ModelConfig {
                 c["xdna"] = json!({"norms_include_one": true});
             }
         }
+        if let Some(d) = &self.dflash {
+            c["dflash_config"] = json!({
+                "block_size": d.block_size,
+                "target_layer_ids": d.target_layers,
+                "mask_token_id": d.mask_token_id,
+            });
+            if d.causal {
+                c["is_causal"] = json!(true);
+            }
+        }
         if let Some(bos) = self.bos_token_id {
             c["bos_token_id"] = json!(bos);
         }
@@ -540,6 +587,7 @@ impl ModelConfig {
             "smollm3" => "SmolLM3ForCausalLM",
             "qwen3_5" | "qwen3_5_text" => "Qwen3_5ForCausalLM",
             "qwen3_next" => "Qwen3NextForCausalLM",
+            "dflash" => "DFlashDraftModel",
             _ => "LlamaForCausalLM",
         }
     }
@@ -797,6 +845,243 @@ impl ShapeField {
     }
 }
 
+/// `general.architecture` of llama.cpp's DFlash drafts.
+pub const DFLASH_ARCH: &str = "dflash";
+
+/// The block, tap layers and mask token checked the same way whichever source they came from:
+/// the first broken rule as (field, problem).
+fn check_dflash(d: &DflashParams, vocab: usize) -> Result<(), (&'static str, String)> {
+    if !(2..=DFLASH_MAX_BLOCK).contains(&d.block_size) {
+        return Err((
+            "block_size",
+            format!(
+                "{} rows: a block holds the pending token and 1..={} mask rows (one verify pass)",
+                d.block_size,
+                DFLASH_MAX_BLOCK - 1
+            ),
+        ));
+    }
+    if d.target_layers.is_empty() {
+        return Err((
+            "target_layer_ids",
+            "empty: no target hidden state to read".into(),
+        ));
+    }
+    if d.mask_token_id as usize >= vocab {
+        return Err((
+            "mask_token_id",
+            format!("{} is outside the vocabulary of {vocab}", d.mask_token_id),
+        ));
+    }
+    Ok(())
+}
+
+/// `dflash_config` of a DFlash draft's `config.json` (z-lab's form; `block_size` may also sit at
+/// the top level). Sliding-window drafts are refused: their attention is not implemented.
+fn dflash_from_json(f: &Fields<'_>) -> Result<DflashParams, WeightsError> {
+    let Some(dc) = f.v.get("dflash_config").filter(|v| v.is_object()) else {
+        return Err(f.missing("dflash_config"));
+    };
+    let d = f.nested(dc, "dflash_config");
+    if f.opt_bool("use_sliding_window")?.unwrap_or(false) || d.opt_bool("use_swa")?.unwrap_or(false)
+    {
+        return Err(config_error(
+            f.file,
+            "use_sliding_window",
+            "sliding-window draft attention is not implemented (only full attention over the context)",
+        ));
+    }
+    let block_size = match d.opt_usize("block_size")? {
+        Some(b) => b,
+        None => f.opt_usize("block_size")?.unwrap_or(16),
+    };
+    let target_layers = match dc.get("target_layer_ids") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_u64().map(|n| n as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| d.bad("target_layer_ids", "a list of layer ids"))?,
+        _ => return Err(d.missing("target_layer_ids")),
+    };
+    let mask_token_id = d
+        .token_ids("mask_token_id")?
+        .first()
+        .copied()
+        .ok_or_else(|| d.missing("mask_token_id"))?;
+    let causal = match f.opt_bool("is_causal")? {
+        Some(c) => c,
+        None => d.opt_bool("causal")?.unwrap_or(false),
+    };
+    let params = DflashParams {
+        block_size,
+        target_layers,
+        mask_token_id,
+        causal,
+    };
+    check_dflash(&params, f.usize("vocab_size")?).map_err(|(field, problem)| {
+        config_error(f.file, &format!("dflash_config.{field}"), problem)
+    })?;
+    Ok(params)
+}
+
+/// A `dflash` GGUF (llama.cpp's converter, `DFlashModel`): Qwen3-style layers under `dflash.*`,
+/// the block size, the target's hidden-state indices, the mask token. What this runtime does not
+/// read is refused by name: generation-2 convolutions and selector, DSpark heads, a reduced
+/// draft vocabulary, the draft's own embedding table, sliding-window attention, logit or
+/// embedding scales.
+fn dflash_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
+    let arch = DFLASH_ARCH;
+    let k = |s: &str| format!("{arch}.{s}");
+    let refuse = |field: &str, problem: &str| config_error(f.path(), field, problem);
+    for (key, what) in [
+        (
+            "conv_kernel_size",
+            "generation-2 (grouped convolution and candidate selector) drafts are not read yet",
+        ),
+        (
+            "selector_top_k",
+            "generation-2 (grouped convolution and candidate selector) drafts are not read yet",
+        ),
+        (
+            "attention.sliding_window",
+            "sliding-window draft attention is not implemented",
+        ),
+        (
+            "embedding_scale",
+            "an embedding scale is not implemented for DFlash drafts",
+        ),
+        (
+            "logit_scale",
+            "a logit scale is not implemented for DFlash drafts",
+        ),
+        (
+            "final_logit_softcapping",
+            "logit soft-capping is not implemented for DFlash drafts",
+        ),
+        (
+            "attention.scale",
+            "a custom attention scale is not implemented for DFlash drafts",
+        ),
+        (
+            "attention.value_scale",
+            "an attention value scale is not implemented for DFlash drafts",
+        ),
+        (
+            "hyper_connection_count",
+            "DSpark DeepSeek-V4 drafts are not read",
+        ),
+    ] {
+        let set = f
+            .metadata(&k(key))
+            .is_some_and(|v| v.as_f64().is_none_or(|x| x != 0.0));
+        if set {
+            return Err(refuse(&k(key), what));
+        }
+    }
+    for (tensor, what) in [
+        (
+            "selector_hidden.weight",
+            "generation-2 (candidate selector) drafts are not read yet",
+        ),
+        (
+            "markov_w1.weight",
+            "DSpark drafts (Markov head) are not read",
+        ),
+        ("d2t", "a reduced draft vocabulary (d2t) is not read"),
+        (
+            "token_embd.weight",
+            "a draft with its own embedding table is not read (DFlash drafts share the target's)",
+        ),
+        (
+            "output.weight",
+            "a draft with its own output head is not read (DFlash drafts share the target's)",
+        ),
+    ] {
+        if f.tensor(tensor).is_some() {
+            return Err(refuse(tensor, what));
+        }
+    }
+    let (hidden, heads, kv_heads, head_dim) = attention_dims_from_gguf(f, arch)?;
+    let layers = f.require_u64(&k("block_count"))? as usize;
+    if layers == 0 || layers > MAX_LAYERS {
+        return Err(refuse(&k("block_count"), MAX_LAYERS_EXPECTED));
+    }
+    let vocab = f
+        .get_array("tokenizer.ggml.tokens")
+        .map(<[GgufValue]>::len)
+        .ok_or_else(|| {
+            refuse(
+                "tokenizer.ggml.tokens",
+                "missing (the vocabulary size is read from it)",
+            )
+        })?;
+    let target_layers = f
+        .get_array(&k("target_layers"))
+        .ok_or_else(|| refuse(&k("target_layers"), "missing"))?
+        .iter()
+        .map(|v| match v.as_u64() {
+            // Hidden-state indices: 0 is the embedding output, which no layer produces.
+            Some(i) if i >= 1 => Ok(i as usize - 1),
+            _ => Err(refuse(
+                &k("target_layers"),
+                "expected hidden-state indices of at least 1 (layer id + 1)",
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mask_token_id = f.get_u32("tokenizer.ggml.mask_token_id").ok_or_else(|| {
+        refuse(
+            "tokenizer.ggml.mask_token_id",
+            "missing (the block's mask rows are this token)",
+        )
+    })?;
+    let params = DflashParams {
+        block_size: f.get_u64(&k("block_size")).unwrap_or(16) as usize,
+        target_layers,
+        mask_token_id,
+        causal: f.get_bool(&k("attention.causal")).unwrap_or(false),
+    };
+    check_dflash(&params, vocab).map_err(|(field, problem)| {
+        let key = match field {
+            "mask_token_id" => "tokenizer.ggml.mask_token_id".to_string(),
+            "target_layer_ids" => k("target_layers"),
+            other => k(other),
+        };
+        refuse(&key, &problem)
+    })?;
+    Ok(ModelConfig {
+        model_type: arch.to_string(),
+        hidden,
+        intermediate: f.require_u64(&k("feed_forward_length"))? as usize,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        rms_eps: shortest(f.require_f64(&k("attention.layer_norm_rms_epsilon"))?),
+        rope_theta: f
+            .get_f64(&k("rope.freq_base"))
+            .map(shortest)
+            .unwrap_or(10_000.0),
+        rope_scaling: RopeScaling::None,
+        vocab,
+        tie_word_embeddings: true,
+        max_position_embeddings: f.get_u64(&k("context_length")).unwrap_or(4096) as usize,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: true,
+        layer_kinds: vec![LayerKind::Attention; layers],
+        linear: None,
+        attn_output_gate: false,
+        rotary_dim: f
+            .get_u64(&k("rope.dimension_count"))
+            .unwrap_or(head_dim as u64) as usize,
+        zero_centered_norms: false,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+        dflash: Some(params),
+    })
+}
+
 fn config_error(file: &Path, field: &str, problem: impl Into<String>) -> WeightsError {
     WeightsError::Config {
         path: file.to_path_buf(),
@@ -923,6 +1208,7 @@ fn attention_only_from_gguf(f: &GgufFile, arch: &str) -> Result<ModelConfig, Wei
         zero_centered_norms: false,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
+        dflash: None,
     })
 }
 
@@ -1038,6 +1324,7 @@ fn qwen35_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
         zero_centered_norms: false,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
+        dflash: None,
     })
 }
 
@@ -1188,6 +1475,50 @@ mod tests {
             "rope_theta": 100000.0, "vocab_size": 49152, "tie_word_embeddings": true,
             "max_position_embeddings": 8192, "rope_scaling": null
         })
+    }
+
+    /// A z-lab DFlash draft config (generation 1) for SmolLM2's width and vocabulary.
+    fn dflash_draft() -> Value {
+        json!({
+            "architectures": ["DFlashDraftModel"], "model_type": "dflash",
+            "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 2,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "vocab_size": 49152,
+            "dflash_config": {"block_size": 16, "target_layer_ids": [1, 10, 19, 28], "mask_token_id": 16}
+        })
+    }
+
+    #[test]
+    fn dflash_config_reads_and_round_trips() {
+        let c = ModelConfig::from_json(&dflash_draft(), "config.json").unwrap();
+        let d = c.dflash.clone().unwrap();
+        assert_eq!((d.block_size, d.mask_token_id, d.causal), (16, 16, false));
+        assert_eq!(d.target_layers, vec![1, 10, 19, 28]);
+        assert!(c.qk_norm && !c.qkv_bias);
+        assert_eq!(ModelConfig::from_json(&c.to_json(), "x").unwrap(), c);
+    }
+
+    #[test]
+    fn dflash_config_refusals_name_the_field() {
+        let refused = |edit: &dyn Fn(&mut Value)| {
+            let mut v = dflash_draft();
+            edit(&mut v);
+            ModelConfig::from_json(&v, "config.json")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refused(&|v| v["dflash_config"]["block_size"] = json!(17));
+        assert!(e.contains("dflash_config.block_size"), "{e}");
+        let e = refused(&|v| v["dflash_config"]["mask_token_id"] = json!(49152));
+        assert!(e.contains("dflash_config.mask_token_id"), "{e}");
+        let e = refused(&|v| v["dflash_config"]["target_layer_ids"] = json!([]));
+        assert!(e.contains("target_layer_ids"), "{e}");
+        let e = refused(&|v| v["use_sliding_window"] = json!(true));
+        assert!(e.contains("use_sliding_window"), "{e}");
+        let e = refused(&|v| {
+            v.as_object_mut().unwrap().remove("dflash_config");
+        });
+        assert!(e.contains("dflash_config") && e.contains("missing"), "{e}");
     }
 
     #[test]

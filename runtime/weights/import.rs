@@ -192,11 +192,146 @@ pub fn plan_any(
     f: &GgufFile,
     scale: ScaleType,
 ) -> Result<(ModelConfig, Vec<Planned>), WeightsError> {
-    if f.architecture() == Some(super::import_qwen35::ARCH) {
-        super::import_qwen35::plan(f, scale)
-    } else {
-        plan(f, scale)
+    match f.architecture() {
+        Some(super::import_qwen35::ARCH) => super::import_qwen35::plan(f, scale),
+        Some(super::config::DFLASH_ARCH) => plan_dflash(f, scale),
+        _ => plan(f, scale),
     }
+}
+
+/// The package tensors of a DFlash draft (llama.cpp's `dflash` GGUF), unfused, in Hugging Face
+/// names: per layer the norms and the q/k/v/o and gate/up/down projections, then the fusion
+/// matrix `model.fc.weight` `[hidden, taps · target hidden]`, its `model.hidden_norm.weight`
+/// and the final `model.norm.weight`. The target's embedding table and head are not in a draft.
+pub fn plan_dflash(
+    f: &GgufFile,
+    scale: ScaleType,
+) -> Result<(ModelConfig, Vec<Planned>), WeightsError> {
+    let p = ModelConfig::from_gguf(f)?;
+    let vector = |out: String, src: String, len: usize| -> Result<Planned, WeightsError> {
+        let t = f.require_tensor(&src)?;
+        if !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+            || t.elements() != len
+        {
+            return Err(WeightsError::tensor(
+                f.path(),
+                &src,
+                format!(
+                    "expected {len} float values, got {} of type {}",
+                    t.elements(),
+                    t.ggml_type.name()
+                ),
+            ));
+        }
+        Ok(Planned::Vector {
+            name: out,
+            tensor: src,
+            len,
+        })
+    };
+    let matrix = |out: String, src: String, rows: usize, cols: usize| {
+        let t = f.require_tensor(&src)?;
+        if t.shape.len() != 2 || t.shape[0] as usize != cols || t.shape[1] as usize != rows {
+            return Err(WeightsError::tensor(
+                f.path(),
+                &src,
+                format!(
+                    "expected [{rows}, {cols}] (rows, columns), GGUF shape {:?}",
+                    t.shape
+                ),
+            ));
+        }
+        let format = weight_format(f, &t, scale)?;
+        if format.tile_bytes().is_some() && !rows.is_multiple_of(tiles::TILE_ROWS) {
+            return Err(WeightsError::tensor(
+                f.path(),
+                &src,
+                format!("{rows} rows is not a multiple of {}", tiles::TILE_ROWS),
+            ));
+        }
+        Ok(Planned::Matrix {
+            name: out,
+            format,
+            parts: vec![Part {
+                tensor: src,
+                unpermute_heads: None,
+                rows,
+                row_src: None,
+            }],
+            rows,
+            cols,
+            col_blocks: None,
+        })
+    };
+    let taps = p.dflash.as_ref().map_or(0, |d| d.target_layers.len());
+    let (hidden, hd) = (p.hidden, p.head_dim);
+    let mut v = Vec::new();
+    for i in 0..p.layers {
+        let attn = |s: &str| format!("model.layers.{i}.self_attn.{s}.weight");
+        let blk = |s: &str| format!("blk.{i}.{s}.weight");
+        v.push(vector(
+            format!("model.layers.{i}.input_layernorm.weight"),
+            blk("attn_norm"),
+            hidden,
+        )?);
+        v.push(vector(
+            format!("model.layers.{i}.post_attention_layernorm.weight"),
+            blk("ffn_norm"),
+            hidden,
+        )?);
+        v.push(vector(attn("q_norm"), blk("attn_q_norm"), hd)?);
+        v.push(vector(attn("k_norm"), blk("attn_k_norm"), hd)?);
+    }
+    v.push(vector(
+        "model.hidden_norm.weight".into(),
+        "enc.output_norm.weight".into(),
+        hidden,
+    )?);
+    v.push(vector(
+        "model.norm.weight".into(),
+        "output_norm.weight".into(),
+        hidden,
+    )?);
+    // The target's hidden width is the draft's (llama.cpp requires it: n_embd_inp = taps · n_embd).
+    v.push(matrix(
+        "model.fc.weight".into(),
+        "fc.weight".into(),
+        hidden,
+        taps * hidden,
+    )?);
+    for i in 0..p.layers {
+        let attn = |s: &str| format!("model.layers.{i}.self_attn.{s}.weight");
+        let mlp = |s: &str| format!("model.layers.{i}.mlp.{s}.weight");
+        let blk = |s: &str| format!("blk.{i}.{s}.weight");
+        v.push(matrix(attn("q_proj"), blk("attn_q"), p.q_dim(), hidden)?);
+        v.push(matrix(attn("k_proj"), blk("attn_k"), p.kv_dim(), hidden)?);
+        v.push(matrix(attn("v_proj"), blk("attn_v"), p.kv_dim(), hidden)?);
+        v.push(matrix(
+            attn("o_proj"),
+            blk("attn_output"),
+            hidden,
+            p.q_dim(),
+        )?);
+        v.push(matrix(
+            mlp("gate_proj"),
+            blk("ffn_gate"),
+            p.intermediate,
+            hidden,
+        )?);
+        v.push(matrix(
+            mlp("up_proj"),
+            blk("ffn_up"),
+            p.intermediate,
+            hidden,
+        )?);
+        v.push(matrix(
+            mlp("down_proj"),
+            blk("ffn_down"),
+            hidden,
+            p.intermediate,
+        )?);
+    }
+    Ok((p, v))
 }
 
 /// The list of output tensors for a llama GGUF, in file order (vectors first).
@@ -1061,11 +1196,11 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
         meta.len()
     ));
     let dir = import_once(gguf, &dir, ImportOptions::default())?;
-    if super::Package::open_dir(&dir)
-        .is_ok_and(|p| p.config().is_hybrid() || p.host_only_matrix().is_some())
-    {
-        // Hybrid models and GGUF block rows run on the host backend only (docs/model.md); no
-        // device kernel set.
+    if super::Package::open_dir(&dir).is_ok_and(|p| {
+        p.config().is_hybrid() || p.host_only_matrix().is_some() || p.config().dflash.is_some()
+    }) {
+        // Hybrid models, GGUF block rows and DFlash drafts run on the host backend only
+        // (docs/model.md); no device kernel set.
         return Ok(dir);
     }
     // The kernel set is what the xdna backend runs; a model whose shapes cannot be derived still

@@ -50,7 +50,7 @@ pub mod tokenizer;
 pub mod value_heads;
 
 pub use chat::ChatMessage;
-pub use config::{LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
+pub use config::{DflashParams, LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
 pub use default_model::default_model;
 pub use mapped::MappedBytes;
 pub use package::{MatrixView, Package, TensorRole};

@@ -3,12 +3,16 @@
 # the PyPI llama-cpp-python sdist, and prints the directory holding its programs. Cached under
 # ${XDG_CACHE_HOME:-~/.cache}/xdna/llama.cpp/<version>-<cpu>: built for this CPU (GGML_NATIVE),
 # so the key includes the CPU's flags. Needs cmake (PyPI `cmake`), a C++ compiler and pip.
+# The programs: llama-perplexity, llama-quantize, llama-tokenize, llama-bench, and
+# llama-speculative-simple (examples/; speculative decoding with a draft model, e.g.
+# `--spec-type draft-dflash`, used by tools/llama-cpp/dflash_reference.py). A cache dir missing any
+# of them is rebuilt whole.
 set -euo pipefail
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
 root="${XDG_CACHE_HOME:-$HOME/.cache}/xdna/llama.cpp"
 dir="$root/$version-$cpu"
-targets=(llama-perplexity llama-quantize llama-tokenize llama-bench)
+targets=(llama-perplexity llama-quantize llama-tokenize llama-bench llama-speculative-simple)
 mkdir -p "$root"
 work=$(mktemp -d "$root/build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -34,7 +38,7 @@ if [[ $built == 1 ]]; then
 fi
 tar xzf "$sdist" -C "$work"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF \
   -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$work/build" -j"$(nproc)" --target "${targets[@]}" >&2
 mkdir -p "$dir.tmp/bin"

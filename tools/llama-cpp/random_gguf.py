@@ -13,7 +13,13 @@ With `--llama3-rope FACTOR LOW HIGH ORIGINAL` a llama file gets Llama 3.1 rope s
 llama.cpp's converter (`convert_hf_to_gguf.py`, LlamaModel) writes it: one frequency divisor per
 rotated pair in `rope_freqs.weight`, computed by the converter's formula, and no scaling key.
 
-Usage: random_gguf.py --arch {llama,qwen2,qwen3} --tokenizer-from FILE.gguf --out FILE.gguf
+With `--arch dflash` it writes a DFlash generation-1 draft (Qwen3-style layers, the fusion
+matrix `fc` over the target's hidden states at `--target-layers`, `enc.output_norm`, no
+embedding table or head: the target's are used) with the keys llama.cpp's converter
+(`DFlashModel`) writes: `dflash.block_size`, `dflash.target_layers` (Hugging Face layer ids + 1)
+and `tokenizer.ggml.mask_token_id`. `--hidden` must be the target's hidden size.
+
+Usage: random_gguf.py --arch {llama,qwen2,qwen3,dflash} --tokenizer-from FILE.gguf --out FILE.gguf
 """
 
 import argparse
@@ -25,7 +31,7 @@ import numpy as np
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
+    ap.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "dflash"])
     ap.add_argument("--tokenizer-from", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -46,6 +52,15 @@ def main() -> int:
         metavar=("FACTOR", "LOW_FREQ_FACTOR", "HIGH_FREQ_FACTOR", "ORIGINAL_CONTEXT"),
         help="llama only: Llama 3.1 rope scaling, stored as llama.cpp's converter stores it",
     )
+    ap.add_argument("--rope-base", type=float, help="default: 1e4 (llama), 1e6 (others)")
+    ap.add_argument("--rms-eps", type=float, default=1e-6)
+    ap.add_argument(
+        "--target-layers",
+        default="1,10,19,28",
+        help="dflash: the target's layer ids (Hugging Face, 0-based) read as context",
+    )
+    ap.add_argument("--block-size", type=int, default=16, help="dflash: rows per block")
+    ap.add_argument("--mask-token", type=int, default=16, help="dflash: the mask token id")
     a = ap.parse_args()
     if a.llama3_rope is not None and a.arch != "llama":
         ap.error("--llama3-rope is for --arch llama")
@@ -65,8 +80,8 @@ def main() -> int:
     w.add_head_count_kv(a.kv_heads)
     w.add_key_length(a.head_dim)
     w.add_value_length(a.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    rope_base = 10000.0 if arch == "llama" else 1000000.0
+    w.add_layer_norm_rms_eps(a.rms_eps)
+    rope_base = a.rope_base or (10000.0 if arch == "llama" else 1000000.0)
     w.add_rope_freq_base(rope_base)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     vocab = 0
@@ -96,8 +111,18 @@ def main() -> int:
         return rng.uniform(0.5, 1.5, n).astype(np.float32)
 
     h, hd = a.hidden, a.head_dim
-    # Tied embeddings: the output head is token_embd.
-    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, h)) * 0.15).astype(np.float32))
+    if arch == "dflash":
+        target_layers = [int(x) for x in a.target_layers.split(",")]
+        w.add_block_size(a.block_size)
+        w.add_target_layers([i + 1 for i in target_layers])
+        w.add_mask_token_id(a.mask_token)
+        w.add_tensor("fc.weight", matrix(h, len(target_layers) * h, 2.0))
+        w.add_tensor("enc.output_norm.weight", gains(h))
+    else:
+        # Tied embeddings: the output head is token_embd.
+        w.add_tensor(
+            "token_embd.weight", (rng.standard_normal((vocab, h)) * 0.15).astype(np.float32)
+        )
     w.add_tensor("output_norm.weight", gains(h))
     if a.llama3_rope is not None:
         w.add_tensor("rope_freqs.weight", llama3_rope_divisors(rope_base, hd, *a.llama3_rope))
@@ -111,7 +136,7 @@ def main() -> int:
             w.add_tensor(b + "attn_q.bias", rng.uniform(-1, 1, a.heads * hd).astype(np.float32))
             w.add_tensor(b + "attn_k.bias", rng.uniform(-1, 1, a.kv_heads * hd).astype(np.float32))
             w.add_tensor(b + "attn_v.bias", rng.uniform(-1, 1, a.kv_heads * hd).astype(np.float32))
-        if arch == "qwen3":
+        if arch in ("qwen3", "dflash"):
             w.add_tensor(b + "attn_q_norm.weight", gains(hd) * 2.0)
             w.add_tensor(b + "attn_k_norm.weight", gains(hd) * 2.0)
         w.add_tensor(b + "attn_output.weight", matrix(h, a.heads * hd))

@@ -132,9 +132,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 .spec_config(SamplingConfig::GREEDY, 0, !args.no_fallback);
             let mut runner = SpecRunner::new(config, drafter)?;
             model.reset();
-            if ids.len() > 1 {
-                model.prefill(&ids[..ids.len() - 1])?;
-            }
+            runner.prefill(&mut model, &ids[..ids.len().saturating_sub(1)])?;
             let t = Instant::now();
             let generation =
                 runner.generate(&mut model, &ids, &StopConditions::max_tokens(args.tokens))?;

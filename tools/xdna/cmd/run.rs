@@ -182,9 +182,7 @@ fn run_speculative(
     let mut runner = SpecRunner::new(config, drafter)?;
     // The loop feeds the prompt's last token itself (it is the pending token).
     let t0 = Instant::now();
-    if ids.len() > 1 {
-        model.prefill(&ids[..ids.len() - 1])?;
-    }
+    runner.prefill(model, &ids[..ids.len().saturating_sub(1)])?;
     let prefill_s = t0.elapsed().as_secs_f64();
     // Plain decoding stops when the next step would not fit the context: the same budget here.
     let max_tokens = args.max_tokens.min(ctx.saturating_sub(ids.len()));

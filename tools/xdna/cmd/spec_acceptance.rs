@@ -242,6 +242,11 @@ pub fn run(args: Args) -> xdna::Result<()> {
         std::fs::read_to_string(&args.prompts).map_err(|e| xdna::Error::io(&args.prompts, e))?;
     let prompts = parse_prompts(&args.prompts, &content)?;
     let kind: DrafterKind = args.drafter.parse()?;
+    if matches!(kind, DrafterKind::Dflash(_)) {
+        return Err(xdna::Error::Usage(
+            "spec-acceptance replays drafters over recorded text without target passes; a DFlash draft reads the target's hidden states of every pass, so measure it with `xdna bench spec --drafter dflash:PATH`".into(),
+        ));
+    }
     let opts = args.model.load_options(false);
     let mut encoded = Vec::new();
     let path = match &args.model.path {

@@ -1,15 +1,16 @@
 //! What `xdna run --speculate`, `xdna spec-acceptance` and `xdna bench spec` share: the drafter
-//! choice (`ngram | draft:PKG | layerskip:E`), its options, and the statistics report.
+//! choice (`ngram | draft:PKG | dflash:PATH | layerskip:E`), its options, and the statistics report.
 
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use xdna::model::load::{open_model, Backend, LoadOptions};
+use xdna::model::dflash::{DflashDraft, DflashWeights};
+use xdna::model::load::{open_model, open_package, Backend, LoadOptions};
 use xdna::model::sampling::SamplingConfig;
 use xdna::model::{Model, MAX_VERIFY_ROWS};
 use xdna::spec::{
-    DraftModelDrafter, Drafter, FallbackConfig, LayerSkipDraftModel, ModelDraft, ModelEarlyExit,
-    NgramConfig, NgramDrafter, SpecConfig, SpecStats, MAX_DRAFTS,
+    DflashDrafter, DraftModelDrafter, Drafter, FallbackConfig, LayerSkipDraftModel, ModelDraft,
+    ModelEarlyExit, NgramConfig, NgramDrafter, SpecConfig, SpecStats, MAX_DRAFTS,
 };
 use xdna::weights::Package;
 
@@ -20,6 +21,8 @@ pub enum DrafterKind {
     Ngram,
     /// Another package or GGUF sharing the target's vocabulary, on the host backend.
     Draft(PathBuf),
+    /// A DFlash block draft (a `dflash` GGUF or package) reading the target's hidden states.
+    Dflash(PathBuf),
     /// The target's first E layers plus its head (self-speculation).
     LayerSkip(usize),
 }
@@ -30,7 +33,7 @@ impl FromStr for DrafterKind {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let usage = |why: &str| {
             xdna::Error::Usage(format!(
-                "drafter {s:?}: {why} (expected ngram, draft:PKG or layerskip:E)"
+                "drafter {s:?}: {why} (expected ngram, draft:PKG, dflash:PATH or layerskip:E)"
             ))
         };
         if s == "ngram" {
@@ -41,6 +44,12 @@ impl FromStr for DrafterKind {
                 return Err(usage("empty package path"));
             }
             return Ok(DrafterKind::Draft(PathBuf::from(path)));
+        }
+        if let Some(path) = s.strip_prefix("dflash:") {
+            if path.is_empty() {
+                return Err(usage("empty draft path"));
+            }
+            return Ok(DrafterKind::Dflash(PathBuf::from(path)));
         }
         if let Some(layers) = s.strip_prefix("layerskip:") {
             let exit = layers
@@ -176,8 +185,31 @@ pub fn build_drafter(
                 seed ^ 0xd4af_7d4a,
             )))
         }
+        DrafterKind::Dflash(path) => dflash_drafter(path, target_pkg, target),
         DrafterKind::LayerSkip(exit) => layer_skip_drafter(*exit, target, ctx, seed),
     }
+}
+
+/// A DFlash draft bound to the target: same width and vocabulary (checked by the model layer),
+/// the same tokens (checked here, token by token).
+fn dflash_drafter(
+    path: &std::path::Path,
+    target_pkg: &Package,
+    target: &Model,
+) -> xdna::Result<Box<dyn Drafter>> {
+    let pkg = open_package(path)?;
+    let weights = DflashWeights::load(&pkg, false)?;
+    let (tt, dt) = (target_pkg.tokenizer(), pkg.tokenizer());
+    let same = tt.vocab_size() == dt.vocab_size()
+        && (0..tt.vocab_size() as u32).all(|id| tt.token_bytes(id) == dt.token_bytes(id));
+    if !same {
+        return Err(xdna::Error::Usage(format!(
+            "DFlash draft {} was made for another tokenizer than the target's",
+            path.display()
+        )));
+    }
+    let draft = DflashDraft::new(std::sync::Arc::new(weights), target.weights_arc())?;
+    Ok(Box::new(DflashDrafter::new(draft)))
 }
 
 /// Self-speculation through the target's first `exit` layers: an early-exit view sharing the

@@ -1,0 +1,489 @@
+//! DFlash block drafting on the default model: the fast draft forward against the f64
+//! reference, the context cache's growth, the drafter in the speculative loop (output equal to
+//! plain greedy decoding) and what a draft file may not hold.
+//!
+//! The draft is a random-weight generation-1 DFlash GGUF written by llama.cpp's own writer
+//! (`tools/llama-cpp/random_gguf.py --arch dflash`, gguf-py beside the llama.cpp programs of
+//! `XDNA_LLAMA_CPP_BIN`) with the keys llama.cpp's converter writes. Without llama.cpp or the
+//! default model the tests skip loudly; under CI they fail.
+
+#[path = "support/smollm2.rs"]
+mod smollm2;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use xdna::model::dflash::{reference_block_logits, DflashDraft, DflashWeights};
+use xdna::model::load::{open_model, open_package, Backend, LoadOptions};
+use xdna::model::sampling::SamplingConfig;
+use xdna::model::Model;
+use xdna::spec::{DflashDrafter, SpecConfig, SpecRunner, StopConditions};
+use xdna::weights::Package;
+
+fn gguf_py() -> Option<PathBuf> {
+    match std::env::var_os("XDNA_LLAMA_CPP_BIN") {
+        Some(d) => Some(PathBuf::from(d).parent()?.join("gguf-py")),
+        None if std::env::var_os("CI").is_some() => {
+            panic!("XDNA_LLAMA_CPP_BIN is unset under CI (.ci/run builds llama.cpp and sets it)")
+        }
+        None => {
+            eprintln!("\n!!!!!!!! SKIPPED: llama.cpp's gguf-py unavailable; run tools/llama-cpp/build.sh and set XDNA_LLAMA_CPP_BIN !!!!!!!!\n");
+            None
+        }
+    }
+}
+
+/// A random DFlash draft for the default model (hidden 576, 9/3 heads of 64, 1536 MLP), written
+/// by `random_gguf.py --arch dflash EXTRA`.
+fn random_draft(target: &Path, name: &str, extra: &[&str]) -> Option<PathBuf> {
+    let gguf_py = gguf_py()?;
+    let out = std::env::temp_dir().join(format!("xdna-dflash-{}-{name}.gguf", std::process::id()));
+    let run = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tools/llama-cpp/random_gguf.py"
+        ))
+        .args([
+            "--arch",
+            "dflash",
+            "--hidden",
+            "576",
+            "--heads",
+            "9",
+            "--kv-heads",
+            "3",
+            "--head-dim",
+            "64",
+            "--ffn",
+            "1536",
+            "--rope-base",
+            "100000",
+            "--rms-eps",
+            "1e-5",
+        ])
+        .args(extra)
+        .arg("--tokenizer-from")
+        .arg(target)
+        .arg("--out")
+        .arg(&out)
+        .env("PYTHONPATH", &gguf_py)
+        .output()
+        .expect("run python3");
+    assert!(
+        run.status.success(),
+        "random_gguf.py --arch dflash failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    Some(out)
+}
+
+struct Setup {
+    target_pkg: Arc<Package>,
+    target: Model,
+    draft_pkg: Arc<Package>,
+    draft: Arc<DflashWeights>,
+    prompt: Vec<u32>,
+}
+
+fn setup(name: &str, extra: &[&str]) -> Option<Setup> {
+    setup_with(name, extra, false)
+}
+
+/// `exact`: both models without activation rounding ([`LoadOptions::exact`]).
+fn setup_with(name: &str, extra: &[&str], exact: bool) -> Option<Setup> {
+    let gguf = smollm2::smollm2_gguf()?;
+    let draft_path = random_draft(&gguf, name, extra)?;
+    let opts = LoadOptions {
+        backend: Backend::Host,
+        kernels: None,
+        exact,
+    };
+    let (target_pkg, target) = open_model(Some(&gguf), 512, &opts).expect("target loads");
+    let draft_pkg = open_package(&draft_path).expect("draft opens");
+    let draft = Arc::new(DflashWeights::load(&draft_pkg, exact).expect("draft loads"));
+    let prompt = target_pkg.encode_prompt(
+        "The quick brown fox jumps over the lazy dog, and then it runs far away.",
+        false,
+    );
+    Some(Setup {
+        target_pkg,
+        target,
+        draft_pkg,
+        draft,
+        prompt,
+    })
+}
+
+/// The target's hidden states at the draft's taps for `tokens`, one context row each
+/// (`[rows, taps · hidden]`), through the model's tapped prefill.
+fn context_features(target: &mut Model, taps: &[usize], tokens: &[u32]) -> Vec<f32> {
+    let hidden = target.config().hidden;
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    target
+        .prefill_tapped(tokens, taps, &mut |out| {
+            for r in 0..out.rows() {
+                let mut row = Vec::with_capacity(taps.len() * hidden);
+                for t in 0..taps.len() {
+                    row.extend_from_slice(out.tap(t, r));
+                }
+                rows.push(row);
+            }
+        })
+        .expect("tapped prefill");
+    rows.concat()
+}
+
+#[test]
+fn fast_draft_forward_matches_the_f64_reference() {
+    let Some(mut s) = setup_with("reference", &[], true) else {
+        return;
+    };
+    let taps = s.draft.params().target_layers.clone();
+    assert_eq!(
+        taps,
+        vec![1, 10, 19, 28],
+        "GGUF hidden-state indices are layer ids + 1"
+    );
+    let context = &s.prompt[..s.prompt.len() - 1];
+    let pending = *s.prompt.last().expect("prompt");
+    let features = context_features(&mut s.target, &taps, context);
+    let mut draft = DflashDraft::new(s.draft.clone(), s.target.weights_arc()).expect("draft binds");
+    draft
+        .push_context(&features, context.len())
+        .expect("context rows");
+    let fast = draft.block_logits(pending).expect("block").to_vec();
+    let exact =
+        reference_block_logits(&s.draft_pkg, &s.target_pkg, &features, pending).expect("reference");
+    assert_eq!(fast.len(), exact.len());
+    let vocab = s.target.config().vocab;
+    let scale = exact.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = fast
+        .iter()
+        .zip(&exact)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    eprintln!("block logits: max |fast − f64 reference| = {worst:.2e} (scale {scale:.2})");
+    assert!(worst < 2e-3 * scale, "fast path {worst} off the reference");
+    for (r, (f, e)) in fast.chunks(vocab).zip(exact.chunks(vocab)).enumerate() {
+        let top = |row: &[f32]| {
+            let mut idx: Vec<usize> = (0..row.len()).collect();
+            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            (idx[0], row[idx[0]] - row[idx[1]])
+        };
+        let ((tf, _), (te, margin)) = (top(f), top(e));
+        if margin > 1e-2 {
+            assert_eq!(
+                tf, te,
+                "row {r}: draft {tf}, reference {te} (margin {margin})"
+            );
+        }
+    }
+}
+
+#[test]
+fn context_grown_in_pieces_equals_one_push() {
+    let Some(mut s) = setup("pieces", &[]) else {
+        return;
+    };
+    let taps = s.draft.params().target_layers.clone();
+    let context = &s.prompt[..5];
+    let features = context_features(&mut s.target, &taps, context);
+    let width = features.len() / 5;
+    let mut whole = DflashDraft::new(s.draft.clone(), s.target.weights_arc()).expect("binds");
+    whole.push_context(&features, 5).expect("push 5");
+    let mut pieces = DflashDraft::new(s.draft.clone(), s.target.weights_arc()).expect("binds");
+    for (from, to) in [(0, 2), (2, 3), (3, 5)] {
+        pieces
+            .push_context(&features[from * width..to * width], to - from)
+            .expect("push");
+    }
+    assert_eq!(pieces.context(), 5);
+    let a = whole.block_logits(s.prompt[5]).expect("block").to_vec();
+    let b = pieces.block_logits(s.prompt[5]).expect("block").to_vec();
+    assert_eq!(a, b, "2 + 1 + 2 context rows differ from 5 at once");
+    // A block leaves the context as it was: the same block again gives the same logits.
+    let again = pieces.block_logits(s.prompt[5]).expect("block").to_vec();
+    assert_eq!(b, again);
+}
+
+#[test]
+fn speculative_run_with_a_dflash_draft_equals_plain_greedy() {
+    let Some(mut s) = setup("loop", &[]) else {
+        return;
+    };
+    const TOKENS: usize = 40;
+    // Plain greedy decoding.
+    s.target.reset();
+    let argmax = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold(0, |b, (i, &v)| if v > row[b] { i } else { b }) as u32
+    };
+    let mut next = argmax(s.target.prefill(&s.prompt).expect("prefill"));
+    let mut plain = vec![next];
+    while plain.len() < TOKENS {
+        next = argmax(s.target.step(next).expect("step"));
+        plain.push(next);
+    }
+    // The same through the speculative loop with the DFlash drafter.
+    s.target.reset();
+    let draft = DflashDraft::new(s.draft.clone(), s.target.weights_arc()).expect("binds");
+    let config = SpecConfig {
+        sampling: SamplingConfig::GREEDY,
+        max_drafts: 15,
+        min_drafts: 1,
+        initial_drafts: 15,
+        adaptive_drafts: false,
+        fallback: xdna::spec::FallbackConfig {
+            enabled: false,
+            ..Default::default()
+        },
+        seed: 0,
+    };
+    let mut runner = SpecRunner::new(config, DflashDrafter::new(draft)).expect("runner");
+    runner
+        .prefill(&mut s.target, &s.prompt[..s.prompt.len() - 1])
+        .expect("prefill with taps");
+    let generation = runner
+        .generate(
+            &mut s.target,
+            &s.prompt,
+            &StopConditions::max_tokens(TOKENS),
+        )
+        .expect("speculative generation");
+    assert_eq!(
+        generation.tokens, plain,
+        "speculative output differs from greedy"
+    );
+    let stats = runner.stats();
+    eprintln!("{stats}");
+    // Full blocks of 15 drafts, fewer only where fewer tokens remained.
+    assert!(stats.rounds > 0 && stats.drafted > 10 * stats.rounds);
+    // The drafter kept one context row per committed target position.
+    assert_eq!(
+        runner.drafter().draft().context(),
+        s.target.position(),
+        "context rows out of step with the target"
+    );
+}
+
+#[test]
+fn a_dflash_draft_is_refused_as_a_model_and_a_bad_mask_token_by_key() {
+    let Some(gguf) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    let Some(draft) = random_draft(&gguf, "alone", &[]) else {
+        return;
+    };
+    let opts = LoadOptions {
+        backend: Backend::Host,
+        kernels: None,
+        exact: false,
+    };
+    let err = open_model(Some(&draft), 64, &opts)
+        .err()
+        .expect("a draft is not a model")
+        .to_string();
+    assert!(
+        err.contains("DFlash draft") && err.contains("--speculate dflash:"),
+        "{err}"
+    );
+    let Some(bad) = random_draft(&gguf, "mask", &["--mask-token", "99999"]) else {
+        return;
+    };
+    let err = open_package(&bad)
+        .expect_err("mask outside the vocabulary")
+        .to_string();
+    assert!(err.contains("tokenizer.ggml.mask_token_id"), "{err}");
+}
+
+/// One round of llama.cpp's DFlash loop as `tools/llama-cpp/dflash_reference.py` records it.
+struct LlamaRound {
+    pos0: usize,
+    id_last: u32,
+    drafted: Vec<u32>,
+    top2_margin: Vec<f64>,
+    emitted: Vec<u32>,
+}
+
+fn llama_rounds(json: &serde_json::Value) -> Vec<LlamaRound> {
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect()
+    };
+    json["rounds"]
+        .as_array()
+        .expect("rounds")
+        .iter()
+        .map(|r| LlamaRound {
+            pos0: r["pos0"].as_u64().expect("pos0") as usize,
+            id_last: r["id_last"].as_u64().expect("id_last") as u32,
+            drafted: ids(&r["drafted"]),
+            top2_margin: r["top2_margin"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+                .unwrap_or_default(),
+            emitted: ids(&r["emitted"]),
+        })
+        .collect()
+}
+
+/// xdna's drafts for llama.cpp's rounds: the same prompt, each round's pending token and the
+/// target rows llama.cpp committed, through the target's tapped passes and the DFlash drafter.
+/// Returns (drafts compared where llama.cpp's top-2 margin exceeds `min_margin`, equal ones,
+/// rounds).
+fn compare_with_llama_rounds(
+    target: &mut Model,
+    draft: Arc<DflashWeights>,
+    prompt: &[u32],
+    rounds: &[LlamaRound],
+    min_margin: f64,
+) -> (usize, usize) {
+    use xdna::spec::{AcceptanceRule, DraftProposal, Drafter, TapRows, VerifyTarget};
+    target.reset();
+    let mut drafter =
+        DflashDrafter::new(DflashDraft::new(draft, target.weights_arc()).expect("draft binds"));
+    let taps = drafter.target_taps().to_vec();
+    assert!(target.request_taps(&taps));
+    let hidden = target.config().hidden;
+    let context = &prompt[..prompt.len() - 1];
+    let mut sequence = prompt.to_vec();
+    let mut failure = None;
+    VerifyTarget::prefill_tapped(target, context, &mut |rows: TapRows<'_>| {
+        if failure.is_none() {
+            failure = drafter.observe_target_rows(rows).err();
+        }
+    })
+    .expect("prefill");
+    assert!(failure.is_none(), "{failure:?}");
+    let (mut compared, mut equal) = (0, 0);
+    let mut proposal = DraftProposal::new();
+    for (r, round) in rounds.iter().enumerate() {
+        assert_eq!(
+            round.pos0,
+            target.position(),
+            "round {r}: llama.cpp's position"
+        );
+        assert_eq!(
+            Some(&round.id_last),
+            sequence.last(),
+            "round {r}: pending token"
+        );
+        drafter
+            .propose(&sequence, 15, &AcceptanceRule::Greedy, &mut proposal)
+            .expect("propose");
+        for (i, (&ours, &theirs)) in proposal.tokens().iter().zip(&round.drafted).enumerate() {
+            if round.top2_margin.get(i).is_none_or(|&m| m > min_margin) {
+                compared += 1;
+                if ours == theirs {
+                    equal += 1;
+                } else {
+                    eprintln!("round {r} draft {i}: xdna {ours}, llama.cpp {theirs}");
+                }
+            }
+        }
+        // Commit what llama.cpp committed: the pending token and the accepted drafts.
+        let accepted = round.emitted.len() - 1;
+        let mut rows = vec![round.id_last];
+        rows.extend_from_slice(&round.drafted[..accepted]);
+        VerifyTarget::step_batch_all(target, &rows).expect("pass");
+        VerifyTarget::commit_verify_rows(target, rows.len()).expect("commit");
+        let tapped = target.pass_taps().expect("taps");
+        assert_eq!(tapped.hidden(), hidden);
+        drafter.observe_target_rows(tapped).expect("context rows");
+        sequence.extend_from_slice(&round.emitted);
+    }
+    (compared, equal)
+}
+
+#[test]
+fn drafts_equal_llama_cpps_on_its_own_rounds() {
+    let Some(gguf) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    let Some(gguf_py) = gguf_py() else {
+        return;
+    };
+    let bin = gguf_py.parent().expect("bin dir").join("bin");
+    assert!(
+        bin.join("llama-speculative-simple").is_file(),
+        "{} holds no llama-speculative-simple (tools/llama-cpp/build.sh builds it)",
+        bin.display()
+    );
+    let Some(draft_path) = random_draft(&gguf, "llama-cpp", &[]) else {
+        return;
+    };
+    let json_path = std::env::temp_dir().join(format!(
+        "xdna-dflash-{}-llama-rounds.json",
+        std::process::id()
+    ));
+    let run = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tools/llama-cpp/dflash_reference.py"
+        ))
+        .arg("--bin")
+        .arg(&bin)
+        .arg("--target")
+        .arg(&gguf)
+        .arg("--draft")
+        .arg(&draft_path)
+        .args([
+            "--prompt",
+            "The old lighthouse keeper climbed the stairs every evening, counting the steps",
+            "-n",
+            "24",
+            "--out",
+        ])
+        .arg(&json_path)
+        .output()
+        .expect("run python3");
+    assert!(
+        run.status.success(),
+        "dflash_reference.py failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json_path).expect("read JSON")).expect("JSON");
+    assert_eq!(
+        json["plain_greedy_equal"].as_bool(),
+        Some(true),
+        "llama.cpp's own speculative run differs from its greedy run"
+    );
+    let target_path = gguf;
+    let opts = LoadOptions {
+        backend: Backend::Host,
+        kernels: None,
+        exact: false,
+    };
+    let (_, mut target) = open_model(Some(&target_path), 1024, &opts).expect("target");
+    let draft = Arc::new(
+        DflashWeights::load(&open_package(&draft_path).expect("draft"), false).expect("draft"),
+    );
+    let prompt: Vec<u32> = json["prompt_ids"]
+        .as_array()
+        .expect("prompt")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect();
+    let rounds = llama_rounds(&json);
+    // Random weights magnify rounding (llama.cpp runs the draft in f16 over its own target
+    // numerics): near-ties may flip, decided drafts may not.
+    let (compared, equal) =
+        compare_with_llama_rounds(&mut target, draft.clone(), &prompt, &rounds, 0.1);
+    eprintln!(
+        "{} rounds: {equal} of {compared} drafts with llama.cpp's top-2 margin > 0.1 nat equal llama.cpp's",
+        rounds.len()
+    );
+    assert!(
+        equal * 100 >= compared * 95,
+        "only {equal} of {compared} drafts equal"
+    );
+    let (decided, decided_equal) =
+        compare_with_llama_rounds(&mut target, draft, &prompt, &rounds, 0.3);
+    eprintln!("{decided_equal} of {decided} drafts with a margin > 0.3 nat equal llama.cpp's");
+    assert_eq!(decided_equal, decided);
+}
