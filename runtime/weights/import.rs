@@ -696,6 +696,12 @@ pub fn import_gguf(gguf: &Path, out: &Path, opts: ImportOptions) -> Result<(), W
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default(),
     );
+    // A DFlash draft's scalars (`dflash.*`), so `xdna pack check` can hold the container to the
+    // config.json written beside it.
+    meta.extend(super::dflash_check::dflash_metadata(
+        &description,
+        &description.to_json(),
+    ));
     let mut total = 0u64;
     for pl in &planned {
         match pl {

@@ -16,6 +16,8 @@
 //! - [`mapped`]: [`MappedBytes`], a matrix's bytes read in place from a package's mapping, which
 //!   they keep alive.
 //! - [`import`]: `xdna pack import`: GGUF → package (fused QKV / gate-up, f16-scale q4_1 tiles).
+//! - [`dflash_check`]: `xdna pack check`, the DFlash draft gate: every rule the loaders rely on,
+//!   one PASS/FAIL check each, on a package or a `dflash` GGUF; and its selftest.
 //! - [`import_qwen35`]: the import's plan for Qwen3.5 (`qwen35`) hybrid GGUFs: llama.cpp's
 //!   converter transforms undone into the Hugging Face layout the hybrid loader reads.
 //! - [`value_heads`]: the Qwen3.5 value-head order, Hugging Face grouped ↔ llama.cpp tiled, both
@@ -40,6 +42,7 @@
 pub mod chat;
 pub mod config;
 pub mod default_model;
+pub mod dflash_check;
 pub mod gguf;
 pub mod import;
 pub mod import_qwen35;

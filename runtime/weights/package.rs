@@ -44,6 +44,77 @@ impl MatrixView<'_> {
     }
 }
 
+impl<'a> MatrixView<'a> {
+    /// The matrix `name` of `st` as `[rows, cols]` (rows = out features), checked as every
+    /// loader takes it: the stored bytes are exactly `rows × cols` in the tensor's format (a
+    /// whole tile grid for tiled formats), the shape agrees, and for our own files the recorded
+    /// logical shape is `[rows, cols]`. Zero-copy.
+    pub fn read(
+        st: &'a SafeTensors,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<MatrixView<'a>, WeightsError> {
+        let path = st.path();
+        let t = st
+            .tensor(name)
+            .ok_or_else(|| WeightsError::missing(path, name))?;
+        let format = st.format_of(name)?;
+        if let Some((r, c)) = st.recorded_shape(name) {
+            if (r, c) != (rows, cols) {
+                return Err(WeightsError::tensor(
+                    path,
+                    name,
+                    format!("asked for [{rows}, {cols}] but the file records [{r}, {c}]"),
+                ));
+            }
+        }
+        let expected = format
+            .matrix_bytes(rows, cols)
+            .map_err(|e| WeightsError::tensor(path, name, e.to_string()))?;
+        if t.data.len() != expected {
+            return Err(WeightsError::tensor(
+                path,
+                name,
+                format!(
+                    "[{rows}, {cols}] in {} needs {expected} bytes, the tensor has {} (shape {:?})",
+                    format.name(),
+                    t.data.len(),
+                    t.shape
+                ),
+            ));
+        }
+        let shape_ok = match (format.tile_bytes(), t.shape.len()) {
+            (None, _) if matches!(format, WeightFormat::Ggml(_)) => {
+                t.shape == [rows, expected / rows.max(1)]
+            }
+            (None, _) => t.shape == [rows, cols],
+            (Some(_), 3) => {
+                t.shape[0] == rows / tiles::TILE_ROWS
+                    && t.shape[1] == format.padded_cols(cols) / format.tile_cols()
+            }
+            (Some(_), _) => true,
+        };
+        if !shape_ok {
+            return Err(WeightsError::tensor(
+                path,
+                name,
+                format!(
+                    "shape {:?} does not match [{rows}, {cols}] in {}",
+                    t.shape,
+                    format.name()
+                ),
+            ));
+        }
+        Ok(MatrixView {
+            format,
+            rows,
+            cols,
+            data: t.data,
+        })
+    }
+}
+
 /// What a tensor is for (from its HF name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TensorRole {
@@ -361,64 +432,7 @@ impl Package {
         rows: usize,
         cols: usize,
     ) -> Result<MatrixView<'_>, WeightsError> {
-        let path = self.weights.path();
-        let t = self
-            .weights
-            .tensor(name)
-            .ok_or_else(|| WeightsError::missing(path, name))?;
-        let format = self.weights.format_of(name)?;
-        if let Some((r, c)) = self.weights.recorded_shape(name) {
-            if (r, c) != (rows, cols) {
-                return Err(WeightsError::tensor(
-                    path,
-                    name,
-                    format!("asked for [{rows}, {cols}] but the file records [{r}, {c}]"),
-                ));
-            }
-        }
-        let expected = format
-            .matrix_bytes(rows, cols)
-            .map_err(|e| WeightsError::tensor(path, name, e.to_string()))?;
-        if t.data.len() != expected {
-            return Err(WeightsError::tensor(
-                path,
-                name,
-                format!(
-                    "[{rows}, {cols}] in {} needs {expected} bytes, the tensor has {} (shape {:?})",
-                    format.name(),
-                    t.data.len(),
-                    t.shape
-                ),
-            ));
-        }
-        let shape_ok = match (format.tile_bytes(), t.shape.len()) {
-            (None, _) if matches!(format, WeightFormat::Ggml(_)) => {
-                t.shape == [rows, expected / rows.max(1)]
-            }
-            (None, _) => t.shape == [rows, cols],
-            (Some(_), 3) => {
-                t.shape[0] == rows / tiles::TILE_ROWS
-                    && t.shape[1] == format.padded_cols(cols) / format.tile_cols()
-            }
-            (Some(_), _) => true,
-        };
-        if !shape_ok {
-            return Err(WeightsError::tensor(
-                path,
-                name,
-                format!(
-                    "shape {:?} does not match [{rows}, {cols}] in {}",
-                    t.shape,
-                    format.name()
-                ),
-            ));
-        }
-        Ok(MatrixView {
-            format,
-            rows,
-            cols,
-            data: t.data,
-        })
+        MatrixView::read(&self.weights, name, rows, cols)
     }
 
     /// A 1-D (or any-shape plain) F32/BF16/F16 tensor as f32, e.g. a norm weight.

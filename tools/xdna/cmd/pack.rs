@@ -3,10 +3,11 @@
 use std::path::PathBuf;
 use xdna::tiles::ScaleType;
 use xdna::tiles::WeightFormat;
+use xdna::weights::dflash_check;
 use xdna::weights::gguf::GgufFile;
 use xdna::weights::import::{self, ImportOptions};
 use xdna::weights::safetensors::SafeTensors;
-use xdna::weights::{Package, TensorRole};
+use xdna::weights::{Package, TensorRole, WeightsError};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -41,6 +42,23 @@ enum Cmd {
     },
     /// Compare a package's matrices with the GGUF it was imported from (max abs / rms error).
     Compare { package: PathBuf, gguf: PathBuf },
+    /// The DFlash draft gate: check a draft package (directory, or its model.q4nx) or a dflash
+    /// GGUF before any loader reads it; one PASS/FAIL line per check, exit status 1 on any FAIL.
+    Check {
+        /// The package directory, its model.q4nx, or a .gguf file.
+        #[arg(required_unless_present = "selftest")]
+        path: Option<PathBuf>,
+        /// One JSON object: {path, container, pass, checks: [{name, pass, detail}]}.
+        #[arg(long)]
+        json: bool,
+        /// Write a synthetic valid draft package and negative controls that must each fail by
+        /// name (in a temporary directory, removed afterwards unless --keep).
+        #[arg(long, conflicts_with = "path")]
+        selftest: bool,
+        /// With --selftest: keep the synthetic packages in this directory.
+        #[arg(long, requires = "selftest")]
+        keep: Option<PathBuf>,
+    },
     /// Print the default model's package directory (downloading/importing it if needed).
     Default,
     /// Write a deterministic small random-weight package (with its kernel set) for tests and
@@ -139,6 +157,107 @@ fn synth(a: SynthArgs) -> xdna::Result<()> {
     Ok(())
 }
 
+/// `xdna pack check PATH`: the gate's report; an error (exit status 1) when any check failed.
+fn check(path: &std::path::Path, json: bool) -> xdna::Result<()> {
+    let report = dflash_check::check(path);
+    if json {
+        println!("{}", report.to_json());
+    } else {
+        for line in report.lines() {
+            println!("{line}");
+        }
+    }
+    let failed: Vec<&str> = report.failures().map(|c| c.name.as_str()).collect();
+    if failed.is_empty() && report.passed() {
+        if !json {
+            println!(
+                "pack check {}: all {} checks passed",
+                path.display(),
+                report.checks.len()
+            );
+        }
+        return Ok(());
+    }
+    Err(WeightsError::Invalid {
+        path: path.to_path_buf(),
+        what: format!(
+            "pack check: {} of {} checks failed: {}",
+            failed.len(),
+            report.checks.len(),
+            failed.join(", ")
+        ),
+    }
+    .into())
+}
+
+/// `xdna pack check --selftest`: the synthetic valid packages must pass, every negative control
+/// must fail by the check named for it.
+fn check_selftest(keep: Option<PathBuf>, json: bool) -> xdna::Result<()> {
+    let root = match &keep {
+        Some(dir) => dir.clone(),
+        None => {
+            std::env::temp_dir().join(format!("xdna-pack-check-selftest-{}", std::process::id()))
+        }
+    };
+    let outcome = dflash_check::selftest(&root);
+    if keep.is_none() {
+        // Best effort: a leftover temporary directory is not worth failing the selftest for.
+        let _ = std::fs::remove_dir_all(&root);
+    }
+    let t = outcome?;
+    if json {
+        let v = serde_json::json!({
+            "pass": t.passed(),
+            "valid": t.valid.iter().map(|(what, r)| serde_json::json!({
+                "what": what, "pass": r.passed(), "report": r.to_json(),
+            })).collect::<Vec<_>>(),
+            "controls": t.controls.iter().map(|c| serde_json::json!({
+                "what": c.control.what, "expect": c.control.expect, "caught": c.caught,
+                "detail": c.detail, "failed": c.failed,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{v}");
+    } else {
+        for (what, r) in &t.valid {
+            let verdict = if r.passed() { "PASS" } else { "FAIL" };
+            println!("{verdict} {what}: {} checks", r.checks.len());
+            for c in r.failures() {
+                println!("  FAIL {}: {}", c.name, c.detail);
+            }
+        }
+        for c in &t.controls {
+            let verdict = if c.caught { "PASS" } else { "FAIL" };
+            println!(
+                "{verdict} control {:?}: {} {}: {}",
+                c.control.what,
+                if c.caught {
+                    "caught by"
+                } else {
+                    "NOT caught by"
+                },
+                c.control.expect,
+                c.detail
+            );
+        }
+    }
+    if t.passed() {
+        return Ok(());
+    }
+    let missed: Vec<String> = t
+        .valid
+        .iter()
+        .filter(|(_, r)| !r.passed())
+        .map(|(w, _)| format!("{w} failed"))
+        .chain(
+            t.controls
+                .iter()
+                .filter(|c| !c.caught)
+                .map(|c| format!("control {:?} not caught", c.control.what)),
+        )
+        .collect();
+    Err(WeightsError::Other(format!("pack check --selftest: {}", missed.join("; "))).into())
+}
+
 fn human(n: u64) -> String {
     if n >= 1 << 20 {
         format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
@@ -230,6 +349,15 @@ pub fn run(args: Args) -> xdna::Result<()> {
             Ok(())
         }
         Cmd::Synth(a) => synth(a),
+        Cmd::Check {
+            path,
+            json,
+            selftest,
+            keep,
+        } => match path {
+            Some(p) if !selftest => check(&p, json),
+            _ => check_selftest(keep, json),
+        },
         Cmd::Default => {
             let dir = xdna::weights::default_model()?;
             println!("{}", dir.display());
