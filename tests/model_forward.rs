@@ -611,3 +611,129 @@ fn a_copied_prefix_continues_exactly_as_a_cold_prefill() {
     m.prefill_sequence(&mut small, &PROMPT[..2], usize::MAX, &mut noop)
         .unwrap();
 }
+
+/// The tapped multi-sequence passes a server's DFlash drafts read: each row's hidden states after
+/// the tap layers equal those of the sequence run alone (prefill and verify pass), rows laid out
+/// sequence after sequence; the logits are those of the untapped passes; a tap past the last
+/// layer is refused before anything runs.
+#[test]
+fn tapped_sequence_passes_return_each_rows_hidden_states() {
+    let Some(mut server) = fast_model(128) else {
+        return;
+    };
+    let taps = [0usize, 13, 29];
+    let hidden = server.config().hidden;
+    let prompts: [&[u32]; 2] = [&PROMPT, &[9637, 30, 216, 314, 4649]];
+    let mut states: Vec<_> = (0..2).map(|_| server.new_sequence(64).unwrap()).collect();
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    let mut last = vec![Vec::new(); 2];
+    {
+        let [a, b] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut batch = [(a, prompts[0]), (b, prompts[1])];
+        server
+            .prefill_sequences_tapped(
+                &mut batch,
+                &taps,
+                &mut |i, l| last[i] = l.to_vec(),
+                &mut |out| {
+                    assert_eq!(out.rows(), 13);
+                    rows = (0..out.rows())
+                        .map(|r| {
+                            (0..taps.len())
+                                .flat_map(|t| out.tap(t, r).to_vec())
+                                .collect()
+                        })
+                        .collect();
+                },
+            )
+            .unwrap();
+    }
+    let mut first = 0;
+    for (s, p) in prompts.iter().enumerate() {
+        let mut alone = server.new_sequence(64).unwrap();
+        let mut alone_rows: Vec<Vec<f32>> = Vec::new();
+        let mut alone_last = Vec::new();
+        server
+            .prefill_sequence_tapped(
+                &mut alone,
+                p,
+                p.len() - 1,
+                &mut |_, l| alone_last = l.to_vec(),
+                &taps,
+                &mut |out| {
+                    alone_rows.extend((0..out.rows()).map(|r| {
+                        (0..taps.len())
+                            .flat_map(|t| out.tap(t, r).to_vec())
+                            .collect::<Vec<f32>>()
+                    }))
+                },
+            )
+            .unwrap();
+        assert_eq!(alone_rows.len(), p.len());
+        assert_eq!(alone_rows[0].len(), taps.len() * hidden);
+        assert_eq!(
+            &rows[first..first + p.len()],
+            &alone_rows[..],
+            "prefill taps of {s}"
+        );
+        assert_eq!(last[s], alone_last, "prefill logits of {s}");
+        first += p.len();
+    }
+    // A verify pass over both: 3 + 2 rows; each sequence's rows equal its pass alone.
+    let drafts: [&[u32]; 2] = [&[77, 504, 3458], &[282, 30]];
+    let (batched_taps, batched_logits): (Vec<Vec<f32>>, Vec<Vec<f32>>) = {
+        let [a, b] = &mut states[..] else {
+            unreachable!()
+        };
+        let out = server
+            .step_sequences_tapped(&mut [(a, drafts[0]), (b, drafts[1])], &taps)
+            .unwrap();
+        (0..out.rows())
+            .map(|r| {
+                let t: Vec<f32> = (0..taps.len())
+                    .flat_map(|t| out.tap(t, r).to_vec())
+                    .collect();
+                (t, out.logits(r).to_vec())
+            })
+            .unzip()
+    };
+    for state in states.iter_mut() {
+        server.commit_sequence(state, 1).unwrap();
+    }
+    let mut first = 0;
+    for (s, d) in drafts.iter().enumerate() {
+        let mut alone = server.new_sequence(64).unwrap();
+        server
+            .prefill_sequence(&mut alone, prompts[s], usize::MAX, &mut |_, _| {})
+            .unwrap();
+        let out = server
+            .step_sequences_tapped(&mut [(&mut alone, d)], &taps)
+            .unwrap();
+        for r in 0..d.len() {
+            let t: Vec<f32> = (0..taps.len())
+                .flat_map(|t| out.tap(t, r).to_vec())
+                .collect();
+            assert_eq!(batched_taps[first + r], t, "verify taps of {s}, row {r}");
+            assert_eq!(
+                batched_logits[first + r],
+                out.logits(r),
+                "verify logits of {s}, row {r}"
+            );
+        }
+        first += d.len();
+    }
+    // A tap past the last layer: refused, nothing fed.
+    let mut fresh = server.new_sequence(64).unwrap();
+    assert!(matches!(
+        server.prefill_sequences_tapped(
+            &mut [(&mut fresh, &PROMPT[..])],
+            &[30],
+            &mut |_, _| {},
+            &mut |_| {}
+        ),
+        Err(ModelError::Tap { .. })
+    ));
+    assert_eq!(fresh.position(), 0);
+}

@@ -450,12 +450,24 @@ impl Model {
         &mut self,
         batch: &mut [(&mut SequenceState, &[u32])],
     ) -> Result<&BatchOutput, ModelError> {
+        self.step_sequences_tapped(batch, &[])
+    }
+
+    /// [`Model::step_sequences`] that also returns every row's hidden state after each layer in
+    /// `taps` ([`BatchOutput::tap`]; rows in input order, the first sequence's first), as
+    /// [`Model::step_batch_all`] does for one sequence: what a server's DFlash drafts read.
+    pub fn step_sequences_tapped(
+        &mut self,
+        batch: &mut [(&mut SequenceState, &[u32])],
+        taps: &[usize],
+    ) -> Result<&BatchOutput, ModelError> {
         self.check_batch(batch, MAX_VERIFY_ROWS)?;
+        self.check_taps(taps)?;
         let mut segments: Vec<Segment<'_, '_>> = batch
             .iter_mut()
             .map(|(seq, tokens)| Segment { seq, tokens })
             .collect();
-        self.verify_pass(&mut segments, &[])?;
+        self.verify_pass(&mut segments, taps)?;
         Ok(&self.out)
     }
 
@@ -496,11 +508,32 @@ impl Model {
         first_logit_row: usize,
         on_logits: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), ModelError> {
+        self.prefill_sequence_tapped(seq, tokens, first_logit_row, on_logits, &[], &mut |_| {})
+    }
+
+    /// [`Model::prefill_sequence`] that also hands each chunk's hidden states after the `taps`
+    /// layers to `on_taps`, as [`Model::prefill_tapped`] does (a [`BatchOutput`] whose rows are
+    /// the chunk's; its logits are not the rows'). Atomic like `prefill_sequence`; `on_taps` has
+    /// seen the chunks before a failing one.
+    pub fn prefill_sequence_tapped(
+        &mut self,
+        seq: &mut SequenceState,
+        tokens: &[u32],
+        first_logit_row: usize,
+        on_logits: &mut dyn FnMut(usize, &[f32]),
+        taps: &[usize],
+        on_taps: &mut dyn FnMut(&BatchOutput),
+    ) -> Result<(), ModelError> {
         // The model's own state always fits; a caller's must be checked before it stands in.
         self.check_state_fits(seq)?;
+        self.check_taps(taps)?;
         std::mem::swap(&mut self.seq, seq);
-        let r = self.prefill_with(tokens, first_logit_row, on_logits);
+        let r = self.prefill_chunks(tokens, first_logit_row, on_logits, taps, on_taps);
         std::mem::swap(&mut self.seq, seq);
+        if !taps.is_empty() {
+            self.out.rows = 0;
+            self.out.taps.clear();
+        }
         r
     }
 
@@ -515,7 +548,22 @@ impl Model {
         batch: &mut [(&mut SequenceState, &[u32])],
         on_last_logits: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), ModelError> {
+        self.prefill_sequences_tapped(batch, &[], on_last_logits, &mut |_| {})
+    }
+
+    /// [`Model::prefill_sequences`] that also hands the pass's hidden states after the `taps`
+    /// layers to `on_taps` once it succeeded (a [`BatchOutput`] whose rows are the batch's,
+    /// segment after segment; its logits are not the rows'). On failure `on_taps` is not called
+    /// and no state changed.
+    pub fn prefill_sequences_tapped(
+        &mut self,
+        batch: &mut [(&mut SequenceState, &[u32])],
+        taps: &[usize],
+        on_last_logits: &mut dyn FnMut(usize, &[f32]),
+        on_taps: &mut dyn FnMut(&BatchOutput),
+    ) -> Result<(), ModelError> {
         let rows = self.check_batch(batch, MAX_PREFILL_ROWS)?;
+        self.check_taps(taps)?;
         let mut segments: Vec<Segment<'_, '_>> = batch
             .iter_mut()
             .map(|(seq, tokens)| Segment { seq, tokens })
@@ -525,15 +573,31 @@ impl Model {
             seg.seq.snapshot();
         }
         self.out.taps.clear();
+        self.out.taps.extend_from_slice(taps);
+        if !taps.is_empty() {
+            let need = taps.len() * rows * self.w.config.hidden;
+            if self.out.tap_states.len() < need {
+                self.out.tap_states.resize(need, 0.0);
+            }
+            self.out.rows = rows;
+        }
         let mut sink = Sink::SegmentLast { f: on_last_logits };
-        match self.forward_rows(
+        let r = self.forward_rows(
             &mut segments,
             RowFamily::for_rows(rows),
             0,
             &mut sink,
+            !taps.is_empty(),
             false,
-            false,
-        ) {
+        );
+        if r.is_ok() && !taps.is_empty() {
+            on_taps(&self.out);
+        }
+        if !taps.is_empty() {
+            self.out.rows = 0;
+            self.out.taps.clear();
+        }
+        match r {
             Ok(()) => {
                 for seg in segments.iter_mut() {
                     seg.seq.pos += seg.tokens.len();

@@ -5,7 +5,7 @@ use super::engine::{ChatMessage, LogitAdjustments, SamplingConfig, TextCodec};
 use super::error::ApiError;
 use super::metrics::Metrics;
 use super::response::{collect, merged, sse_response, Shape, StreamState};
-use super::scheduler::{Event, GenRequest, SampleGroup};
+use super::scheduler::{DrafterKind, Event, GenRequest, SampleGroup, Speculate};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -40,9 +40,12 @@ pub struct Config {
     pub max_connections: usize,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT (`--shutdown-grace`).
     pub shutdown_grace: Duration,
-    /// Server default for speculative decoding (`--speculate ngram --draft-max K`): drafts per
-    /// round, `None` = off. A request's `speculative` field overrides it.
-    pub speculate: Option<usize>,
+    /// Server default for speculative decoding (`--speculate ngram|dflash --draft-max K`): the
+    /// drafter and drafts per round, `None` = off. A request's `speculative` field overrides it.
+    pub speculate: Option<Speculate>,
+    /// The engine has a DFlash draft (`--draft`), so requests may ask for `"drafter":
+    /// "dflash"`; [`crate::server::run`] sets it from the engine.
+    pub dflash: bool,
 }
 
 impl Default for Config {
@@ -58,6 +61,7 @@ impl Default for Config {
             max_connections: 1024,
             shutdown_grace: Duration::from_secs(10),
             speculate: None,
+            dflash: false,
         }
     }
 }
@@ -294,9 +298,9 @@ pub struct Params {
     pub stream: bool,
     /// `stream_options.include_usage`: end the stream with a usage chunk.
     pub include_usage: bool,
-    /// Speculative decoding for this request: drafts per round (`None` = plain decoding), from
-    /// the request's `speculative` field or else the server default.
-    pub speculate: Option<usize>,
+    /// Speculative decoding for this request: the drafter and drafts per round (`None` = plain
+    /// decoding), from the request's `speculative` field or else the server default.
+    pub speculate: Option<Speculate>,
     /// Report log-probabilities with this many alternatives per token (`None`: none).
     pub logprobs: Option<usize>,
     /// `echo`: the prompt's text (and, with `logprobs`, its tokens) comes first.
@@ -545,7 +549,7 @@ pub fn parse_params(app: &App, v: &Value, kind: Kind) -> Result<Params, ApiError
         None => false,
         Some(o) => opt_bool(o, "include_usage")?.unwrap_or(false),
     };
-    let speculate = speculative(v, app.cfg.speculate)?;
+    let speculate = speculative(v, &app.cfg)?;
     let logprobs = logprobs_setting(v, kind)?;
     let n = match opt_i64(v, "n")? {
         None => 1,
@@ -691,25 +695,41 @@ fn penalty(v: &Value, key: &str) -> Result<f32, ApiError> {
 /// Default drafts per round when speculation is asked for without `draft_max`.
 pub const DEFAULT_DRAFT_MAX: usize = 8;
 
-/// The request's `speculative` field: `false` / `{"drafter": "none"}` turn speculation off,
-/// `true` / `{"drafter": "ngram", "draft_max": K}` (K in 1..=15, default 8 or the server's) turn it
-/// on; absent: the server default.
-fn speculative(v: &Value, server: Option<usize>) -> Result<Option<usize>, ApiError> {
+/// The request's `speculative` field: `false` / `{"drafter": "none"}` turn speculation off;
+/// `true` / `{"drafter": "ngram" | "dflash", "draft_max": K}` (K in 1..=15, default the server's
+/// `--draft-max` when it speculates, else 8) turn it on, `drafter` defaulting to the server's (`--speculate`), else
+/// `"ngram"`; absent: the server default. `"dflash"` needs the server's DFlash draft (`--draft`).
+fn speculative(v: &Value, cfg: &Config) -> Result<Option<Speculate>, ApiError> {
     const P: &str = "speculative";
+    let server = cfg.speculate;
     let bad = |m: String| ApiError::invalid(P, m).code("invalid_value");
-    match field(v, P) {
-        None => Ok(server),
-        Some(Value::Bool(false)) => Ok(None),
-        Some(Value::Bool(true)) => Ok(Some(server.unwrap_or(DEFAULT_DRAFT_MAX))),
+    let default_k = server.map_or(DEFAULT_DRAFT_MAX, |s| s.draft_max);
+    let default_drafter = server.map_or(DrafterKind::Ngram, |s| s.drafter);
+    let chosen = match field(v, P) {
+        None => return Ok(server),
+        Some(Value::Bool(false)) => return Ok(None),
+        Some(Value::Bool(true)) => Speculate {
+            drafter: default_drafter,
+            draft_max: default_k,
+        },
         Some(o @ Value::Object(m)) => {
             if let Some(k) = m.keys().find(|k| *k != "drafter" && *k != "draft_max") {
                 return Err(bad(format!(
                     "unknown field `speculative.{k}` (expected `drafter`, `draft_max`)"
                 )));
             }
+            // `None`: "none", plain decoding (once `draft_max` is checked too).
             let drafter = match field(o, "drafter") {
-                None => "ngram",
-                Some(Value::String(d)) => d.as_str(),
+                None => Some(default_drafter),
+                Some(Value::String(d)) if d == "none" => None,
+                Some(Value::String(d)) => match DrafterKind::from_name(d) {
+                    Some(kind) => Some(kind),
+                    None => {
+                        return Err(bad(format!(
+                            "unknown drafter {d:?} (this server has \"ngram\", \"dflash\" and \"none\")"
+                        )))
+                    }
+                },
                 Some(x) => {
                     return Err(ApiError::invalid(
                         P,
@@ -719,7 +739,7 @@ fn speculative(v: &Value, server: Option<usize>) -> Result<Option<usize>, ApiErr
                 }
             };
             let k = match opt_i64(o, "draft_max")? {
-                None => server.unwrap_or(DEFAULT_DRAFT_MAX),
+                None => default_k,
                 Some(k) if (1..=15).contains(&k) => k as usize,
                 Some(k) => {
                     return Err(bad(format!(
@@ -727,20 +747,28 @@ fn speculative(v: &Value, server: Option<usize>) -> Result<Option<usize>, ApiErr
                     )))
                 }
             };
-            match drafter {
-                "ngram" => Ok(Some(k)),
-                "none" => Ok(None),
-                d => Err(bad(format!(
-                    "unknown drafter {d:?} (this server has \"ngram\" and \"none\")"
-                ))),
+            let Some(drafter) = drafter else {
+                return Ok(None);
+            };
+            Speculate {
+                drafter,
+                draft_max: k,
             }
         }
-        Some(x) => Err(ApiError::invalid(
-            P,
-            format!("`speculative` must be an object or a boolean, got {x}"),
-        )
-        .code("invalid_type")),
+        Some(x) => {
+            return Err(ApiError::invalid(
+                P,
+                format!("`speculative` must be an object or a boolean, got {x}"),
+            )
+            .code("invalid_type"))
+        }
+    };
+    if chosen.drafter == DrafterKind::Dflash && !cfg.dflash {
+        return Err(bad(
+            "`speculative.drafter` \"dflash\" needs a DFlash draft, and this server has none (start it with --draft PATH)".into(),
+        ));
     }
+    Ok(Some(chosen))
 }
 
 /// Sets the request's cancel flag when dropped (handler future or SSE stream gone).

@@ -36,6 +36,10 @@ pub enum EngineError {
     /// A request past the engine's limits: too many sequences, rows or positions.
     #[error("engine capacity: {0}")]
     Capacity(String),
+    /// The engine's drafter could not propose (no draft, or its context is out of step with the
+    /// sequence); the sequence decodes plainly.
+    #[error("drafter: {0}")]
+    Draft(String),
 }
 
 pub use xdna::weights::ChatMessage;
@@ -145,6 +149,17 @@ impl PrefillItem<'_> {
     }
 }
 
+/// How [`Engine::start_sequence`] starts a sequence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SequenceStart {
+    /// Take as many of the prompt's first tokens as the engine can from states it keeps (the
+    /// prefix cache; see [`Engine::new_sequence_for`]).
+    pub reuse_prefix: bool,
+    /// Draft with the engine's DFlash draft ([`Engine::dflash_drafts`]): the engine feeds it the
+    /// target's hidden states of every row the sequence commits.
+    pub dflash: bool,
+}
+
 /// Compute side of a model: lives on the engine thread only.
 pub trait Engine {
     /// How many sequences can be resident at once (the scheduler admits at most this many).
@@ -158,6 +173,47 @@ pub trait Engine {
     fn new_sequence_for(&mut self, prompt: &[u32]) -> Result<(SeqId, usize), EngineError> {
         let _ = prompt;
         Ok((self.new_sequence()?, 0))
+    }
+    /// Start a sequence for `prompt` as `start` says: from a kept prefix
+    /// ([`Engine::new_sequence_for`]) or cold, drafting with the DFlash draft or not. Returns the
+    /// sequence and the prompt tokens it already holds. This default has no DFlash draft.
+    fn start_sequence(
+        &mut self,
+        prompt: &[u32],
+        start: SequenceStart,
+    ) -> Result<(SeqId, usize), EngineError> {
+        if start.dflash {
+            return Err(EngineError::Draft("this engine has no DFlash draft".into()));
+        }
+        if start.reuse_prefix {
+            self.new_sequence_for(prompt)
+        } else {
+            Ok((self.new_sequence()?, 0))
+        }
+    }
+    /// Whether sequences may draft with a DFlash draft (`forward-serve --draft`).
+    fn has_dflash(&self) -> bool {
+        false
+    }
+    /// Up to `k` DFlash drafts (`out`, cleared first) after `seq`'s pending token: the argmax of
+    /// each of the first `k` mask rows of one draft block (at most block size − 1). Refused
+    /// unless `seq` was started with [`SequenceStart::dflash`] and its draft holds exactly the
+    /// sequence's committed positions.
+    fn dflash_drafts(
+        &mut self,
+        seq: SeqId,
+        pending: u32,
+        k: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        let _ = (seq, pending, k, out);
+        Err(EngineError::Draft("this engine has no DFlash draft".into()))
+    }
+    /// Diagnostics: the context rows `seq`'s DFlash draft holds (`None`: it does not draft with
+    /// one). Between passes this equals [`Engine::position`].
+    fn dflash_context(&self, seq: SeqId) -> Option<usize> {
+        let _ = seq;
+        None
     }
     /// Make `to` (a sequence nothing was fed to) a copy of `from`'s committed state: several
     /// samples of one prompt read it once. Engines that cannot refuse, and the caller feeds `to`
@@ -235,12 +291,15 @@ pub struct LoadSpec {
     /// Finished sequences kept for their prompt prefixes (each a KV cache of `ctx` positions);
     /// 0 turns the prefix cache off.
     pub prefix_cache: usize,
+    /// A DFlash draft (a `dflash` GGUF or package) that requests may draft with.
+    pub draft: Option<std::path::PathBuf>,
 }
 
 // ---- the real model -------------------------------------------------------------------------
 
 use std::collections::HashMap;
-use xdna::model::{Model, ModelError, SequenceState};
+use xdna::model::dflash::{DflashDraft, DflashWeights};
+use xdna::model::{BatchOutput, Model, ModelError, SequenceState};
 use xdna::weights::{Package, WeightsError};
 
 fn device_err(e: ModelError) -> EngineError {
@@ -324,13 +383,97 @@ pub struct ModelEngine {
     /// warm.
     spare: Vec<SequenceState>,
     next: SeqId,
+    /// The DFlash draft (`--draft`), when the server has one.
+    dflash: Option<Dflash>,
+}
+
+/// A DFlash draft bound to the target: one [`DflashDraft`] (its own context cache) per sequence
+/// slot, the weights shared, and the context of each sequence drafting with it.
+struct Dflash {
+    /// The target layers whose hidden states make a context row, in the draft's order.
+    taps: Vec<usize>,
+    /// Floats per context row: taps × the target's hidden width.
+    width: usize,
+    /// Scores per draft row (the target's vocabulary).
+    vocab: usize,
+    /// Drafts not bound to a sequence, reset; `capacity` of them exist in all.
+    spare: Vec<DflashDraft>,
+    /// The sequences drafting with DFlash.
+    seqs: HashMap<SeqId, DraftingSeq>,
+}
+
+/// One sequence's DFlash context.
+struct DraftingSeq {
+    draft: DflashDraft,
+    /// The context row (`width` floats: the target's hidden states after the tap layers) of
+    /// every committed position, as the draft was fed them. Kept so that a prefix of them seeds
+    /// another sequence's draft when that sequence starts from this one's KV cache (prefix
+    /// cache, samples of one prompt): the KV cache alone does not hold the hidden states.
+    features: Vec<f32>,
+    /// This sequence's rows of the last step, `[rows, width]`, until its commit says how many
+    /// are kept.
+    stepped: Vec<f32>,
+}
+
+impl Dflash {
+    /// Feed `seq`'s draft the context rows `features` (`[rows, width]`) of its next committed
+    /// positions. A failure leaves the draft out of step with the sequence, which then decodes
+    /// plainly (its drafts are refused); the features are kept, they are the target's.
+    fn commit_rows(&mut self, seq: SeqId, features: &[f32]) {
+        let width = self.width;
+        let Some(d) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        let start = d.features.len();
+        d.features.extend_from_slice(features);
+        let rows = features.len() / width.max(1);
+        if let Err(e) = d.draft.push_context(&d.features[start..], rows) {
+            tracing::warn!("DFlash draft of sequence {seq}: {e}; it decodes plainly");
+        }
+    }
+
+    /// `seq`'s first `rows` context rows, when it drafts with DFlash and holds them.
+    fn prefix(&self, seq: SeqId, rows: usize) -> Option<&[f32]> {
+        self.seqs.get(&seq)?.features.get(..rows * self.width)
+    }
+}
+
+/// `[rows, taps · hidden]` from `out`'s `[taps, rows, hidden]`: rows `rows`, taps in order.
+fn gather_taps(out: &BatchOutput, taps: usize, rows: std::ops::Range<usize>, dst: &mut Vec<f32>) {
+    for r in rows {
+        for t in 0..taps {
+            dst.extend_from_slice(out.tap(t, r));
+        }
+    }
+}
+
+/// Index of the largest score, the first of equals (NaN never wins): the spec layer's
+/// `DflashDrafter` picks its drafts the same way.
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] || row[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A finished sequence kept for its prefix.
+struct Cached {
+    /// The tokens its state holds.
+    tokens: Vec<u32>,
+    state: SequenceState,
+    /// Its DFlash context rows, one per token, when it drafted with DFlash (only such an entry
+    /// can start a DFlash sequence).
+    features: Option<Vec<f32>>,
 }
 
 /// Finished sequences' states with the tokens they hold, most recently used first, at most
 /// `capacity`; a new request starts from the longest usable prefix.
 struct PrefixCache {
     capacity: usize,
-    entries: std::collections::VecDeque<(Vec<u32>, SequenceState)>,
+    entries: std::collections::VecDeque<Cached>,
 }
 
 /// How many of `prompt`'s first tokens a state holding `tokens` can give: their common prefix,
@@ -351,40 +494,63 @@ fn usable_prefix(tokens: &[u32], state: &SequenceState, prompt: &[u32]) -> usize
 }
 
 impl PrefixCache {
-    /// The longest usable prefix of `prompt` among the entries: `(entry, tokens)`.
-    fn best(&self, prompt: &[u32]) -> Option<(usize, usize)> {
+    /// The longest usable prefix of `prompt` among the entries: `(entry, tokens)`. With
+    /// `features` (the floats per DFlash context row), only entries holding the context rows of
+    /// that prefix count.
+    fn best(&self, prompt: &[u32], features: Option<usize>) -> Option<(usize, usize)> {
         self.entries
             .iter()
             .enumerate()
-            .map(|(i, (tokens, state))| (i, usable_prefix(tokens, state, prompt)))
+            .map(|(i, e)| {
+                let common = usable_prefix(&e.tokens, &e.state, prompt);
+                let fits = features.is_none_or(|width| {
+                    e.features
+                        .as_ref()
+                        .is_some_and(|f| f.len() >= common * width)
+                });
+                (i, if fits { common } else { 0 })
+            })
             .filter(|&(_, common)| common > 0)
             .max_by_key(|&(i, common)| (common, std::cmp::Reverse(i)))
     }
 
-    /// Keep `state` holding `tokens`; entries it extends are dropped (it serves them all), and
-    /// the least recently used beyond the capacity. Returns the states let go.
-    fn insert(&mut self, tokens: Vec<u32>, state: SequenceState) -> Vec<SequenceState> {
-        if self.capacity == 0 || tokens.is_empty() {
-            return vec![state];
+    /// Keep `entry`; entries it extends are dropped (it serves them all, unless it lacks the
+    /// DFlash context rows they hold), and the least recently used beyond the capacity.
+    /// Returns the states let go.
+    fn insert(&mut self, entry: Cached) -> Vec<SequenceState> {
+        if self.capacity == 0 || entry.tokens.is_empty() {
+            return vec![entry.state];
         }
         let mut out = Vec::new();
         let mut kept = std::collections::VecDeque::with_capacity(self.capacity);
-        for (t, s) in self.entries.drain(..) {
-            if t.len() <= tokens.len() && tokens[..t.len()] == t[..] {
-                out.push(s);
+        for e in self.entries.drain(..) {
+            let extended = e.tokens.len() <= entry.tokens.len()
+                && entry.tokens[..e.tokens.len()] == e.tokens[..]
+                && (e.features.is_none() || entry.features.is_some());
+            if extended {
+                out.push(e.state);
             } else {
-                kept.push_back((t, s));
+                kept.push_back(e);
             }
         }
-        kept.push_front((tokens, state));
+        kept.push_front(entry);
         while kept.len() > self.capacity {
-            if let Some((_, s)) = kept.pop_back() {
-                out.push(s);
+            if let Some(e) = kept.pop_back() {
+                out.push(e.state);
             }
         }
         self.entries = kept;
         out
     }
+}
+
+/// Where a new sequence's prefix is copied from.
+#[derive(Clone, Copy)]
+enum PrefixSource {
+    /// A running sequence, at rest between passes.
+    Running(SeqId),
+    /// A prefix-cache entry.
+    Cached(usize),
 }
 
 impl ModelEngine {
@@ -405,7 +571,27 @@ impl ModelEngine {
             },
             spare: Vec::new(),
             next: 1,
+            dflash: None,
         }
+    }
+
+    /// Let sequences draft with the DFlash draft `weights` (checked against the target by
+    /// [`DflashDraft::new`]): one draft context per sequence slot, bound to the target's
+    /// weights.
+    pub fn with_dflash(mut self, weights: Arc<DflashWeights>) -> Result<Self, ModelError> {
+        let taps = weights.params().target_layers.clone();
+        let width = taps.len() * self.model.config().hidden;
+        let spare = (0..self.capacity)
+            .map(|_| DflashDraft::new(weights.clone(), self.model.weights_arc()))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.dflash = Some(Dflash {
+            taps,
+            width,
+            vocab: self.model.config().vocab,
+            spare,
+            seqs: HashMap::new(),
+        });
+        Ok(self)
     }
 
     /// Record the tokens a sequence's state now holds.
@@ -414,6 +600,63 @@ impl ModelEngine {
             .entry(seq)
             .or_default()
             .extend_from_slice(tokens);
+    }
+
+    /// Whether `seq` drafts with DFlash.
+    fn drafting(&self, seq: SeqId) -> bool {
+        self.dflash
+            .as_ref()
+            .is_some_and(|d| d.seqs.contains_key(&seq))
+    }
+
+    /// The taps a pass over `seqs` needs: the draft's when one of them drafts with DFlash.
+    fn taps_for(&self, mut seqs: impl Iterator<Item = SeqId>) -> Vec<usize> {
+        match &self.dflash {
+            Some(d) if seqs.any(|s| d.seqs.contains_key(&s)) => d.taps.clone(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Bind a DFlash draft (empty context) to the new sequence `seq`.
+    fn attach_draft(&mut self, seq: SeqId) -> Result<(), EngineError> {
+        let Some(d) = self.dflash.as_mut() else {
+            return Err(EngineError::Draft(
+                "this server has no DFlash draft (start it with --draft PATH)".into(),
+            ));
+        };
+        let Some(mut draft) = d.spare.pop() else {
+            return Err(EngineError::Capacity(
+                "every DFlash draft context is in use".into(),
+            ));
+        };
+        draft.reset();
+        d.seqs.insert(
+            seq,
+            DraftingSeq {
+                draft,
+                features: Vec::new(),
+                stepped: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Seed `seq`'s (empty) DFlash draft with the context rows of its first positions.
+    fn seed_draft(&mut self, seq: SeqId, features: &[f32]) -> Result<(), EngineError> {
+        let Some(d) = self.dflash.as_mut() else {
+            return Ok(());
+        };
+        let width = d.width;
+        let Some(ds) = d.seqs.get_mut(&seq) else {
+            return Ok(());
+        };
+        ds.draft.reset();
+        ds.features.clear();
+        ds.draft
+            .push_context(features, features.len() / width.max(1))
+            .map_err(|e| EngineError::Draft(e.to_string()))?;
+        ds.features.extend_from_slice(features);
+        Ok(())
     }
 }
 
@@ -471,10 +714,47 @@ impl Engine for ModelEngine {
         Ok(id)
     }
     fn new_sequence_for(&mut self, prompt: &[u32]) -> Result<(SeqId, usize), EngineError> {
+        self.start_sequence(
+            prompt,
+            SequenceStart {
+                reuse_prefix: true,
+                dflash: false,
+            },
+        )
+    }
+    fn start_sequence(
+        &mut self,
+        prompt: &[u32],
+        start: SequenceStart,
+    ) -> Result<(SeqId, usize), EngineError> {
+        if start.dflash && self.dflash.is_none() {
+            return Err(EngineError::Draft(
+                "this server has no DFlash draft (start it with --draft PATH)".into(),
+            ));
+        }
         let id = self.new_sequence()?;
-        if self.cache.capacity == 0 {
+        if start.dflash {
+            if let Err(e) = self.attach_draft(id) {
+                self.release(id);
+                return Err(e);
+            }
+        }
+        if !start.reuse_prefix || self.cache.capacity == 0 {
             return Ok((id, 0));
         }
+        // A DFlash sequence starts only from a state whose context rows were kept with it (the
+        // KV cache does not hold the hidden states its draft reads).
+        let features = match (&self.dflash, start.dflash) {
+            (Some(d), true) => Some(d.width),
+            _ => None,
+        };
+        let has_features = |seq: SeqId, common: usize| {
+            features.is_none()
+                || self
+                    .dflash
+                    .as_ref()
+                    .is_some_and(|d| d.prefix(seq, common).is_some())
+        };
         // The running sequences are at rest between passes: their committed prefixes serve as
         // well as the cache's (a shared system prompt still being answered).
         let running = self
@@ -485,29 +765,68 @@ impl Engine for ModelEngine {
                 let state = self.seqs.get(&seq)?;
                 let at_rest = state.pending_rows().is_none() && state.position() == tokens.len();
                 let common = usable_prefix(tokens, state, prompt);
-                (common > 0 && at_rest).then_some((seq, common))
+                (common > 0 && at_rest && has_features(seq, common)).then_some((seq, common))
             })
             .max_by_key(|&(seq, common)| (common, std::cmp::Reverse(seq)));
-        let cached = self.cache.best(prompt);
+        let cached = self.cache.best(prompt, features);
         let mut state = self.seqs.remove(&id).ok_or(EngineError::NoSequence(id))?;
         let copied = match (running, cached) {
-            (Some((seq, common)), c) if c.is_none_or(|(_, cc)| common >= cc) => self
-                .seqs
-                .get(&seq)
-                .map(|src| (state.copy_prefix_from(src, common), common, None)),
-            (_, Some((entry, common))) => self
-                .cache
-                .entries
-                .get(entry)
-                .map(|(_, src)| (state.copy_prefix_from(src, common), common, Some(entry))),
+            (Some((seq, common)), c) if c.is_none_or(|(_, cc)| common >= cc) => {
+                self.seqs.get(&seq).map(|src| {
+                    (
+                        state.copy_prefix_from(src, common),
+                        common,
+                        PrefixSource::Running(seq),
+                    )
+                })
+            }
+            (_, Some((entry, common))) => self.cache.entries.get(entry).map(|e| {
+                (
+                    state.copy_prefix_from(&e.state, common),
+                    common,
+                    PrefixSource::Cached(entry),
+                )
+            }),
             _ => None,
         };
         self.seqs.insert(id, state);
         match copied {
-            Some((Ok(()), common, entry)) => {
+            Some((Ok(()), common, source)) => {
+                if let Some(width) = features {
+                    let rows = match source {
+                        PrefixSource::Running(seq) => self
+                            .dflash
+                            .as_ref()
+                            .and_then(|d| d.prefix(seq, common))
+                            .map(<[f32]>::to_vec),
+                        PrefixSource::Cached(entry) => self
+                            .cache
+                            .entries
+                            .get(entry)
+                            .and_then(|e| e.features.as_ref()?.get(..common * width))
+                            .map(<[f32]>::to_vec),
+                    };
+                    let seeded = match rows {
+                        Some(rows) => self.seed_draft(id, &rows),
+                        None => Err(EngineError::Draft("no context rows kept".into())),
+                    };
+                    if let Err(e) = seeded {
+                        // Cold after all: the state and the draft start empty.
+                        tracing::warn!(
+                            "prefix cache: DFlash context: {e}; reading the prompt cold"
+                        );
+                        if let Some(s) = self.seqs.get_mut(&id) {
+                            s.reset();
+                        }
+                        let _ = self.seed_draft(id, &[]);
+                        return Ok((id, 0));
+                    }
+                }
                 // Most recently used first.
-                if let Some(e) = entry.and_then(|i| self.cache.entries.remove(i)) {
-                    self.cache.entries.push_front(e);
+                if let PrefixSource::Cached(i) = source {
+                    if let Some(e) = self.cache.entries.remove(i) {
+                        self.cache.entries.push_front(e);
+                    }
                 }
                 self.fed(id, &prompt[..common]);
                 Ok((id, common))
@@ -520,6 +839,22 @@ impl Engine for ModelEngine {
         }
     }
     fn fork(&mut self, from: SeqId, to: SeqId) -> Result<(), EngineError> {
+        // A DFlash sample starts with its leader's context rows, fed to its draft before the
+        // state is copied (a refusal leaves `to` as it was).
+        if self.drafting(to) {
+            let rows = self.seqs.get(&from).map_or(0, SequenceState::position);
+            let seed = self
+                .dflash
+                .as_ref()
+                .and_then(|d| d.prefix(from, rows))
+                .map(<[f32]>::to_vec)
+                .ok_or_else(|| {
+                    EngineError::Draft(format!(
+                        "sequence {from} holds no DFlash context rows to copy"
+                    ))
+                })?;
+            self.seed_draft(to, &seed)?;
+        }
         let mut dst = self.seqs.remove(&to).ok_or(EngineError::NoSequence(to))?;
         let r = match self.seqs.get(&from) {
             Some(src) => dst
@@ -528,6 +863,9 @@ impl Engine for ModelEngine {
             None => Err(EngineError::NoSequence(from)),
         };
         self.seqs.insert(to, dst);
+        if r.is_err() && self.drafting(to) {
+            let _ = self.seed_draft(to, &[]);
+        }
         r?;
         let tokens = self.history.get(&from).cloned().unwrap_or_default();
         self.history.insert(to, tokens);
@@ -539,12 +877,16 @@ impl Engine for ModelEngine {
         sink: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), EngineError> {
         let seq = item.seq;
+        let taps = self.taps_for(std::iter::once(seq));
+        let mut rows = Vec::new();
         let mut state = self.seqs.remove(&seq).ok_or(EngineError::NoSequence(seq))?;
-        let r = self.model.prefill_sequence(
+        let r = self.model.prefill_sequence_tapped(
             &mut state,
             item.tokens,
             item.first_logit_row(),
             &mut |row, l| sink(row, l),
+            &taps,
+            &mut |out| gather_taps(out, taps.len(), 0..out.rows(), &mut rows),
         );
         if r.is_err() {
             // The failed chunk left the committed state untouched; acknowledge it.
@@ -553,6 +895,9 @@ impl Engine for ModelEngine {
         self.seqs.insert(seq, state);
         r.map_err(device_err)?;
         self.fed(seq, item.tokens);
+        if let Some(d) = self.dflash.as_mut() {
+            d.commit_rows(seq, &rows);
+        }
         Ok(())
     }
     fn prefill_many(
@@ -569,21 +914,47 @@ impl Engine for ModelEngine {
         if shared.is_empty() {
             return Ok(());
         }
+        let taps = self.taps_for(shared.iter().map(|&i| items[i].seq));
+        // Per shared item: its rows' DFlash context rows (when its sequence drafts).
+        let drafting: Vec<bool> = shared
+            .iter()
+            .map(|&i| self.drafting(items[i].seq))
+            .collect();
+        let mut rows: Vec<Vec<f32>> = vec![Vec::new(); shared.len()];
         self.with_states(shared.iter().map(|&i| items[i].seq), |model, states| {
             let mut batch: Vec<(&mut SequenceState, &[u32])> = states
                 .iter_mut()
                 .zip(&shared)
                 .map(|(state, &i)| (state, items[i].tokens))
                 .collect();
-            model.prefill_sequences(&mut batch, &mut |k, l| {
-                let item = &items[shared[k]];
-                if item.last {
-                    sink(shared[k], item.tokens.len() - 1, l)
-                }
-            })
+            model.prefill_sequences_tapped(
+                &mut batch,
+                &taps,
+                &mut |k, l| {
+                    let item = &items[shared[k]];
+                    if item.last {
+                        sink(shared[k], item.tokens.len() - 1, l)
+                    }
+                },
+                &mut |out| {
+                    let mut first = 0;
+                    for (k, &i) in shared.iter().enumerate() {
+                        let len = items[i].tokens.len();
+                        if drafting[k] {
+                            gather_taps(out, taps.len(), first..first + len, &mut rows[k]);
+                        }
+                        first += len;
+                    }
+                },
+            )
         })?;
-        for &i in &shared {
+        for (k, &i) in shared.iter().enumerate() {
             self.fed(items[i].seq, items[i].tokens);
+            if drafting[k] {
+                if let Some(d) = self.dflash.as_mut() {
+                    d.commit_rows(items[i].seq, &rows[k]);
+                }
+            }
         }
         Ok(())
     }
@@ -592,22 +963,47 @@ impl Engine for ModelEngine {
         batch: &[(SeqId, &[u32])],
         sink: &mut dyn FnMut(usize, usize, &[f32]),
     ) -> Result<(), EngineError> {
-        self.with_states(batch.iter().map(|item| item.0), |model, states| {
+        let taps = self.taps_for(batch.iter().map(|item| item.0));
+        // Each drafting segment's rows go to its `stepped` buffer (reused), until its commit.
+        let mut stepped: Vec<Option<Vec<f32>>> = batch
+            .iter()
+            .map(|&(seq, _)| {
+                let d = self.dflash.as_mut()?.seqs.get_mut(&seq)?;
+                let mut buf = std::mem::take(&mut d.stepped);
+                buf.clear();
+                Some(buf)
+            })
+            .collect();
+        let r = self.with_states(batch.iter().map(|item| item.0), |model, states| {
             let mut segments: Vec<(&mut SequenceState, &[u32])> = states
                 .iter_mut()
                 .zip(batch)
                 .map(|(state, &(_, toks))| (state, toks))
                 .collect();
-            let out = model.step_sequences(&mut segments)?;
+            let out = model.step_sequences_tapped(&mut segments, &taps)?;
             let mut row = 0;
             for (g, &(_, toks)) in batch.iter().enumerate() {
+                if let Some(buf) = stepped[g].as_mut() {
+                    gather_taps(out, taps.len(), row..row + toks.len(), buf);
+                }
                 for j in 0..toks.len() {
                     sink(g, j, out.logits(row));
                     row += 1;
                 }
             }
             Ok(())
-        })?;
+        });
+        if let Some(d) = self.dflash.as_mut() {
+            for (&(seq, _), buf) in batch.iter().zip(stepped) {
+                if let (Some(ds), Some(mut buf)) = (d.seqs.get_mut(&seq), buf) {
+                    if r.is_err() {
+                        buf.clear();
+                    }
+                    ds.stepped = buf;
+                }
+            }
+        }
+        r?;
         for &(seq, toks) in batch {
             self.stepped.insert(seq, toks.to_vec());
         }
@@ -621,6 +1017,19 @@ impl Engine for ModelEngine {
         if let Some(toks) = self.stepped.remove(&seq) {
             self.fed(seq, &toks[..n.min(toks.len())]);
         }
+        // The kept rows' hidden states become the draft's next context rows.
+        if let Some(d) = self.dflash.as_mut() {
+            let width = d.width;
+            if let Some(ds) = d.seqs.get_mut(&seq) {
+                let mut kept = std::mem::take(&mut ds.stepped);
+                kept.truncate(n * width);
+                d.commit_rows(seq, &kept);
+                kept.clear();
+                if let Some(ds) = d.seqs.get_mut(&seq) {
+                    ds.stepped = kept;
+                }
+            }
+        }
         Ok(())
     }
     fn position(&self, seq: SeqId) -> usize {
@@ -629,16 +1038,67 @@ impl Engine for ModelEngine {
     fn states_held(&self) -> usize {
         self.seqs.len() + self.spare.len() + self.cache.entries.len()
     }
+    fn has_dflash(&self) -> bool {
+        self.dflash.is_some()
+    }
+    fn dflash_drafts(
+        &mut self,
+        seq: SeqId,
+        pending: u32,
+        k: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        out.clear();
+        let position = self.position(seq);
+        let Some(d) = self.dflash.as_mut() else {
+            return Err(EngineError::Draft("this server has no DFlash draft".into()));
+        };
+        let Some(ds) = d.seqs.get_mut(&seq) else {
+            return Err(EngineError::Draft(format!(
+                "sequence {seq} does not draft with DFlash"
+            )));
+        };
+        if ds.draft.context() != position {
+            return Err(EngineError::Draft(format!(
+                "the DFlash draft of sequence {seq} holds {} context rows, the sequence {position} committed positions",
+                ds.draft.context()
+            )));
+        }
+        let logits = ds
+            .draft
+            .block_logits(pending)
+            .map_err(|e| EngineError::Draft(e.to_string()))?;
+        // Generation 1: each mask row's argmax, as the spec layer's `DflashDrafter` drafts.
+        out.extend(logits.chunks_exact(d.vocab).take(k).map(argmax));
+        Ok(())
+    }
+    fn dflash_context(&self, seq: SeqId) -> Option<usize> {
+        Some(self.dflash.as_ref()?.seqs.get(&seq)?.draft.context())
+    }
     fn release(&mut self, seq: SeqId) {
         self.stepped.remove(&seq);
         let tokens = self.history.remove(&seq);
+        let drafted = self.dflash.as_mut().and_then(|d| {
+            let ds = d.seqs.remove(&seq)?;
+            let mut draft = ds.draft;
+            draft.reset();
+            d.spare.push(draft);
+            Some(ds.features)
+        });
         let Some(state) = self.seqs.remove(&seq) else {
             return;
         };
         // Only a state at rest is cached: its committed positions hold exactly `tokens`.
+        let width = self.dflash.as_ref().map_or(0, |d| d.width);
         let freed = match tokens {
             Some(t) if state.pending_rows().is_none() && state.position() == t.len() => {
-                self.cache.insert(t, state)
+                // Its DFlash context rows go with it when they are complete.
+                let features = drafted.filter(|f| f.len() == t.len() * width);
+                self.cache.insert(Cached {
+                    tokens: t,
+                    state,
+                    features,
+                })
             }
             _ => vec![state],
         };
@@ -654,7 +1114,7 @@ impl Engine for ModelEngine {
 }
 
 /// Load the real model through the model layer's loader (package directory or GGUF; `None`: the
-/// default model), with `ctx` positions.
+/// default model), with `ctx` positions, and the DFlash draft of `spec.draft`.
 pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
     use xdna::model::load::open_model;
     let load_err = |e: &dyn std::fmt::Display| EngineError::Load(e.to_string());
@@ -671,15 +1131,45 @@ pub fn load(spec: &LoadSpec) -> Result<Loaded, EngineError> {
         eos,
         model.weights().backend
     );
+    let mut engine = ModelEngine::new(model, ctx, spec.max_sequences, spec.prefix_cache);
+    if let Some(path) = &spec.draft {
+        engine = engine
+            .with_dflash(load_dflash(path, &pkg)?)
+            .map_err(|e| EngineError::Load(format!("--draft {}: {e}", path.display())))?;
+        tracing::info!("DFlash draft {} bound to the target", path.display());
+    }
     Ok(Loaded {
         codec: Arc::new(PackageCodec { pkg, id, ctx, eos }),
-        engine: Box::new(ModelEngine::new(
-            model,
-            ctx,
-            spec.max_sequences,
-            spec.prefix_cache,
-        )),
+        engine: Box::new(engine),
     })
+}
+
+/// The DFlash draft at `path` (a `dflash` GGUF or package), refused unless its tokenizer is the
+/// target's token for token (its width, vocabulary and tap layers are checked when it is bound,
+/// [`ModelEngine::with_dflash`]).
+fn load_dflash(
+    path: &std::path::Path,
+    target: &Package,
+) -> Result<Arc<DflashWeights>, EngineError> {
+    let fail = |what: String| EngineError::Load(format!("--draft {}: {what}", path.display()));
+    let pkg = xdna::model::load::open_package(path).map_err(|e| fail(e.to_string()))?;
+    let weights = DflashWeights::load(&pkg, false).map_err(|e| fail(e.to_string()))?;
+    let (tt, dt) = (target.tokenizer(), pkg.tokenizer());
+    if tt.vocab_size() != dt.vocab_size() {
+        return Err(fail(format!(
+            "the draft's tokenizer has {} tokens, the target's {}",
+            dt.vocab_size(),
+            tt.vocab_size()
+        )));
+    }
+    if let Some(id) =
+        (0..tt.vocab_size() as u32).find(|&id| tt.token_bytes(id) != dt.token_bytes(id))
+    {
+        return Err(fail(format!(
+            "the draft was made for another tokenizer than the target's (token {id} differs)"
+        )));
+    }
+    Ok(Arc::new(weights))
 }
 
 /// The served model id: the file stem of a GGUF, else the package directory's name.

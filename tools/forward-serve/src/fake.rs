@@ -5,9 +5,15 @@
 //! it emits EOS instead; inside a prompt it predicts that each byte repeats (the rows an echoed
 //! prompt's log-probabilities come from). So the expected completion of a prompt is a pure function of the prompt
 //! ([`expected_text`]), which is what the concurrency tests check.
+//!
+//! With [`FakeEngine::with_dflash`] it also stands in for a DFlash draft: a sequence started with
+//! [`SequenceStart::dflash`] drafts the fake model's own continuation, every seventh output byte
+//! wrong ([`fake_dflash_draft`]), and keeps a draft context of one row per committed position as
+//! the real engine does (drafts are refused when it is out of step).
 
 use super::engine::{
-    ChatMessage, Engine, EngineError, PrefillItem, SeqId, TextCodec, MAX_STEP_ROWS, PREFILL_CHUNK,
+    ChatMessage, Engine, EngineError, PrefillItem, SeqId, SequenceStart, TextCodec, MAX_STEP_ROWS,
+    PREFILL_CHUNK,
 };
 use std::collections::HashMap;
 use std::time::Duration;
@@ -93,8 +99,24 @@ pub fn expected_text(prompt: &str, max_tokens: usize) -> (String, bool) {
     (String::from_utf8_lossy(&out).into_owned(), false)
 }
 
+/// The fake DFlash draft for output byte `k` of `prompt`: the fake model's own token, except for
+/// every seventh byte (`k % 7 == 6`), which is drafted wrong.
+pub fn fake_dflash_draft(prompt: &[u8], k: usize) -> u32 {
+    let right = next_byte(prompt, k).map_or(FAKE_EOS, u32::from);
+    if k % 7 == 6 {
+        (right + 1) % FAKE_VOCAB as u32
+    } else {
+        right
+    }
+}
+
+/// Most fake DFlash drafts per block (a block of 16 rows).
+pub const FAKE_DFLASH_DRAFTS: usize = 15;
+
 struct Seq {
     prompt: Vec<u8>,
+    /// Context rows of its fake DFlash draft (`None`: it does not draft with one).
+    draft_context: Option<usize>,
     /// Decode rows committed (the next row predicts output byte `generated + 1`).
     generated: usize,
     position: usize,
@@ -112,6 +134,7 @@ pub struct FakeEngine {
     /// Sleep per decode pass (and per prefill chunk), to make timing tests possible.
     pub step_delay: Duration,
     logits: Vec<f32>,
+    dflash: bool,
 }
 
 impl FakeEngine {
@@ -124,7 +147,14 @@ impl FakeEngine {
             max_seqs: max_seqs.max(1),
             step_delay,
             logits: vec![0.0; FAKE_VOCAB],
+            dflash: false,
         }
+    }
+
+    /// With `on`, sequences may draft with the fake DFlash draft.
+    pub fn with_dflash(mut self, on: bool) -> Self {
+        self.dflash = on;
+        self
     }
 
     /// One-hot-ish logits for output byte `k` of `seq`.
@@ -154,6 +184,7 @@ impl Engine for FakeEngine {
             id,
             Seq {
                 prompt: Vec::new(),
+                draft_context: None,
                 generated: 0,
                 position: 0,
                 pending_rows: None,
@@ -185,6 +216,9 @@ impl Engine for FakeEngine {
         }
         s.prompt.extend(tokens.iter().map(|&t| t as u8));
         s.position += tokens.len();
+        if let Some(c) = s.draft_context.as_mut() {
+            *c += tokens.len();
+        }
         let last_row = tokens.len() - 1;
         for (row, &t) in tokens.iter().enumerate() {
             if item.last && row == last_row {
@@ -245,6 +279,9 @@ impl Engine for FakeEngine {
             Some(len) if (1..=len).contains(&n) => {
                 s.generated += n;
                 s.position += n;
+                if let Some(c) = s.draft_context.as_mut() {
+                    *c += n;
+                }
                 Ok(())
             }
             other => Err(EngineError::Device(format!(
@@ -257,5 +294,54 @@ impl Engine for FakeEngine {
     }
     fn release(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
+    }
+    fn start_sequence(
+        &mut self,
+        prompt: &[u32],
+        start: SequenceStart,
+    ) -> Result<(SeqId, usize), EngineError> {
+        let _ = prompt;
+        if start.dflash && !self.dflash {
+            return Err(EngineError::Draft("this engine has no DFlash draft".into()));
+        }
+        let id = self.new_sequence()?;
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.draft_context = start.dflash.then_some(0);
+        }
+        Ok((id, 0))
+    }
+    fn has_dflash(&self) -> bool {
+        self.dflash
+    }
+    fn dflash_drafts(
+        &mut self,
+        seq: SeqId,
+        pending: u32,
+        k: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        let _ = pending;
+        out.clear();
+        let s = self.seqs.get(&seq).ok_or(EngineError::NoSequence(seq))?;
+        match s.draft_context {
+            None => Err(EngineError::Draft(format!(
+                "fake: sequence {seq} does not draft with DFlash"
+            ))),
+            Some(c) if c != s.position => Err(EngineError::Draft(format!(
+                "fake: DFlash context {c}, position {}",
+                s.position
+            ))),
+            Some(_) => {
+                let first = s.generated + 1;
+                out.extend(
+                    (first..first + k.min(FAKE_DFLASH_DRAFTS))
+                        .map(|k| fake_dflash_draft(&s.prompt, k)),
+                );
+                Ok(())
+            }
+        }
+    }
+    fn dflash_context(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq)?.draft_context
     }
 }

@@ -4,6 +4,7 @@
 use clap::Parser;
 use forward_serve::api::Config;
 use forward_serve::engine::{self, LoadSpec, Loaded};
+use forward_serve::scheduler::{DrafterKind, Speculate};
 use forward_serve::{bench, fake, server};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,9 +30,14 @@ struct Args {
     /// Sequences generated at once (each with its own KV cache of `--ctx` positions; ≤ 16).
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
-    /// Speculative decoding for every request: none | ngram (requests may override).
-    #[arg(long, default_value = "none", value_parser = ["none", "ngram"])]
+    /// Speculative decoding for every request: none | ngram | dflash (dflash needs --draft;
+    /// requests may override).
+    #[arg(long, default_value = "none", value_parser = ["none", "ngram", "dflash"])]
     speculate: String,
+    /// A DFlash draft (a `dflash` GGUF or package) made for the model: requests may draft with
+    /// it (`"speculative": {"drafter": "dflash"}`).
+    #[arg(long, value_name = "PATH")]
+    draft: Option<std::path::PathBuf>,
     /// Drafts per speculative round at most (1..=15).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=15))]
     draft_max: u64,
@@ -164,10 +170,18 @@ fn main() -> std::process::ExitCode {
 }
 
 fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    if args.speculate == "dflash" && args.draft.is_none() {
+        return Err("--speculate dflash needs a DFlash draft: --draft PATH".into());
+    }
     let loaded = if args.fake_engine {
         Loaded {
             codec: Arc::new(fake::FakeCodec::new(args.ctx)),
-            engine: Box::new(fake::FakeEngine::new(args.max_batch, args.fake_step_delay)),
+            // The fake engine's DFlash drafts (its own continuation, some of them wrong) stand in
+            // for a draft file.
+            engine: Box::new(
+                fake::FakeEngine::new(args.max_batch, args.fake_step_delay)
+                    .with_dflash(args.draft.is_some()),
+            ),
         }
     } else {
         engine::load(&LoadSpec {
@@ -175,6 +189,7 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             ctx: args.ctx,
             max_sequences: args.max_batch,
             prefix_cache: args.prefix_cache,
+            draft: args.draft.clone(),
         })?
     };
     if args.bench {
@@ -204,7 +219,11 @@ fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         header_timeout: args.header_timeout,
         max_connections: connection_cap(args.max_connections),
         shutdown_grace: args.shutdown_grace,
-        speculate: (args.speculate == "ngram").then_some(args.draft_max as usize),
+        speculate: DrafterKind::from_name(&args.speculate).map(|drafter| Speculate {
+            drafter,
+            draft_max: args.draft_max as usize,
+        }),
+        dflash: false,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -1,5 +1,6 @@
 //! Counters and gauges, rendered in the Prometheus text format by `GET /metrics`.
 
+use crate::scheduler::DrafterKind;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -39,6 +40,11 @@ pub struct Metrics {
     pub spec_drafted: AtomicU64,
     /// Draft tokens accepted.
     pub spec_accepted: AtomicU64,
+    /// Per drafter ([`DrafterKind::index`]): speculative rounds, drafts verified, drafts accepted.
+    pub spec_by_drafter: [DrafterCounters; 2],
+    /// Per drafter: proposals that failed (the sequence decoded plainly that turn; a DFlash
+    /// sequence for the rest of its generation).
+    pub spec_errors: [AtomicU64; 2],
     /// Requests that started from a cached prompt prefix.
     pub prefix_hits: AtomicU64,
     /// Prompt tokens taken from the prefix cache instead of being read.
@@ -58,7 +64,29 @@ pub struct Metrics {
     pub body_timeouts: AtomicU64,
 }
 
+/// One drafter's speculative counters.
+#[derive(Default)]
+pub struct DrafterCounters {
+    /// Rounds: a sequence's pass carrying at least one of its drafts.
+    pub rounds: AtomicU64,
+    /// Drafts verified.
+    pub drafted: AtomicU64,
+    /// Drafts accepted.
+    pub accepted: AtomicU64,
+}
+
 impl Metrics {
+    /// Count one speculative round of `drafter`: `drafted` drafts verified, `accepted` kept.
+    pub fn record_round(&self, drafter: DrafterKind, drafted: usize, accepted: usize) {
+        self.spec_rounds.fetch_add(1, Relaxed);
+        self.spec_drafted.fetch_add(drafted as u64, Relaxed);
+        self.spec_accepted.fetch_add(accepted as u64, Relaxed);
+        let c = &self.spec_by_drafter[drafter.index()];
+        c.rounds.fetch_add(1, Relaxed);
+        c.drafted.fetch_add(drafted as u64, Relaxed);
+        c.accepted.fetch_add(accepted as u64, Relaxed);
+    }
+
     /// Count one response of `endpoint` (an [`crate::api::endpoint_label`]) with `status`.
     pub fn record_request(&self, endpoint: &str, status: u16) {
         if let Ok(mut m) = self.requests.lock() {
@@ -251,6 +279,59 @@ impl Metrics {
             "forward_serve_speculative_tau",
             "Mean tokens per speculative round, 1 + accepted/rounds (0 before the first round).",
             tau,
+        );
+        // The same per drafter, one series per drafter from the start.
+        let labelled =
+            |s: &mut String, kind: &str, name: &str, help: &str, v: &dyn Fn(usize) -> String| {
+                let _ = writeln!(s, "# HELP {name} {help}");
+                let _ = writeln!(s, "# TYPE {name} {kind}");
+                for d in DrafterKind::ALL {
+                    let _ = writeln!(s, "{name}{{drafter=\"{}\"}} {}", d.name(), v(d.index()));
+                }
+            };
+        let by = &self.spec_by_drafter;
+        labelled(
+            &mut s,
+            "counter",
+            "forward_serve_speculative_drafter_rounds_total",
+            "Speculative rounds by drafter (a sequence's pass carrying at least one draft).",
+            &|i| by[i].rounds.load(Relaxed).to_string(),
+        );
+        labelled(
+            &mut s,
+            "counter",
+            "forward_serve_speculative_drafter_drafted_total",
+            "Draft tokens verified, by drafter.",
+            &|i| by[i].drafted.load(Relaxed).to_string(),
+        );
+        labelled(
+            &mut s,
+            "counter",
+            "forward_serve_speculative_drafter_accepted_total",
+            "Draft tokens accepted, by drafter.",
+            &|i| by[i].accepted.load(Relaxed).to_string(),
+        );
+        labelled(
+            &mut s,
+            "gauge",
+            "forward_serve_speculative_drafter_tau",
+            "Mean tokens per speculative round by drafter, 1 + accepted/rounds (0 before its first round).",
+            &|i| {
+                let rounds = by[i].rounds.load(Relaxed);
+                let tau = if rounds == 0 {
+                    0.0
+                } else {
+                    1.0 + by[i].accepted.load(Relaxed) as f64 / rounds as f64
+                };
+                tau.to_string()
+            },
+        );
+        labelled(
+            &mut s,
+            "counter",
+            "forward_serve_speculative_drafter_errors_total",
+            "Draft proposals that failed, by drafter (the sequence decoded plainly instead).",
+            &|i| self.spec_errors[i].load(Relaxed).to_string(),
         );
         s
     }

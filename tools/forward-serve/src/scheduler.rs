@@ -9,14 +9,15 @@
 //!    prompts start in one turn; a long prompt is read one ≤ 128-token chunk per turn), so a long
 //!    prompt delays the running streams by one chunk per turn, never by its whole length;
 //! 4. one decode pass ([`Engine::step`]) carrying the pending token of every generating sequence,
-//!    plus, for a speculating sequence, its n-gram drafts (as extra rows of the same pass, at most
-//!    [`MAX_STEP_ROWS`] rows in all; drafts shrink when the batch is full), then a commit per
-//!    sequence of the rows its acceptance kept;
+//!    plus, for a speculating sequence, its drafts — n-gram, or DFlash from the engine's draft —
+//!    (as extra rows of the same pass, at most [`MAX_STEP_ROWS`] rows in all; drafts shrink when
+//!    the batch is full), then a commit per sequence of the rows its acceptance kept;
 //! 5. retirement of finished sequences (their engine state is released).
 
 use super::engine::{
     Engine, EngineError, LogitAdjustments, PrefillItem, Sampler, SamplingConfig, SamplingError,
-    SeqId, StopFilter, TextCodec, TokenLogprob, Utf8Stream, MAX_STEP_ROWS, PREFILL_CHUNK,
+    SeqId, SequenceStart, StopFilter, TextCodec, TokenLogprob, Utf8Stream, MAX_STEP_ROWS,
+    PREFILL_CHUNK,
 };
 use super::metrics::Metrics;
 use std::collections::HashMap;
@@ -91,6 +92,66 @@ pub enum Event {
     Error(String),
 }
 
+/// Which drafter proposes a speculating sequence's drafts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrafterKind {
+    /// Prompt lookup over the sequence's own tokens.
+    Ngram,
+    /// The engine's DFlash block draft (`forward-serve --draft`), reading the target's hidden
+    /// states.
+    Dflash,
+}
+
+impl DrafterKind {
+    /// Every drafter, in the order of their metrics.
+    pub const ALL: [DrafterKind; 2] = [DrafterKind::Ngram, DrafterKind::Dflash];
+
+    /// The name requests, flags and metric labels use.
+    pub fn name(self) -> &'static str {
+        match self {
+            DrafterKind::Ngram => "ngram",
+            DrafterKind::Dflash => "dflash",
+        }
+    }
+
+    /// The drafter named `name` (`ngram`, `dflash`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+
+    /// Its index in [`DrafterKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Speculative decoding for one request: the drafter and the most drafts per round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speculate {
+    /// Who drafts.
+    pub drafter: DrafterKind,
+    /// Drafts per round at most (1..=15; DFlash: also at most its block size − 1).
+    pub draft_max: usize,
+}
+
+impl Speculate {
+    /// N-gram drafts, at most `draft_max` per round.
+    pub fn ngram(draft_max: usize) -> Self {
+        Speculate {
+            drafter: DrafterKind::Ngram,
+            draft_max,
+        }
+    }
+
+    /// DFlash drafts, at most `draft_max` per round.
+    pub fn dflash(draft_max: usize) -> Self {
+        Speculate {
+            drafter: DrafterKind::Dflash,
+            draft_max,
+        }
+    }
+}
+
 /// One of the `n` samples of a request: they share its prompt, which is read once (by sample 0,
 /// the leader) and copied into the others.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,11 +190,12 @@ pub struct GenRequest {
     pub cancel: Arc<AtomicBool>,
     /// Where the request's [`Event`]s go.
     pub events: mpsc::UnboundedSender<Event>,
-    /// Speculative decoding with the n-gram drafter: at most this many drafts per pass (1..=15);
-    /// `None`: plain decoding. Greedy requests use the greedy acceptance rule (same text as plain
-    /// greedy); sampled ones the spec layer's rejection-sampling rule (same distribution, its
-    /// uniforms drawn from the request's one seeded stream).
-    pub speculate: Option<usize>,
+    /// Speculative decoding: the drafter (n-gram, or the engine's DFlash draft) and at most how
+    /// many drafts per pass (1..=15); `None`: plain decoding. Greedy requests use the greedy
+    /// acceptance rule (same text as plain greedy); sampled ones the spec layer's
+    /// rejection-sampling rule (drafts one-hot; same distribution, its uniforms drawn from the
+    /// request's one seeded stream).
+    pub speculate: Option<Speculate>,
     /// Keep generating past EOS (fixed-length streams for `forward-serve --bench`).
     pub ignore_eos: bool,
     /// Report each generated token's log-probability with this many top alternatives.
@@ -255,11 +317,30 @@ struct Speculation {
     /// Greedy, or rejection sampling with the request's temperature / top-k / top-p.
     rule: AcceptanceRule,
     draft_max: usize,
-    drafter: NgramDrafter,
+    drafter: SeqDrafter,
     /// Prompt and emitted tokens; the last one is the pending token (the drafter's convention).
     context: Vec<u32>,
     proposal: DraftProposal,
     begun: bool,
+    /// This turn's DFlash drafts (a buffer reused across turns).
+    drafts: Vec<u32>,
+}
+
+/// Who drafts for one sequence.
+enum SeqDrafter {
+    /// Its own n-gram drafter.
+    Ngram(NgramDrafter),
+    /// The engine's DFlash draft: the engine feeds the sequence's draft context as it commits.
+    Dflash,
+}
+
+impl SeqDrafter {
+    fn kind(&self) -> DrafterKind {
+        match self {
+            SeqDrafter::Ngram(_) => DrafterKind::Ngram,
+            SeqDrafter::Dflash => DrafterKind::Dflash,
+        }
+    }
 }
 
 /// One sequence's part of a decode pass.
@@ -685,14 +766,30 @@ fn decode_turn(
         let a = &mut active[i];
         let Some(pending) = a.pending else { continue };
         let mut tokens = vec![pending];
+        let mut spec_off = false;
         if let Some(sp) = a.spec.as_mut() {
             if k > 0 {
-                let drafted = propose(sp, &a.req.prompt, pending, k);
-                match drafted {
-                    Ok(()) => tokens.extend_from_slice(sp.proposal.tokens()),
-                    Err(e) => tracing::warn!("drafter: {e}; decoding plainly this turn"),
+                let kind = sp.drafter.kind();
+                match propose(engine, a.seq, sp, &a.req.prompt, pending, k, &mut tokens) {
+                    Ok(()) => {}
+                    Err(e) if kind == DrafterKind::Dflash => {
+                        // A DFlash context out of step with its sequence stays so: plain
+                        // decoding from here on (the output is the same, only slower).
+                        metrics.spec_errors[kind.index()].fetch_add(1, Relaxed);
+                        tracing::warn!("drafter dflash: {e}; the sequence decodes plainly");
+                        tokens.truncate(1);
+                        spec_off = true;
+                    }
+                    Err(e) => {
+                        metrics.spec_errors[kind.index()].fetch_add(1, Relaxed);
+                        tracing::warn!("drafter {}: {e}; decoding plainly this turn", kind.name());
+                        tokens.truncate(1);
+                    }
                 }
             }
+        }
+        if spec_off {
+            a.spec = None;
         }
         segments.push(Segment { active: i, tokens });
     }
@@ -800,15 +897,13 @@ fn decode_turn(
             fail(a, &e.to_string(), metrics);
             continue;
         }
-        metrics.spec_rounds.fetch_add(1, Relaxed);
-        metrics.spec_drafted.fetch_add(drafts.len() as u64, Relaxed);
-        metrics
-            .spec_accepted
-            .fetch_add(decision.accepted as u64, Relaxed);
         if let Some(sp) = a.spec.as_mut() {
+            metrics.record_round(sp.drafter.kind(), drafts.len(), decision.accepted);
             sp.context.extend_from_slice(&decision.emitted);
-            if let Err(e) = sp.drafter.observe(&sp.context, decision.accepted) {
-                tracing::warn!("drafter: {e}");
+            if let SeqDrafter::Ngram(drafter) = &mut sp.drafter {
+                if let Err(e) = drafter.observe(&sp.context, decision.accepted) {
+                    tracing::warn!("drafter: {e}");
+                }
             }
         }
         for (i, &t) in decision.emitted.iter().enumerate() {
@@ -826,22 +921,41 @@ fn decode_turn(
     }
 }
 
-/// Ask a sequence's drafter for up to `k` drafts after its pending token.
+/// Ask a sequence's drafter for up to `k` drafts after its pending token, appended to `tokens`.
 fn propose(
+    engine: &mut dyn Engine,
+    seq: SeqId,
     sp: &mut Speculation,
     prompt: &[u32],
     pending: u32,
     k: usize,
-) -> Result<(), xdna::spec::SpecError> {
+    tokens: &mut Vec<u32>,
+) -> Result<(), String> {
     if !sp.begun {
         sp.context.clear();
         sp.context.extend_from_slice(prompt);
         sp.context.push(pending);
-        sp.drafter.begin(&sp.context)?;
+        if let SeqDrafter::Ngram(drafter) = &mut sp.drafter {
+            drafter.begin(&sp.context).map_err(|e| e.to_string())?;
+        }
         sp.begun = true;
     }
-    sp.drafter
-        .propose(&sp.context, k, &sp.rule, &mut sp.proposal)
+    match &mut sp.drafter {
+        SeqDrafter::Ngram(drafter) => {
+            drafter
+                .propose(&sp.context, k, &sp.rule, &mut sp.proposal)
+                .map_err(|e| e.to_string())?;
+            tokens.extend_from_slice(sp.proposal.tokens());
+        }
+        SeqDrafter::Dflash => {
+            let mut drafts = std::mem::take(&mut sp.drafts);
+            let r = engine.dflash_drafts(seq, pending, k, &mut drafts);
+            tokens.extend_from_slice(&drafts);
+            sp.drafts = drafts;
+            r.map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
 }
 
 fn admit(
@@ -875,11 +989,32 @@ fn admit(
             return None;
         }
     };
-    // An echoed prompt's log-probabilities need every prompt row, so it is read in full.
-    let started = if wait || req.prompt_logprobs {
-        engine.new_sequence().map(|s| (s, 0))
-    } else {
-        engine.new_sequence_for(&req.prompt)
+    // Adjusted logits change from row to row with the tokens before them; such a request decodes
+    // plainly.
+    let speculate = req
+        .speculate
+        .filter(|s| s.draft_max > 0 && req.adjust.is_empty());
+    let mut dflash = speculate.is_some_and(|s| s.drafter == DrafterKind::Dflash);
+    // An echoed prompt's log-probabilities need every prompt row, so it is read in full; a
+    // sample waiting for its leader's prompt starts empty.
+    let start = SequenceStart {
+        reuse_prefix: !(wait || req.prompt_logprobs),
+        dflash,
+    };
+    let started = match engine.start_sequence(&req.prompt, start) {
+        Err(e) if dflash => {
+            metrics.spec_errors[DrafterKind::Dflash.index()].fetch_add(1, Relaxed);
+            tracing::warn!("drafter dflash: {e}; decoding plainly");
+            dflash = false;
+            engine.start_sequence(
+                &req.prompt,
+                SequenceStart {
+                    dflash: false,
+                    ..start
+                },
+            )
+        }
+        r => r,
     };
     let (seq, reused) = match started {
         Ok(s) => s,
@@ -893,23 +1028,15 @@ fn admit(
         metrics.prefix_tokens.fetch_add(reused as u64, Relaxed);
     }
     let rule = AcceptanceRule::for_sampling(&req.sampling);
-    // Adjusted logits change from row to row with the tokens before them; such a request decodes
-    // plainly.
-    let spec = match req.speculate {
-        Some(k) if k > 0 && req.adjust.is_empty() => {
+    let spec = match speculate {
+        Some(s) if dflash => Some((s, SeqDrafter::Dflash)),
+        Some(s) if s.drafter == DrafterKind::Ngram => {
             let config = NgramConfig {
-                max_drafts: k.min(MAX_STEP_ROWS - 1),
+                max_drafts: s.draft_max.min(MAX_STEP_ROWS - 1),
                 ..NgramConfig::default()
             };
             match NgramDrafter::new(config) {
-                Ok(drafter) => Some(Speculation {
-                    rule,
-                    draft_max: k.min(MAX_STEP_ROWS - 1),
-                    drafter,
-                    context: Vec::new(),
-                    proposal: DraftProposal::new(),
-                    begun: false,
-                }),
+                Ok(drafter) => Some((s, SeqDrafter::Ngram(drafter))),
                 Err(e) => {
                     tracing::warn!("n-gram drafter: {e}; decoding plainly");
                     None
@@ -917,7 +1044,16 @@ fn admit(
             }
         }
         _ => None,
-    };
+    }
+    .map(|(s, drafter)| Speculation {
+        rule,
+        draft_max: s.draft_max.min(MAX_STEP_ROWS - 1),
+        drafter,
+        context: Vec::new(),
+        proposal: DraftProposal::new(),
+        begun: false,
+        drafts: Vec::new(),
+    });
     Some(Active {
         seq,
         sampler,

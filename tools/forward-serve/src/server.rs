@@ -5,7 +5,7 @@ use super::engine::Loaded;
 use super::listen::{self, ConnLimits};
 use super::metrics::Metrics;
 use super::ollama;
-use super::scheduler::{self, Control};
+use super::scheduler::{self, Control, DrafterKind};
 use axum::routing::{get, post};
 use axum::Router;
 use std::future::Future;
@@ -23,6 +23,9 @@ pub enum ServeError {
     /// The engine thread was still running after the shutdown grace (plus 2 s).
     #[error("the engine thread did not stop within the shutdown grace")]
     EngineStuck,
+    /// The settings ask for what the engine cannot do.
+    #[error("config: {0}")]
+    Config(String),
 }
 
 /// Every route of the API (OpenAI, llama.cpp `/completion`, Ollama `/api/*`, health, metrics,
@@ -60,6 +63,16 @@ pub async fn run(
     loaded: Loaded,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let mut cfg = cfg;
+    cfg.dflash = loaded.engine.has_dflash();
+    if cfg
+        .speculate
+        .is_some_and(|s| s.drafter == DrafterKind::Dflash && !cfg.dflash)
+    {
+        return Err(ServeError::Config(
+            "DFlash speculation by default needs a DFlash draft (--draft PATH)".into(),
+        ));
+    }
     let metrics = Arc::new(Metrics::default());
     let control = Arc::new(Control::default());
     let (tx, rx) = mpsc::channel(cfg.max_queue.max(1));

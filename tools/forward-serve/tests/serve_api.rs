@@ -732,6 +732,188 @@ async fn closed_connection_cancels_non_streaming_generation() {
     s.stop().await;
 }
 
+/// DFlash drafting through the scheduler, over the fake engine's stand-in draft (its own
+/// continuation, every seventh byte wrong): greedy requests drafting with it, with n-gram drafts
+/// and plainly, all at once, return the plain text; its rounds, accepted drafts and τ are
+/// counted under `drafter="dflash"`, no proposal fails (the draft context follows every
+/// commit), and a server default of DFlash applies to requests that do not say. A server
+/// without a draft answers a request for one with a 400 naming `speculative`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dflash_drafts_through_the_scheduler_return_the_plain_text() {
+    let cfg = || Config {
+        max_batch: 16,
+        max_queue: 32,
+        ..small_cfg()
+    };
+    let s = TestServer::start_engine(
+        cfg(),
+        256,
+        forward_serve::fake::FakeEngine::new(16, Duration::ZERO).with_dflash(true),
+    )
+    .await;
+    // Nine sequences: seven rows of each pass are left for drafts.
+    let prompts = ["abcdefg", "hello world", "the cat sat on the mat"];
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        for spec in [
+            json!(false),
+            json!({"drafter": "dflash", "draft_max": 3 + i * 5}),
+            json!({"drafter": "ngram"}),
+        ] {
+            let addr = s.addr;
+            let p = p.to_string();
+            tasks.push(tokio::spawn(async move {
+                let r = post_json(
+                    addr,
+                    "/v1/completions",
+                    &json!({"prompt": p, "max_tokens": 60, "temperature": 0, "speculative": spec}),
+                )
+                .await;
+                assert_eq!(r.status, 200, "{}", r.text());
+                (p, r.json())
+            }));
+        }
+    }
+    for t in tasks {
+        let (p, v) = t.await.expect("join");
+        let (want, _) = expected_text(&p, 60);
+        assert_eq!(v["choices"][0]["text"].as_str(), Some(want.as_str()), "{p}");
+    }
+    let body = s.metrics().await;
+    let dflash =
+        |name: &str| metric(&body, &format!("{name}{{drafter=\"dflash\"}}")).unwrap_or(-1.0);
+    let (rounds, accepted, tau) = (
+        dflash("forward_serve_speculative_drafter_rounds_total"),
+        dflash("forward_serve_speculative_drafter_accepted_total"),
+        dflash("forward_serve_speculative_drafter_tau"),
+    );
+    eprintln!("dflash: {rounds} rounds, {accepted} accepted, tau {tau}");
+    assert!(rounds > 0.0 && accepted > 0.0, "{body}");
+    assert!((tau - (1.0 + accepted / rounds)).abs() < 1e-9, "{body}");
+    assert!(tau > 1.5, "the fake draft is mostly right: {body}");
+    assert_eq!(
+        dflash("forward_serve_speculative_drafter_errors_total"),
+        0.0,
+        "{body}"
+    );
+    let ngram = metric(
+        &body,
+        "forward_serve_speculative_drafter_rounds_total{drafter=\"ngram\"}",
+    );
+    assert!(ngram.is_some_and(|r| r > 0.0), "{body}");
+    // The drafters' rounds add up to all speculative rounds.
+    let all = metric(&body, "forward_serve_speculative_rounds_total").unwrap_or(0.0);
+    assert_eq!(all, rounds + ngram.unwrap_or(0.0), "{body}");
+    // Sampled and streamed requests draft with it too.
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "abcd", "max_tokens": 30, "temperature": 0, "stream": true, "speculative": {"drafter": "dflash"}}),
+    )
+    .await;
+    let text: String = r
+        .sse()
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, expected_text("abcd", 30).0);
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "sampled", "max_tokens": 50, "temperature": 0.8, "seed": 3, "speculative": {"drafter": "dflash"}}),
+    )
+    .await;
+    assert_eq!(
+        r.json()["choices"][0]["text"].as_str(),
+        Some(expected_text("sampled", 50).0.as_str())
+    );
+    // `"type"` is not a key of the field (no server reads a drafter from it).
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "abc", "speculative": {"type": "dflash"}}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(err_of(&r)["param"], "speculative");
+    assert!(r.text().contains("speculative.type"), "{}", r.text());
+    s.stop().await;
+
+    // `--speculate dflash`: requests that do not say draft with DFlash.
+    let s = TestServer::start_engine(
+        Config {
+            speculate: Some(forward_serve::scheduler::Speculate::dflash(4)),
+            ..cfg()
+        },
+        256,
+        forward_serve::fake::FakeEngine::new(16, Duration::ZERO).with_dflash(true),
+    )
+    .await;
+    for spec in [Value::Null, json!(true), json!({"draft_max": 2})] {
+        let r = post_json(
+            s.addr,
+            "/v1/completions",
+            &json!({"prompt": "hello world", "max_tokens": 40, "temperature": 0, "speculative": spec}),
+        )
+        .await;
+        assert_eq!(
+            r.json()["choices"][0]["text"].as_str(),
+            Some(expected_text("hello world", 40).0.as_str())
+        );
+    }
+    let body = s.metrics().await;
+    assert!(
+        metric(
+            &body,
+            "forward_serve_speculative_drafter_rounds_total{drafter=\"dflash\"}"
+        )
+        .is_some_and(|r| r >= 3.0),
+        "{body}"
+    );
+    assert_eq!(
+        metric(
+            &body,
+            "forward_serve_speculative_drafter_rounds_total{drafter=\"ngram\"}"
+        ),
+        Some(0.0),
+        "{body}"
+    );
+    s.stop().await;
+
+    // No draft: a 400 naming the field, for the OpenAI, llama.cpp and Ollama routes alike.
+    let s = TestServer::start(cfg(), 256, Duration::ZERO).await;
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "abc", "speculative": {"drafter": "dflash"}}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "speculative": {"drafter": "dflash", "draft_max": 4}}),
+        ),
+        (
+            "/completion",
+            json!({"prompt": "abc", "speculative": {"drafter": "dflash"}}),
+        ),
+    ] {
+        let r = post_json(s.addr, path, &body).await;
+        assert_eq!(r.status, 400, "{path}: {}", r.text());
+        let e = err_of(&r);
+        assert_eq!(e["param"], "speculative", "{path}");
+        assert!(
+            e["message"].as_str().is_some_and(|m| m.contains("--draft")),
+            "{path}: {e}"
+        );
+    }
+    let body = s.metrics().await;
+    assert!(
+        body.contains("forward_serve_speculative_drafter_rounds_total{drafter=\"dflash\"} 0"),
+        "{body}"
+    );
+    s.stop().await;
+}
+
 /// Greedy speculative decoding (n-gram drafts verified as extra rows of the batched pass) returns
 /// exactly the plain greedy text — per request and per server — and τ shows up in /metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -836,7 +1018,7 @@ async fn speculative_greedy_equals_plain_and_reports_tau() {
     // Per server: every greedy request speculates; `"speculative": false` opts out.
     let s = TestServer::start(
         Config {
-            speculate: Some(6),
+            speculate: Some(forward_serve::scheduler::Speculate::ngram(6)),
             ..small_cfg()
         },
         256,

@@ -124,6 +124,7 @@ async fn load_real_with(path: &std::path::Path, ctx: usize, prefix_cache: usize)
         ctx,
         max_sequences: 16,
         prefix_cache,
+        draft: None,
     };
     tokio::task::spawn_blocking(move || forward_serve::engine::load(&spec))
         .await

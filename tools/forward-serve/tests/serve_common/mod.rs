@@ -189,9 +189,14 @@ pub struct TestServer {
 
 impl TestServer {
     pub async fn start(cfg: Config, ctx: usize, delay: Duration) -> TestServer {
+        let engine = FakeEngine::new(cfg.max_batch, delay);
+        TestServer::start_engine(cfg, ctx, engine).await
+    }
+    /// The server over `engine` (a fake engine set up by the test, e.g. with its DFlash drafts).
+    pub async fn start_engine(cfg: Config, ctx: usize, engine: FakeEngine) -> TestServer {
         let loaded = Loaded {
             codec: Arc::new(FakeCodec::new(ctx)),
-            engine: Box::new(FakeEngine::new(cfg.max_batch, delay)),
+            engine: Box::new(engine),
         };
         let (addr, tx, join) = serve_loaded(loaded, cfg).await;
         TestServer {
