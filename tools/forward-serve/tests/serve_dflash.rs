@@ -45,11 +45,14 @@ fn gguf_py() -> Option<PathBuf> {
 /// `random_gguf.py --arch dflash` and the shape arguments `shape`.
 fn random_draft(target: &Path, name: &str, shape: &[&str]) -> Option<PathBuf> {
     let gguf_py = gguf_py()?;
-    let out = std::env::temp_dir().join(format!(
-        "forward-serve-dflash-{}-{name}.gguf",
-        std::process::id()
-    ));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../llama-cpp/random_gguf.py");
+    let (out, tmp) = kept_file(
+        &format!("{name}-{shape:?}-{}", target.display()),
+        &[Path::new(script)],
+    );
+    if out.is_file() {
+        return Some(out);
+    }
     let run = Command::new("python3")
         .arg(script)
         .args([
@@ -64,7 +67,7 @@ fn random_draft(target: &Path, name: &str, shape: &[&str]) -> Option<PathBuf> {
         .arg("--tokenizer-from")
         .arg(target)
         .arg("--out")
-        .arg(&out)
+        .arg(&tmp)
         .env("PYTHONPATH", &gguf_py)
         .output()
         .expect("run python3");
@@ -73,7 +76,30 @@ fn random_draft(target: &Path, name: &str, shape: &[&str]) -> Option<PathBuf> {
         "random_gguf.py --arch dflash failed: {}",
         String::from_utf8_lossy(&run.stderr)
     );
+    std::fs::rename(&tmp, &out).expect("rename the draft into place");
     Some(out)
+}
+
+/// Where a generated file is kept between runs — named by `what` and the bytes of the
+/// `sources` that write it, so that a run reuses both the file and its import in the package
+/// cache (a new file each run would be imported anew each run) — and the temporary name it is
+/// written under first (renamed into place: parallel runs never see half a file).
+fn kept_file(what: &str, sources: &[&Path]) -> (PathBuf, PathBuf) {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    what.hash(&mut h);
+    for s in sources {
+        std::fs::read(s).expect("read a source").hash(&mut h);
+    }
+    let key = h.finish();
+    let dir = std::env::temp_dir();
+    (
+        dir.join(format!("forward-serve-dflash-{key:016x}.gguf")),
+        dir.join(format!(
+            "forward-serve-dflash-{key:016x}.{}.tmp.gguf",
+            std::process::id()
+        )),
+    )
 }
 
 const SHAPE: [&str; 10] = [
@@ -678,26 +704,27 @@ fn the_binary_refuses_drafts_that_do_not_fit() {
         ],
     )
     .expect("narrow draft");
-    let retokened = std::env::temp_dir().join(format!(
-        "forward-serve-dflash-{}-retokened.gguf",
-        std::process::id()
-    ));
-    let run = Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/python/retoken_gguf.py"
-        ))
-        .arg(&draft)
-        .arg(&retokened)
-        .args(["300", "301"])
-        .env("PYTHONPATH", &gguf_py)
-        .output()
-        .expect("python3");
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
+    let retoken = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/retoken_gguf.py");
+    let (retokened, tmp) = kept_file(
+        &format!("retokened {}", draft.display()),
+        &[Path::new(retoken), &draft],
     );
+    if !retokened.is_file() {
+        let run = Command::new("python3")
+            .arg(retoken)
+            .arg(&draft)
+            .arg(&tmp)
+            .args(["300", "301"])
+            .env("PYTHONPATH", &gguf_py)
+            .output()
+            .expect("python3");
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        std::fs::rename(&tmp, &retokened).expect("rename into place");
+    }
     let refused = |args: &[&std::ffi::OsStr], want: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_forward-serve"))
             .args(["--backend", "host", "--port", "0", "--model"])
@@ -755,9 +782,6 @@ fn the_binary_refuses_drafts_that_do_not_fit() {
         e["message"].as_str().is_some_and(|m| m.contains("--draft")),
         "{e}"
     );
-    for p in [narrow, retokened] {
-        let _ = std::fs::remove_file(p);
-    }
 }
 
 /// The official OpenAI Python client against the binary started with `--draft`: the request
