@@ -12,6 +12,10 @@
 //! every block row (no causal mask inside the block unless the draft says so), output
 //! projection, residual, gated MLP, residual. The final norm, then the target's own head: block
 //! row `i ≥ 1` scores the token at position `P + i`, the drafts are their argmaxes.
+//!
+//! Generation 2 (z-lab `DFlash2DraftModel`) wraps attention and the MLP of the block rows in
+//! grouped dynamic convolutions ([`grouped_conv`]) and picks each draft with the candidate
+//! selector ([`DflashDraft::block_drafts`]); the context rows are the same.
 
 use std::sync::Arc;
 
@@ -22,7 +26,7 @@ use super::ops;
 use super::ModelError;
 use crate::kernels::attention::{attend_rows, AttentionRow, AttentionShape};
 use crate::kernels::{activation, Executor, HostExecutor, RowFamily};
-use crate::weights::{DflashParams, ModelConfig, Package};
+use crate::weights::{Dflash2Params, DflashParams, ModelConfig, Package};
 
 /// Most rows one projection call takes (the `m128` family).
 const MAX_ROWS_PER_GEMM: usize = RowFamily::M128.max_rows();
@@ -40,6 +44,26 @@ struct DraftLayer {
     /// gate ‖ up, `[2 intermediate, hidden]`.
     gate_up: Box<dyn Projection>,
     down: Box<dyn Projection>,
+    /// Generation 2: the convolutions around attention and around the MLP.
+    conv: Option<[LayerConv; 2]>,
+}
+
+/// One generation-2 convolution pair: its kernel projection and base kernels.
+struct LayerConv {
+    /// `[2 · kernel · groups, hidden]`: a row's own kernels, input side then output side.
+    projection: Box<dyn Projection>,
+    /// `[2, kernel, hidden]`: the base kernels, input side then output side.
+    base: Vec<f32>,
+}
+
+/// The generation-2 candidate selector.
+struct Selector {
+    /// `[vocab, rank]`: the previous pick's code.
+    predecessor: Vec<f32>,
+    /// `[vocab, rank]`: each candidate's code.
+    successor: Vec<f32>,
+    /// `[rank, hidden]`: the row's gate on the pairwise term, from its final hidden state.
+    hidden: Box<dyn Projection>,
 }
 
 /// A DFlash draft's weights on the host executor.
@@ -50,6 +74,7 @@ pub struct DflashWeights {
     fc: Box<dyn Projection>,
     hidden_norm: Vec<f32>,
     final_norm: Vec<f32>,
+    selector: Option<Selector>,
 }
 
 impl DflashWeights {
@@ -104,6 +129,23 @@ impl DflashWeights {
                         cols,
                     )?))
                 };
+            let conv = match params.generation2 {
+                None => None,
+                Some(g) => {
+                    let projected = 2 * g.conv_kernel * g.groups(h);
+                    let pair = |hf: &str| -> Result<LayerConv, ModelError> {
+                        Ok(LayerConv {
+                            projection: one(
+                                &format!("{hf}.kernel_projection.weight"),
+                                projected,
+                                h,
+                            )?,
+                            base: vector(&n(&format!("{hf}.base_kernel")), 2 * g.conv_kernel * h)?,
+                        })
+                    };
+                    Some([pair("attention_conv")?, pair("mlp_conv")?])
+                }
+            };
             let (k, v) = (n("self_attn.k_proj.weight"), n("self_attn.v_proj.weight"));
             let (gate, up) = (n("mlp.gate_proj.weight"), n("mlp.up_proj.weight"));
             layers.push(DraftLayer {
@@ -116,8 +158,30 @@ impl DflashWeights {
                 ffn_norm: vector(&n("post_attention_layernorm.weight"), h)?,
                 gate_up: stacked(&opts, &exec, pkg, &[&gate, &up], &[inter, inter], h)?,
                 down: one("mlp.down_proj.weight", h, inter)?,
+                conv,
             });
         }
+        let selector = match params.generation2 {
+            None => None,
+            Some(g) => Some(Selector {
+                predecessor: vector(
+                    "model.candidate_selector.predecessor_codebook",
+                    config.vocab * g.selector_rank,
+                )?,
+                successor: vector(
+                    "model.candidate_selector.successor_codebook",
+                    config.vocab * g.selector_rank,
+                )?,
+                hidden: Box::new(projection(
+                    &opts,
+                    &exec,
+                    pkg,
+                    &["model.candidate_selector.hidden_projection.weight"],
+                    &[g.selector_rank],
+                    h,
+                )?),
+            }),
+        };
         let fc_cols = params.target_layers.len() * h;
         let fc = Box::new(projection(
             &opts,
@@ -134,6 +198,7 @@ impl DflashWeights {
             params,
             layers,
             fc,
+            selector,
         })
     }
 
@@ -196,6 +261,10 @@ struct Scratch {
     scores: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// Generation 2: the rows' own kernels of the current convolution pair, and its output.
+    dynamic: Vec<f32>,
+    conv: Vec<f32>,
+    gate: Vec<f32>,
 }
 
 fn sized(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
@@ -217,6 +286,7 @@ pub struct DflashDraft {
     values: Vec<Vec<f32>>,
     s: Scratch,
     logits: Vec<f32>,
+    margins: Vec<f32>,
 }
 
 impl DflashDraft {
@@ -233,6 +303,7 @@ impl DflashDraft {
             values: vec![Vec::new(); layers],
             s: Scratch::default(),
             logits: Vec::new(),
+            margins: Vec::new(),
         })
     }
 
@@ -373,9 +444,13 @@ impl DflashDraft {
         }
         let total = base + rows;
         sized(&mut s.scores, total);
+        let generation2 = p.generation2;
         for (l, layer) in self.w.layers.iter().enumerate() {
             let xn = sized(&mut s.xn, rows * h);
             ops::rmsnorm(&s.x[..rows * h], &layer.attn_norm, eps, xn);
+            if let (Some(g), Some([attn_conv, _])) = (generation2, &layer.conv) {
+                conv_input(attn_conv, g, rows, h, family, s)?;
+            }
             let q = sized(&mut s.q, rows * qd);
             layer.q.gemm(&s.xn[..rows * h], rows, q, family)?;
             let kv = sized(&mut s.kv, rows * 2 * kvd);
@@ -422,18 +497,27 @@ impl DflashDraft {
             self.values[l].truncate(base * kvd);
             let o = sized(&mut s.o, rows * h);
             layer.o.gemm(&s.attn[..rows * qd], rows, o, family)?;
-            for (xv, ov) in s.x[..rows * h].iter_mut().zip(o.iter()) {
+            if let (Some(g), Some([attn_conv, _])) = (generation2, &layer.conv) {
+                conv_output(attn_conv, g, rows, h, s);
+            }
+            for (xv, ov) in s.x[..rows * h].iter_mut().zip(s.o.iter()) {
                 *xv += ov;
             }
             let xn = sized(&mut s.xn, rows * h);
             ops::rmsnorm(&s.x[..rows * h], &layer.ffn_norm, eps, xn);
+            if let (Some(g), Some([_, ffn_conv])) = (generation2, &layer.conv) {
+                conv_input(ffn_conv, g, rows, h, family, s)?;
+            }
             let gu = sized(&mut s.gate_up, rows * 2 * inter);
             layer.gate_up.gemm(&s.xn[..rows * h], rows, gu, family)?;
             let act = sized(&mut s.act, rows * inter);
             activation::swiglu(&s.gate_up[..rows * 2 * inter], inter, act);
             let o = sized(&mut s.o, rows * h);
             layer.down.gemm(&s.act[..rows * inter], rows, o, family)?;
-            for (xv, ov) in s.x[..rows * h].iter_mut().zip(o.iter()) {
+            if let (Some(g), Some([_, ffn_conv])) = (generation2, &layer.conv) {
+                conv_output(ffn_conv, g, rows, h, s);
+            }
+            for (xv, ov) in s.x[..rows * h].iter_mut().zip(s.o.iter()) {
                 *xv += ov;
             }
         }
@@ -457,10 +541,248 @@ fn tile_error(name: &str, e: crate::tiles::TileError) -> ModelError {
     }
 }
 
+impl DflashDraft {
+    /// The block's drafts after `pending` (`block_size − 1` of them, for positions
+    /// `context() + 1..`): each row's argmax (the first of equals) for generation 1; for
+    /// generation 2 the selector's walk: among row `i`'s `top_k` highest-scoring tokens (ties to
+    /// the lower id), the one maximising its logit plus the pairwise term
+    /// `⟨successor[candidate], predecessor[previous pick] ⊙ gate_i⟩` (the previous pick of row 1
+    /// is `pending`; `gate_i` = `selector_hidden` · row `i`'s final hidden state); the first of
+    /// equal scores wins.
+    pub fn block_drafts(&mut self, pending: u32, drafts: &mut Vec<u32>) -> Result<(), ModelError> {
+        let mut margins = std::mem::take(&mut self.margins);
+        let r = self.block_drafts_given(pending, None, drafts, &mut margins);
+        self.margins = margins;
+        r
+    }
+
+    /// [`block_drafts`](Self::block_drafts), with each draft's margin (the top-2 logit margin
+    /// for generation 1; for generation 2 the selector's score margin or, when smaller, the gap
+    /// at the edge of the candidate set); for generation 2 each row's previous pick may be
+    /// `given` (another walk's drafts), to compare with that walk row by row.
+    pub fn block_drafts_given(
+        &mut self,
+        pending: u32,
+        given: Option<&[u32]>,
+        drafts: &mut Vec<u32>,
+        margins: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        drafts.clear();
+        margins.clear();
+        let vocab = self.target.config.vocab;
+        self.block_logits(pending)?;
+        let rows = self.w.params.block_size - 1;
+        let (Some(g), Some(selector)) = (self.w.params.generation2, &self.w.selector) else {
+            for row in self.logits[..rows * vocab].chunks_exact(vocab) {
+                let best = argmax(row);
+                let second = row
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| i != best as usize)
+                    .fold(f32::NEG_INFINITY, |m, (_, &v)| m.max(v));
+                drafts.push(best);
+                margins.push(row[best as usize] - second);
+            }
+            return Ok(());
+        };
+        let (h, rank) = (self.w.config.hidden, g.selector_rank);
+        // `block_logits` leaves the rows' final hidden states (rows 1..) in `xn`.
+        let gate = sized(&mut self.s.gate, rows * rank);
+        selector.hidden.gemm(
+            &self.s.xn[..rows * h],
+            rows,
+            gate,
+            RowFamily::for_rows(rows),
+        )?;
+        selector_walk(
+            &self.logits[..rows * vocab],
+            &self.s.gate[..rows * rank],
+            &selector.predecessor,
+            &selector.successor,
+            vocab,
+            rank,
+            g.selector_top_k,
+            pending,
+            given,
+            drafts,
+            margins,
+        );
+        Ok(())
+    }
+}
+
+/// The selector's walk over `rows` block rows (`logits` `[rows, vocab]`, `gate` `[rows, rank]`,
+/// codebooks `[vocab, rank]`): row `i` picks, among its `top_k` highest logits (ties to the lower
+/// id, the first of equal scores winning), the candidate `c` maximising `logits[i][c] +
+/// Σ_r successor[c][r] · predecessor[previous][r] · gate[i][r]`, where `previous` is row `i − 1`'s
+/// pick (`pending` for row 0), or `given[i − 1]` when another walk's picks are `given` (to
+/// compare walks row by row). `margins` gets, per row, the smaller of its best score minus its
+/// second best and its last candidate's logit minus the best logit left out.
+#[allow(clippy::too_many_arguments)] // the walk's inputs, each a different table
+pub fn selector_walk(
+    logits: &[f32],
+    gate: &[f32],
+    predecessor: &[f32],
+    successor: &[f32],
+    vocab: usize,
+    rank: usize,
+    top_k_count: usize,
+    pending: u32,
+    given: Option<&[u32]>,
+    drafts: &mut Vec<u32>,
+    margins: &mut Vec<f32>,
+) {
+    drafts.clear();
+    margins.clear();
+    let mut previous = pending;
+    let mut candidates: Vec<u32> = (0..vocab as u32).collect();
+    for (i, (row, gate_row)) in logits
+        .chunks_exact(vocab)
+        .zip(gate.chunks_exact(rank))
+        .enumerate()
+    {
+        if let Some(&g) = given.and_then(|g| i.checked_sub(1).and_then(|j| g.get(j))) {
+            previous = g;
+        }
+        let top = top_k(row, top_k_count, &mut candidates);
+        let code = &predecessor[previous as usize * rank..][..rank];
+        let (mut best, mut second) = ((f32::NEG_INFINITY, top[0]), f32::NEG_INFINITY);
+        for &c in top {
+            let succ = &successor[c as usize * rank..][..rank];
+            let pair: f32 = succ
+                .iter()
+                .zip(code)
+                .zip(gate_row)
+                .map(|((s, p), g)| s * p * g)
+                .sum();
+            let score = row[c as usize] + pair;
+            if score > best.0 {
+                second = best.0;
+                best = (score, c);
+            } else if score > second {
+                second = score;
+            }
+        }
+        // How settled the candidate set is: the gap between the last candidate's logit and the
+        // best one left out (a token crossing it could win through its pairwise term).
+        let last = row[top[top.len() - 1] as usize];
+        let left_out = candidates[top_k_count.min(candidates.len())..]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &c| m.max(row[c as usize]));
+        drafts.push(best.1);
+        margins.push((best.0 - second).min(last - left_out));
+        previous = best.1;
+    }
+}
+
+/// Index of the largest value; the first of equals (NaN never wins).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] || row[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `k` highest-scoring ids of `logits`, highest first, ties to the lower id; `ids` is
+/// scratch holding a permutation of `0..logits.len()`.
+fn top_k<'a>(logits: &[f32], k: usize, ids: &'a mut [u32]) -> &'a [u32] {
+    let k = k.min(ids.len()).max(1);
+    let order = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    ids.select_nth_unstable_by(k - 1, order);
+    ids[..k].sort_unstable_by(order);
+    &ids[..k]
+}
+
+/// The input side of a generation-2 convolution pair: the rows' own kernels from the normed
+/// rows in `xn` (kept in `dynamic` for the output side), then `xn` convolved in place.
+fn conv_input(
+    pair: &LayerConv,
+    g: Dflash2Params,
+    rows: usize,
+    hidden: usize,
+    family: RowFamily,
+    s: &mut Scratch,
+) -> Result<(), ModelError> {
+    let width = 2 * g.conv_kernel * g.groups(hidden);
+    let dynamic = sized(&mut s.dynamic, rows * width);
+    pair.projection
+        .gemm(&s.xn[..rows * hidden], rows, dynamic, family)?;
+    let out = sized(&mut s.conv, rows * hidden);
+    grouped_conv(
+        &s.xn[..rows * hidden],
+        &s.dynamic[..rows * width],
+        &pair.base,
+        g,
+        hidden,
+        0,
+        out,
+    );
+    s.xn[..rows * hidden].copy_from_slice(&s.conv[..rows * hidden]);
+    Ok(())
+}
+
+/// The output side of a generation-2 convolution pair, on the sub-layer's output in `o`, with
+/// the kernels its input side computed.
+fn conv_output(pair: &LayerConv, g: Dflash2Params, rows: usize, hidden: usize, s: &mut Scratch) {
+    let width = 2 * g.conv_kernel * g.groups(hidden);
+    let out = sized(&mut s.conv, rows * hidden);
+    grouped_conv(
+        &s.o[..rows * hidden],
+        &s.dynamic[..rows * width],
+        &pair.base,
+        g,
+        hidden,
+        1,
+        out,
+    );
+    s.o[..rows * hidden].copy_from_slice(&s.conv[..rows * hidden]);
+}
+
+/// The grouped dynamic convolution of generation 2 over one block's rows (`x`, `out`:
+/// `[rows, hidden]`): `out[t][c] = Σ_{j < kernel, j ≤ t} (dynamic[t][side][j][c / group] +
+/// base[side][j][c]) · x[t − j][c]`. Offset `j` reads the row `j` places earlier; nothing is read
+/// across the block's start. `dynamic` is `[rows, 2, kernel, groups]`, `base` `[2, kernel, hidden]`.
+pub fn grouped_conv(
+    x: &[f32],
+    dynamic: &[f32],
+    base: &[f32],
+    g: Dflash2Params,
+    hidden: usize,
+    side: usize,
+    out: &mut [f32],
+) {
+    let (kernel, groups, group) = (g.conv_kernel, g.groups(hidden), g.conv_group);
+    let width = 2 * kernel * groups;
+    let rows = out.len() / hidden;
+    out.fill(0.0);
+    for t in 0..rows {
+        let own = &dynamic[t * width + side * kernel * groups..][..kernel * groups];
+        let o = &mut out[t * hidden..(t + 1) * hidden];
+        for j in 0..kernel.min(t + 1) {
+            let src = &x[(t - j) * hidden..(t - j + 1) * hidden];
+            let base_j = &base[(side * kernel + j) * hidden..][..hidden];
+            for (c, ((ov, &xv), &b)) in o.iter_mut().zip(src).zip(base_j).enumerate() {
+                *ov += (own[j * groups + c / group] + b) * xv;
+            }
+        }
+    }
+}
+
 /// RoPE on the first `rotary_dim` values of one head (HF half-split pairs).
 fn rope_head(head: &mut [f32], rotary_dim: usize, cos: &[f32], sin: &[f32]) {
     ops::rope_half_split(&mut head[..rotary_dim], cos, sin);
 }
+
+/// A generation-2 convolution pair in f64: kernel projection `[2 · kernel · groups, hidden]`,
+/// base kernels `[2, kernel, hidden]`.
+type ConvWeights = (Vec<f64>, Vec<f64>);
 
 /// The same forward from the package's decoded weights in f64, one row at a time, with nothing
 /// cached: `features` `[context, taps · hidden]` and the block `[pending, mask, …]` give the
@@ -580,14 +902,65 @@ pub fn reference_block_logits(
             keys.push(k);
             values.push(v);
         }
-        let xn: Vec<Vec<f64>> = x.iter().map(|xr| rms(xr, &an)).collect();
+        // Generation 2: a convolution pair's kernels from the normed rows, and the convolution
+        // of a side over all block rows (each row reads itself and the rows before it).
+        let conv_pair = |hf: &str| -> Result<Option<ConvWeights>, ModelError> {
+            let Some(g) = p.generation2 else {
+                return Ok(None);
+            };
+            let projected = 2 * g.conv_kernel * g.groups(h);
+            Ok(Some((
+                matrix(
+                    draft,
+                    &n(&format!("{hf}.kernel_projection.weight")),
+                    projected,
+                    h,
+                )?,
+                vector(&n(&format!("{hf}.base_kernel")))?,
+            )))
+        };
+        let conv = |rows_in: &[Vec<f64>], own: &[Vec<f64>], base: &[f64], side: usize| {
+            let Some(g) = p.generation2 else {
+                return rows_in.to_vec();
+            };
+            let (kernel, groups) = (g.conv_kernel, g.groups(h));
+            (0..rows_in.len())
+                .map(|t| {
+                    (0..h)
+                        .map(|ch| {
+                            (0..kernel.min(t + 1))
+                                .map(|j| {
+                                    let w = own[t]
+                                        [(side * kernel + j) * groups + ch / g.conv_group]
+                                        + base[(side * kernel + j) * h + ch];
+                                    w * rows_in[t - j][ch]
+                                })
+                                .sum()
+                        })
+                        .collect()
+                })
+                .collect::<Vec<Vec<f64>>>()
+        };
+        let attn_conv = conv_pair("attention_conv")?;
+        let ffn_conv = conv_pair("mlp_conv")?;
+        let mut xn: Vec<Vec<f64>> = x.iter().map(|xr| rms(xr, &an)).collect();
+        let attn_own: Vec<Vec<f64>> = match &attn_conv {
+            Some((proj, base)) => {
+                let own: Vec<Vec<f64>> =
+                    xn.iter().map(|r| matvec(proj, r, proj.len() / h)).collect();
+                xn = conv(&xn, &own, base, 0);
+                own
+            }
+            None => Vec::new(),
+        };
         for (r, xr) in xn.iter().enumerate() {
             let (k, v) = kv_of(xr, ctx + r);
             keys.push(k);
             values.push(v);
         }
-        for r in 0..rows {
-            let mut q = matvec(&wq, &xn[r], qd);
+        let mut attn_out = Vec::with_capacity(rows);
+        for (r, xr) in xn.iter().enumerate() {
+            let mut q = matvec(&wq, xr, qd);
             for head in q.chunks_exact_mut(hd) {
                 let normed = rms(head, &qn);
                 head.copy_from_slice(&normed);
@@ -614,22 +987,45 @@ pub fn reference_block_logits(
                     }
                 }
             }
-            let o = matvec(&wo, &attn, h);
-            for (xv, ov) in x[r].iter_mut().zip(o) {
+            attn_out.push(matvec(&wo, &attn, h));
+        }
+        if let Some((_, base)) = &attn_conv {
+            attn_out = conv(&attn_out, &attn_own, base, 1);
+        }
+        for (xr, o) in x.iter_mut().zip(attn_out) {
+            for (xv, ov) in xr.iter_mut().zip(o) {
                 *xv += ov;
             }
         }
-        for xr in x.iter_mut() {
-            let xn = rms(xr, &fnorm);
-            let gate = matvec(&wg, &xn, inter);
-            let up = matvec(&wu, &xn, inter);
-            let act: Vec<f64> = gate
-                .iter()
-                .zip(&up)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            for (xv, dv) in xr.iter_mut().zip(matvec(&wd, &act, h)) {
-                *xv += dv;
+        let mut xn: Vec<Vec<f64>> = x.iter().map(|xr| rms(xr, &fnorm)).collect();
+        let ffn_own: Vec<Vec<f64>> = match &ffn_conv {
+            Some((proj, base)) => {
+                let own: Vec<Vec<f64>> =
+                    xn.iter().map(|r| matvec(proj, r, proj.len() / h)).collect();
+                xn = conv(&xn, &own, base, 0);
+                own
+            }
+            None => Vec::new(),
+        };
+        let mut ffn_out: Vec<Vec<f64>> = xn
+            .iter()
+            .map(|xr| {
+                let gate = matvec(&wg, xr, inter);
+                let up = matvec(&wu, xr, inter);
+                let act: Vec<f64> = gate
+                    .iter()
+                    .zip(&up)
+                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                    .collect();
+                matvec(&wd, &act, h)
+            })
+            .collect();
+        if let Some((_, base)) = &ffn_conv {
+            ffn_out = conv(&ffn_out, &ffn_own, base, 1);
+        }
+        for (xr, o) in x.iter_mut().zip(ffn_out) {
+            for (xv, ov) in xr.iter_mut().zip(o) {
+                *xv += ov;
             }
         }
     }
@@ -649,4 +1045,101 @@ pub fn reference_block_logits(
     }
     out.extend(logits.into_iter().map(|v| v as f32));
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_takes_the_first_of_equals_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 0.5]), 1);
+        assert_eq!(argmax(&[-1.0]), 0);
+    }
+
+    #[test]
+    fn top_k_orders_by_score_then_id() {
+        let logits = [0.5, 2.0, -1.0, 2.0, 1.0];
+        let mut ids: Vec<u32> = (0..5).collect();
+        assert_eq!(top_k(&logits, 3, &mut ids), &[1, 3, 4]);
+    }
+
+    /// Vocabulary 4, rank 1, top 3: two rows whose picks follow from the pairwise term by hand.
+    #[test]
+    fn selector_walk_by_hand() {
+        // Row 0 logits: candidates (top 3) are 2 (3.0), 0 (2.0), 1 (1.0); token 3 is left out.
+        // Row 1 logits: candidates 3 (1.0), 1 (0.5), 0 (0.5) — 1 before 0 by score, then id.
+        let logits = [2.0, 1.0, 3.0, -5.0, 0.5, 0.5, -1.0, 1.0];
+        let gate = [1.0, 2.0];
+        // predecessor[t], successor[t] (rank 1).
+        let predecessor = [1.0, -1.0, 0.5, 2.0];
+        let successor = [0.0, 3.0, -1.0, 0.25];
+        let (mut drafts, mut margins) = (Vec::new(), Vec::new());
+        let mut walk = |gate: &[f32], given: Option<&[u32]>| {
+            selector_walk(
+                &logits,
+                gate,
+                &predecessor,
+                &successor,
+                4,
+                1,
+                3,
+                3,
+                given,
+                &mut drafts,
+                &mut margins,
+            );
+            (drafts.clone(), margins.clone())
+        };
+        // Row 0, previous = pending 3 (code 2.0), gate 1: 2 → 3 − 2 = 1; 0 → 2 + 0 = 2;
+        // 1 → 1 + 6 = 7: pick 1 by 5. Row 1, previous 1 (code −1), gate 2: 3 → 1 − 0.5 = 0.5;
+        // 1 → 0.5 − 6 = −5.5; 0 → 0.5 + 0 = 0.5: a tie with 3, the first (3) wins, margin 0.
+        assert_eq!(walk(&gate, None), (vec![1, 3], vec![5.0, 0.0]));
+        // Row 1 after another walk's pick 2 (code 0.5, gate 2): 3 → 1 + 0.25 = 1.25;
+        // 1 → 0.5 + 3 = 3.5; 0 → 0.5: pick 1 by 2.25, but the candidate set's edge is closer:
+        // its last logit 0.5 against the best left out, −1 (row 0's edge: 1 against −5).
+        assert_eq!(walk(&gate, Some(&[2])), (vec![1, 1], vec![5.0, 1.5]));
+        // Without the pairwise term (gate 0) the walk is the rows' argmax.
+        assert_eq!(walk(&[0.0, 0.0], None).0, vec![2, 3]);
+    }
+
+    /// Three rows, hidden 4 in 2 groups of 2, kernel 2: every output by hand.
+    #[test]
+    fn grouped_conv_by_hand() {
+        let g = Dflash2Params {
+            conv_kernel: 2,
+            conv_group: 2,
+            selector_rank: 1,
+            selector_top_k: 1,
+        };
+        let x = [
+            1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0, -1.0, 0.0, 1.0, 2.0,
+        ];
+        // Per row [side 0: (j0: g0, g1), (j1: g0, g1)], [side 1: …]; only side 0 is read here.
+        let dynamic = [
+            0.5, 1.0, 0.0, 0.0, 9.0, 9.0, 9.0, 9.0, //
+            0.0, 0.0, 1.0, 2.0, 9.0, 9.0, 9.0, 9.0, //
+            1.0, 0.0, 0.0, 1.0, 9.0, 9.0, 9.0, 9.0,
+        ];
+        // base[side][j][c]: side 0 offset 0 = 1 everywhere, offset 1 = 0.1·c; side 1 unused.
+        let mut base = vec![0.0f32; 2 * 2 * 4];
+        base[..4].fill(1.0);
+        for c in 0..4 {
+            base[4 + c] = 0.1 * c as f32;
+        }
+        let mut out = [0.0f32; 12];
+        grouped_conv(&x, &dynamic, &base, g, 4, 0, &mut out);
+        // Row 0: offset 0 only: (own + 1) · x0 = [1.5·1, 1.5·2, 2·3, 2·4].
+        // Row 1: (0 + 1) · x1 + (own1 + 0.1c) · x0 = x1 + [1·1, 1.1·2, 2.2·3, 2.3·4].
+        // Row 2: (own0 + 1) · x2 + (own1 + 0.1c) · x1 = [2·−1, 2·0, 1·1, 1·2] + [0, 0.1·20, 1.2·30, 1.3·40].
+        let want = [
+            1.5, 3.0, 6.0, 8.0, //
+            11.0, 22.2, 36.6, 49.2, //
+            -2.0, 2.0, 37.0, 54.0,
+        ];
+        for (o, w) in out.iter().zip(want) {
+            assert!((o - w).abs() < 1e-5, "{out:?} vs {want:?}");
+        }
+    }
 }

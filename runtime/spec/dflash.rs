@@ -4,8 +4,9 @@
 //! The loop hands it the target's hidden states after the draft's tap layers for every
 //! committed row (prompt rows at [`SpecRunner::prefill`](super::SpecRunner::prefill), then each
 //! round's kept rows), which it turns into cached context rows. A round's block is the pending
-//! token then mask rows at the next positions; the drafts are the argmax of each mask row's
-//! scores (the first of equal scores), deterministic, so they are proposed one-hot.
+//! token then mask rows at the next positions; the drafts are each mask row's argmax
+//! (generation 1) or the candidate selector's walk (generation 2), deterministic, so they are
+//! proposed one-hot.
 
 use super::decide::AcceptanceRule;
 use super::drafter::{DraftProposal, Drafter};
@@ -17,6 +18,7 @@ pub struct DflashDrafter {
     draft: DflashDraft,
     taps: Vec<usize>,
     features: Vec<f32>,
+    drafts: Vec<u32>,
     vocab: usize,
 }
 
@@ -29,6 +31,7 @@ impl DflashDrafter {
             draft,
             taps,
             features: Vec::new(),
+            drafts: Vec::new(),
             vocab,
         }
     }
@@ -36,6 +39,12 @@ impl DflashDrafter {
     /// The draft and its cached context.
     pub fn draft(&self) -> &DflashDraft {
         &self.draft
+    }
+
+    /// The draft, for diagnostics that run blocks on the drafter's context
+    /// ([`DflashDraft::block_drafts_given`]).
+    pub fn draft_mut(&mut self) -> &mut DflashDraft {
+        &mut self.draft
     }
 
     fn failed(error: impl Into<BoxedError>) -> SpecError {
@@ -79,9 +88,11 @@ impl Drafter for DflashDrafter {
         let Some(&pending) = context.last() else {
             return Ok(());
         };
-        let logits = self.draft.block_logits(pending).map_err(Self::failed)?;
-        for row in logits.chunks_exact(self.vocab).take(max_drafts) {
-            out.push_one_hot(argmax(row));
+        self.draft
+            .block_drafts(pending, &mut self.drafts)
+            .map_err(Self::failed)?;
+        for &token in self.drafts.iter().take(max_drafts) {
+            out.push_one_hot(token);
         }
         Ok(())
     }
@@ -109,28 +120,5 @@ impl Drafter for DflashDrafter {
         self.draft
             .push_context(&self.features, rows.rows())
             .map_err(Self::failed)
-    }
-}
-
-/// Index of the largest value; the first of equals (NaN never wins).
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] || row[best].is_nan() && !v.is_nan() {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::argmax;
-
-    #[test]
-    fn argmax_takes_the_first_of_equals_and_skips_nan() {
-        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
-        assert_eq!(argmax(&[f32::NAN, 0.5, 0.5]), 1);
-        assert_eq!(argmax(&[-1.0]), 0);
     }
 }

@@ -146,6 +146,29 @@ pub struct DflashParams {
     /// Attention inside the block is causal (`is_causal`; GGUF `dflash.attention.causal`).
     /// DFlash drafts are trained non-causal, the default.
     pub causal: bool,
+    /// Generation 2 (z-lab `DFlash2DraftModel`): grouped dynamic convolutions around attention
+    /// and MLP, and the candidate selector; `None` for generation 1.
+    pub generation2: Option<Dflash2Params>,
+}
+
+/// The generation-2 additions of a DFlash draft.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dflash2Params {
+    /// Kernel offsets of the grouped convolutions (offset 0 is the row itself).
+    pub conv_kernel: usize,
+    /// Channels per group sharing one dynamic kernel (`hidden / conv_group` groups).
+    pub conv_group: usize,
+    /// Width of the selector's pairwise codebooks.
+    pub selector_rank: usize,
+    /// Candidates per block row the selector chooses among (the head's top k).
+    pub selector_top_k: usize,
+}
+
+impl Dflash2Params {
+    /// Groups of channels, each with its own dynamic kernel.
+    pub fn groups(&self, hidden: usize) -> usize {
+        hidden / self.conv_group.max(1)
+    }
 }
 
 /// The most rows a DFlash block may have: one verify pass (the pending token and 15 drafts).
@@ -563,6 +586,12 @@ impl ModelConfig {
                 "target_layer_ids": d.target_layers,
                 "mask_token_id": d.mask_token_id,
             });
+            if let Some(g) = &d.generation2 {
+                c["dflash_config"]["conv_kernel_size"] = json!(g.conv_kernel);
+                c["dflash_config"]["conv_group_size"] = json!(g.conv_group);
+                c["dflash_config"]["selector_rank"] = json!(g.selector_rank);
+                c["dflash_config"]["selector_top_k"] = json!(g.selector_top_k);
+            }
             if d.causal {
                 c["is_causal"] = json!(true);
             }
@@ -850,7 +879,11 @@ pub const DFLASH_ARCH: &str = "dflash";
 
 /// The block, tap layers and mask token checked the same way whichever source they came from:
 /// the first broken rule as (field, problem).
-fn check_dflash(d: &DflashParams, vocab: usize) -> Result<(), (&'static str, String)> {
+fn check_dflash(
+    d: &DflashParams,
+    vocab: usize,
+    hidden: usize,
+) -> Result<(), (&'static str, String)> {
     if !(2..=DFLASH_MAX_BLOCK).contains(&d.block_size) {
         return Err((
             "block_size",
@@ -866,6 +899,29 @@ fn check_dflash(d: &DflashParams, vocab: usize) -> Result<(), (&'static str, Str
             "target_layer_ids",
             "empty: no target hidden state to read".into(),
         ));
+    }
+    if let Some(g) = &d.generation2 {
+        if g.conv_kernel == 0 {
+            return Err(("conv_kernel_size", "0: expected at least 1".into()));
+        }
+        if g.conv_group == 0 || !hidden.is_multiple_of(g.conv_group) {
+            return Err((
+                "conv_group_size",
+                format!(
+                    "{}: expected a divisor of the hidden size {hidden}",
+                    g.conv_group
+                ),
+            ));
+        }
+        if g.selector_rank == 0 {
+            return Err(("selector_rank", "0: expected at least 1".into()));
+        }
+        if g.selector_top_k == 0 || g.selector_top_k > vocab {
+            return Err((
+                "selector_top_k",
+                format!("{}: expected 1..={vocab}", g.selector_top_k),
+            ));
+        }
     }
     if d.mask_token_id as usize >= vocab {
         return Err((
@@ -912,21 +968,34 @@ fn dflash_from_json(f: &Fields<'_>) -> Result<DflashParams, WeightsError> {
         Some(c) => c,
         None => d.opt_bool("causal")?.unwrap_or(false),
     };
+    let generation2 = match d.opt_usize("conv_kernel_size")? {
+        None => None,
+        Some(conv_kernel) => {
+            let need = |field: &str| d.opt_usize(field)?.ok_or_else(|| d.missing(field));
+            Some(Dflash2Params {
+                conv_kernel,
+                conv_group: need("conv_group_size")?,
+                selector_rank: need("selector_rank")?,
+                selector_top_k: need("selector_top_k")?,
+            })
+        }
+    };
     let params = DflashParams {
         block_size,
         target_layers,
         mask_token_id,
         causal,
+        generation2,
     };
-    check_dflash(&params, f.usize("vocab_size")?).map_err(|(field, problem)| {
-        config_error(f.file, &format!("dflash_config.{field}"), problem)
-    })?;
+    check_dflash(&params, f.usize("vocab_size")?, f.usize("hidden_size")?).map_err(
+        |(field, problem)| config_error(f.file, &format!("dflash_config.{field}"), problem),
+    )?;
     Ok(params)
 }
 
 /// A `dflash` GGUF (llama.cpp's converter, `DFlashModel`): Qwen3-style layers under `dflash.*`,
 /// the block size, the target's hidden-state indices, the mask token. What this runtime does not
-/// read is refused by name: generation-2 convolutions and selector, DSpark heads, a reduced
+/// read is refused by name: DSpark heads, a reduced
 /// draft vocabulary, the draft's own embedding table, sliding-window attention, logit or
 /// embedding scales.
 fn dflash_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
@@ -934,14 +1003,6 @@ fn dflash_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
     let k = |s: &str| format!("{arch}.{s}");
     let refuse = |field: &str, problem: &str| config_error(f.path(), field, problem);
     for (key, what) in [
-        (
-            "conv_kernel_size",
-            "generation-2 (grouped convolution and candidate selector) drafts are not read yet",
-        ),
-        (
-            "selector_top_k",
-            "generation-2 (grouped convolution and candidate selector) drafts are not read yet",
-        ),
         (
             "attention.sliding_window",
             "sliding-window draft attention is not implemented",
@@ -979,10 +1040,6 @@ fn dflash_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
         }
     }
     for (tensor, what) in [
-        (
-            "selector_hidden.weight",
-            "generation-2 (candidate selector) drafts are not read yet",
-        ),
         (
             "markov_w1.weight",
             "DSpark drafts (Markov head) are not read",
@@ -1034,13 +1091,29 @@ fn dflash_from_gguf(f: &GgufFile) -> Result<ModelConfig, WeightsError> {
             "missing (the block's mask rows are this token)",
         )
     })?;
+    // Generation 2: llama.cpp takes the selector tensor as the sign, then requires every key.
+    let generation2 = if f.tensor("selector_hidden.weight").is_some()
+        || f.metadata(&k("conv_kernel_size")).is_some()
+    {
+        let need =
+            |key: &str| -> Result<usize, WeightsError> { Ok(f.require_u64(&k(key))? as usize) };
+        Some(Dflash2Params {
+            conv_kernel: need("conv_kernel_size")?,
+            conv_group: need("conv_group_size")?,
+            selector_rank: need("selector_rank")?,
+            selector_top_k: need("selector_top_k")?,
+        })
+    } else {
+        None
+    };
     let params = DflashParams {
         block_size: f.get_u64(&k("block_size")).unwrap_or(16) as usize,
         target_layers,
         mask_token_id,
         causal: f.get_bool(&k("attention.causal")).unwrap_or(false),
+        generation2,
     };
-    check_dflash(&params, vocab).map_err(|(field, problem)| {
+    check_dflash(&params, vocab, hidden).map_err(|(field, problem)| {
         let key = match field {
             "mask_token_id" => "tokenizer.ggml.mask_token_id".to_string(),
             "target_layer_ids" => k("target_layers"),

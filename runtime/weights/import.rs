@@ -263,7 +263,35 @@ pub fn plan_dflash(
             col_blocks: None,
         })
     };
+    // A plain f32 tensor of `shape` (outermost first), read whole from a float GGUF tensor.
+    let plain = |out: String, src: String, shape: Vec<usize>| -> Result<Planned, WeightsError> {
+        let t = f.require_tensor(&src)?;
+        let len: usize = shape.iter().product();
+        let ggml: Vec<usize> = shape.iter().rev().copied().collect();
+        let dims: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        if !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) || dims != ggml {
+            return Err(WeightsError::tensor(
+                f.path(),
+                &src,
+                format!(
+                    "expected a float tensor of GGUF shape {ggml:?}, got {} {dims:?}",
+                    t.ggml_type.name()
+                ),
+            ));
+        }
+        let cols = shape.last().copied().unwrap_or(1);
+        Ok(Planned::Plain {
+            name: out,
+            tensor: src,
+            rows: len / cols.max(1),
+            cols,
+            shape,
+            row_src: None,
+            col_src: None,
+        })
+    };
     let taps = p.dflash.as_ref().map_or(0, |d| d.target_layers.len());
+    let generation2 = p.dflash.as_ref().and_then(|d| d.generation2);
     let (hidden, hd) = (p.hidden, p.head_dim);
     let mut v = Vec::new();
     for i in 0..p.layers {
@@ -329,6 +357,41 @@ pub fn plan_dflash(
             blk("ffn_down"),
             hidden,
             p.intermediate,
+        )?);
+        if let Some(g) = generation2 {
+            let projected = 2 * g.conv_kernel * g.groups(hidden);
+            for (hf, gguf) in [("attention_conv", "attn_conv"), ("mlp_conv", "ffn_conv")] {
+                let layer = |s: &str| format!("model.layers.{i}.{hf}.{s}");
+                v.push(plain(
+                    layer("base_kernel"),
+                    format!("blk.{i}.{gguf}_base"),
+                    vec![2, g.conv_kernel, hidden],
+                )?);
+                v.push(matrix(
+                    layer("kernel_projection.weight"),
+                    blk(&format!("{gguf}_proj")),
+                    projected,
+                    hidden,
+                )?);
+            }
+        }
+    }
+    if let Some(g) = generation2 {
+        for (hf, gguf) in [
+            ("predecessor_codebook", "selector_predecessor"),
+            ("successor_codebook", "selector_successor"),
+        ] {
+            v.push(plain(
+                format!("model.candidate_selector.{hf}"),
+                format!("{gguf}.weight"),
+                vec![p.vocab, g.selector_rank],
+            )?);
+        }
+        v.push(matrix(
+            "model.candidate_selector.hidden_projection.weight".into(),
+            "selector_hidden.weight".into(),
+            g.selector_rank,
+            hidden,
         )?);
     }
     Ok((p, v))

@@ -53,7 +53,9 @@ pub mod tokenizer;
 pub mod value_heads;
 
 pub use chat::ChatMessage;
-pub use config::{DflashParams, LayerKind, LinearAttnConfig, ModelConfig, RopeScaling};
+pub use config::{
+    Dflash2Params, DflashParams, LayerKind, LinearAttnConfig, ModelConfig, RopeScaling,
+};
 pub use default_model::default_model;
 pub use mapped::MappedBytes;
 pub use package::{MatrixView, Package, TensorRole};

@@ -32,11 +32,18 @@ if [[ ! -f "$dir/gguf-py/gguf/__init__.py" && -x "$dir/bin/llama-quantize" ]]; t
 fi
 built=1
 for t in "${targets[@]}"; do [[ -x "$dir/bin/$t" ]] || built=0; done
+# The draft log line below; a cache built without it is rebuilt.
+[[ -f "$dir/draft-log-patch" ]] || built=0
 if [[ $built == 1 ]]; then
   echo "$dir/bin"
   exit 0
 fi
 tar xzf "$sdist" -C "$work"
+# One log line added to the speculative example (no computation changes): the token ids it drafted
+# in every round, which llama.cpp logs for DFlash generation 1 only (as top-3 candidates).
+sed -i 's|^\([[:space:]]*\)common_speculative_draft(spec);|&\n\1{ std::string xdna_ids; for (auto t : draft) { xdna_ids += std::to_string(t) + " "; } LOG_DBG("xdna: drafted at pos0 %d: %s\\n", (int) n_past, xdna_ids.c_str()); }|' \
+  "$src/examples/speculative-simple/speculative-simple.cpp"
+grep -q 'xdna: drafted at pos0' "$src/examples/speculative-simple/speculative-simple.cpp"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF \
   -DBUILD_SHARED_LIBS=OFF >&2
@@ -44,6 +51,7 @@ cmake --build "$work/build" -j"$(nproc)" --target "${targets[@]}" >&2
 mkdir -p "$dir.tmp/bin"
 for t in "${targets[@]}"; do cp "$work/build/bin/$t" "$dir.tmp/bin/"; done
 cp -r "$src/gguf-py" "$dir.tmp/gguf-py"
+touch "$dir.tmp/draft-log-patch"
 rm -rf "$dir"
 mv "$dir.tmp" "$dir"
 echo "$dir/bin"

@@ -5,7 +5,9 @@ every round as JSON: the independent reference for xdna's DFlash drafter.
 
 The run: temperature 0 (the target samples greedily), draft max = block size - 1 (15), draft
 n_min 0, draft p_min 0 (nothing is cut for low confidence), one sequence, a fixed seed, -t THREADS,
-verbosity 5 so that llama.cpp logs, for every round, the top-3 candidates of each drafted position
+verbosity 5 so that llama.cpp logs, for every round, the token ids drafted (a log line
+tools/llama-cpp/build.sh adds to the example: "xdna: drafted at pos0 N: IDS"; the only record
+of a generation-2 draft, whose selector logs nothing), the top-3 candidates of each drafted position
 (`common_speculative_impl_draft_dflash::draft`: " - seq_id 0, draft candidate K, pos I: ID (P)")
 and the verification ("accepted A/G draft tokens, the last target token is: (ID)"). The draft is
 the first candidate at every position (llama.cpp's draft sampler is top-k 10 and takes the most
@@ -47,6 +49,7 @@ CALLED = re.compile(r"called impl draft-dflash, hist size = (\d+), call_count = 
 ACCEPTED = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((-?\d+)\)")
 CLEAR = re.compile(r"clear kv cache from any extra tokens, n_past = (\d+)")
 INFO = re.compile(r"block_size=(\d+), mask_token_id=(-?\d+), n_extract=(\d+)")
+DRAFTED = re.compile(r"xdna: drafted at pos0 (\d+): ([-\d ]*)")
 NMAX = re.compile(r"common_speculative_impl_draft_dflash: - n_max=(\d+), n_min=(\d+), p_min=([0-9.]+)")
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds, speed:\s+([0-9.]+) t/s")
 ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([0-9.]+) seconds")
@@ -123,9 +126,17 @@ def parse_rounds(err: str) -> tuple[list[dict], dict]:
             cur["probs"][pos].append(p)
         elif m := CALLED.search(line):
             if cur is None or cur.get("closed"):
-                raise SystemExit(f"draft call without candidates: {line}")
+                # Generation 2 logs no candidates: the call opens the round.
+                cur = {"candidates": [], "probs": []}
+                rounds.append(cur)
             cur["hist_size"] = int(m[1])
             cur["gen"] = int(m[3])
+        elif m := DRAFTED.search(line):
+            if cur is None or cur.get("closed"):
+                cur = {"candidates": [], "probs": []}
+                rounds.append(cur)
+            cur["logged_pos0"] = int(m[1])
+            cur["logged"] = [int(x) for x in m[2].split()]
         elif m := ACCEPTED.search(line):
             if cur is None or cur.get("closed"):
                 cur = {"candidates": [], "probs": []}  # a round without a draft
@@ -207,7 +218,11 @@ def main() -> int:
     for i, r in enumerate(raw):
         if len(generated) >= a.n:
             break
-        drafted = [c[0] for c in r["candidates"]]
+        drafted = r.get("logged", [c[0] for c in r["candidates"]])
+        if r["candidates"] and drafted != [c[0] for c in r["candidates"]]:
+            raise SystemExit(f"round {i}: the logged draft differs from the first candidates")
+        if r.get("logged_pos0", pos0) != pos0:
+            raise SystemExit(f"round {i}: drafted at pos0 {r['logged_pos0']}, expected {pos0}")
         if r.get("hist_size", pos0) != pos0:
             raise SystemExit(f"round {i}: llama.cpp's history is {r['hist_size']} tokens, expected {pos0}")
         if drafted and len(drafted) != a.draft_max:

@@ -17,7 +17,12 @@ With `--arch dflash` it writes a DFlash generation-1 draft (Qwen3-style layers, 
 matrix `fc` over the target's hidden states at `--target-layers`, `enc.output_norm`, no
 embedding table or head: the target's are used) with the keys llama.cpp's converter
 (`DFlashModel`) writes: `dflash.block_size`, `dflash.target_layers` (Hugging Face layer ids + 1)
-and `tokenizer.ggml.mask_token_id`. `--hidden` must be the target's hidden size.
+and `tokenizer.ggml.mask_token_id`. `--hidden` must be the target's hidden size. With
+`--dflash-generation 2` it adds the generation-2 parts under the converter's names and keys: per
+layer `blk.N.{attn,ffn}_conv_base` `[2, kernel, hidden]` and `blk.N.{attn,ffn}_conv_proj.weight`
+`[2 · kernel · hidden / group, hidden]`, the selector's `selector_{predecessor,successor}.weight`
+`[vocab, rank]` and `selector_hidden.weight` `[rank, hidden]`, and `dflash.conv_kernel_size`,
+`dflash.conv_group_size`, `dflash.selector_rank`, `dflash.selector_top_k`.
 
 Usage: random_gguf.py --arch {llama,qwen2,qwen3,dflash} --tokenizer-from FILE.gguf --out FILE.gguf
 """
@@ -61,6 +66,14 @@ def main() -> int:
     )
     ap.add_argument("--block-size", type=int, default=16, help="dflash: rows per block")
     ap.add_argument("--mask-token", type=int, default=16, help="dflash: the mask token id")
+    ap.add_argument("--dflash-generation", type=int, choices=[1, 2], default=1)
+    ap.add_argument("--conv-kernel", type=int, default=4, help="dflash 2: convolution offsets")
+    ap.add_argument("--conv-group", type=int, default=64, help="dflash 2: channels per kernel")
+    ap.add_argument("--selector-rank", type=int, default=32, help="dflash 2: codebook width")
+    ap.add_argument("--selector-top-k", type=int, default=8, help="dflash 2: candidates per row")
+    ap.add_argument(
+        "--selector-scale", type=float, default=1.0, help="dflash 2: codebook scale (0: no pairwise term)"
+    )
     a = ap.parse_args()
     if a.llama3_rope is not None and a.arch != "llama":
         ap.error("--llama3-rope is for --arch llama")
@@ -111,6 +124,7 @@ def main() -> int:
         return rng.uniform(0.5, 1.5, n).astype(np.float32)
 
     h, hd = a.hidden, a.head_dim
+    gen2 = False
     if arch == "dflash":
         target_layers = [int(x) for x in a.target_layers.split(",")]
         w.add_block_size(a.block_size)
@@ -118,6 +132,17 @@ def main() -> int:
         w.add_mask_token_id(a.mask_token)
         w.add_tensor("fc.weight", matrix(h, len(target_layers) * h, 2.0))
         w.add_tensor("enc.output_norm.weight", gains(h))
+        gen2 = a.dflash_generation == 2
+        if gen2:
+            w.add_conv_kernel_size(a.conv_kernel)
+            w.add_conv_group_size(a.conv_group)
+            w.add_selector_rank(a.selector_rank)
+            w.add_selector_top_k(a.selector_top_k)
+            rank = a.selector_rank
+            for name in ("selector_predecessor.weight", "selector_successor.weight"):
+                codes = rng.standard_normal((vocab, rank)) * a.selector_scale
+                w.add_tensor(name, codes.astype(np.float32))
+            w.add_tensor("selector_hidden.weight", matrix(rank, h, 2.0))
     else:
         # Tied embeddings: the output head is token_embd.
         w.add_tensor(
@@ -144,6 +169,14 @@ def main() -> int:
         w.add_tensor(b + "ffn_gate.weight", matrix(a.ffn, h))
         w.add_tensor(b + "ffn_up.weight", matrix(a.ffn, h))
         w.add_tensor(b + "ffn_down.weight", matrix(h, a.ffn))
+        if arch == "dflash" and gen2:
+            projected = 2 * a.conv_kernel * (h // a.conv_group)
+            for part in ("attn_conv", "ffn_conv"):
+                # Offset 0 near 1 (the row itself), the earlier rows' weights smaller.
+                base = rng.standard_normal((2, a.conv_kernel, h)).astype(np.float32) * 0.3
+                base[:, 0, :] += 1.0
+                w.add_tensor(b + part + "_base", base)
+                w.add_tensor(b + part + "_proj.weight", matrix(projected, h, 0.5))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -195,8 +195,8 @@ pub trait Engine {
     fn has_dflash(&self) -> bool {
         false
     }
-    /// Up to `k` DFlash drafts (`out`, cleared first) after `seq`'s pending token: the argmax of
-    /// each of the first `k` mask rows of one draft block (at most block size − 1). Refused
+    /// Up to `k` DFlash drafts (`out`, cleared first) after `seq`'s pending token: the first `k`
+    /// of one draft block's (`DflashDraft::block_drafts`, at most block size − 1). Refused
     /// unless `seq` was started with [`SequenceStart::dflash`] and its draft holds exactly the
     /// sequence's committed positions.
     fn dflash_drafts(
@@ -394,8 +394,6 @@ struct Dflash {
     taps: Vec<usize>,
     /// Floats per context row: taps × the target's hidden width.
     width: usize,
-    /// Scores per draft row (the target's vocabulary).
-    vocab: usize,
     /// Drafts not bound to a sequence, reset; `capacity` of them exist in all.
     spare: Vec<DflashDraft>,
     /// The sequences drafting with DFlash.
@@ -445,18 +443,6 @@ fn gather_taps(out: &BatchOutput, taps: usize, rows: std::ops::Range<usize>, dst
             dst.extend_from_slice(out.tap(t, r));
         }
     }
-}
-
-/// Index of the largest score, the first of equals (NaN never wins): the spec layer's
-/// `DflashDrafter` picks its drafts the same way.
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] || row[best].is_nan() && !v.is_nan() {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// A finished sequence kept for its prefix.
@@ -587,7 +573,6 @@ impl ModelEngine {
         self.dflash = Some(Dflash {
             taps,
             width,
-            vocab: self.model.config().vocab,
             spare,
             seqs: HashMap::new(),
         });
@@ -1064,12 +1049,12 @@ impl Engine for ModelEngine {
                 ds.draft.context()
             )));
         }
-        let logits = ds
-            .draft
-            .block_logits(pending)
+        // Each mask row's argmax (generation 1) or the selector's walk (generation 2), as the
+        // spec layer's `DflashDrafter` drafts.
+        ds.draft
+            .block_drafts(pending, out)
             .map_err(|e| EngineError::Draft(e.to_string()))?;
-        // Generation 1: each mask row's argmax, as the spec layer's `DflashDrafter` drafts.
-        out.extend(logits.chunks_exact(d.vocab).take(k).map(argmax));
+        out.truncate(k);
         Ok(())
     }
     fn dflash_context(&self, seq: SeqId) -> Option<usize> {

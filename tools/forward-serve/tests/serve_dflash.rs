@@ -467,21 +467,12 @@ impl Reference {
     }
 
     fn drafts(&mut self, pending: u32, k: usize) -> Vec<u32> {
-        let vocab = self.model.config().vocab;
-        let logits = self.draft.block_logits(pending).expect("block");
-        logits
-            .chunks_exact(vocab)
-            .take(k)
-            .map(|row| {
-                let mut best = 0;
-                for (i, &v) in row.iter().enumerate() {
-                    if v > row[best] || row[best].is_nan() && !v.is_nan() {
-                        best = i;
-                    }
-                }
-                best as u32
-            })
-            .collect()
+        let mut drafts = Vec::new();
+        self.draft
+            .block_drafts(pending, &mut drafts)
+            .expect("block");
+        drafts.truncate(k);
+        drafts
     }
 }
 
