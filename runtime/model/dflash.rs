@@ -635,7 +635,7 @@ pub fn selector_walk(
     drafts.clear();
     margins.clear();
     let mut previous = pending;
-    let mut candidates: Vec<u32> = (0..vocab as u32).collect();
+    let mut candidates: Vec<u32> = Vec::with_capacity(top_k_count + 1);
     for (i, (row, gate_row)) in logits
         .chunks_exact(vocab)
         .zip(gate.chunks_exact(rank))
@@ -644,7 +644,8 @@ pub fn selector_walk(
         if let Some(&g) = given.and_then(|g| i.checked_sub(1).and_then(|j| g.get(j))) {
             previous = g;
         }
-        let top = top_k(row, top_k_count, &mut candidates);
+        let left_out = top_k(row, top_k_count, &mut candidates);
+        let top = &candidates[..];
         let code = &predecessor[previous as usize * rank..][..rank];
         let (mut best, mut second) = ((f32::NEG_INFINITY, top[0]), f32::NEG_INFINITY);
         for &c in top {
@@ -666,9 +667,6 @@ pub fn selector_walk(
         // How settled the candidate set is: the gap between the last candidate's logit and the
         // best one left out (a token crossing it could win through its pairwise term).
         let last = row[top[top.len() - 1] as usize];
-        let left_out = candidates[top_k_count.min(candidates.len())..]
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, &c| m.max(row[c as usize]));
         drafts.push(best.1);
         margins.push((best.0 - second).min(last - left_out));
         previous = best.1;
@@ -686,18 +684,33 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-/// The `k` highest-scoring ids of `logits`, highest first, ties to the lower id; `ids` is
-/// scratch holding a permutation of `0..logits.len()`.
-fn top_k<'a>(logits: &[f32], k: usize, ids: &'a mut [u32]) -> &'a [u32] {
-    let k = k.min(ids.len()).max(1);
-    let order = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
-    };
-    ids.select_nth_unstable_by(k - 1, order);
-    ids[..k].sort_unstable_by(order);
-    &ids[..k]
+/// The `k` highest-scoring ids of `logits` into `top`, highest first, ties to the lower id (the
+/// order of `f32::total_cmp`), and the best score left out (`NEG_INFINITY` when none is). One
+/// pass keeping the best `k + 1` (a block's rows each scan the whole vocabulary).
+fn top_k(logits: &[f32], k: usize, top: &mut Vec<u32>) -> f32 {
+    let k = k.min(logits.len()).max(1);
+    let keep = k + 1;
+    top.clear();
+    let beats = |a: f32, ia: usize, b: f32, ib: usize| a.total_cmp(&b).then(ib.cmp(&ia)).is_gt();
+    for (i, &v) in logits.iter().enumerate() {
+        if top.len() == keep {
+            let last = top[keep - 1] as usize;
+            if !beats(v, i, logits[last], last) {
+                continue;
+            }
+            top.pop();
+        }
+        let at = top
+            .iter()
+            .position(|&t| beats(v, i, logits[t as usize], t as usize))
+            .unwrap_or(top.len());
+        top.insert(at, i as u32);
+    }
+    if top.len() > k {
+        top.pop().map_or(f32::NEG_INFINITY, |t| logits[t as usize])
+    } else {
+        f32::NEG_INFINITY
+    }
 }
 
 /// The input side of a generation-2 convolution pair: the rows' own kernels from the normed
@@ -1061,8 +1074,26 @@ mod tests {
     #[test]
     fn top_k_orders_by_score_then_id() {
         let logits = [0.5, 2.0, -1.0, 2.0, 1.0];
-        let mut ids: Vec<u32> = (0..5).collect();
-        assert_eq!(top_k(&logits, 3, &mut ids), &[1, 3, 4]);
+        let mut top = Vec::new();
+        assert_eq!(top_k(&logits, 3, &mut top), 0.5);
+        assert_eq!(top, [1, 3, 4]);
+        assert_eq!(top_k(&logits, 5, &mut top), f32::NEG_INFINITY);
+        assert_eq!(top, [1, 3, 4, 0, 2]);
+        // Against a full sort on pseudo-random scores with many ties.
+        let scores: Vec<f32> = (0..997u32)
+            .map(|i| ((i * 7919) % 61) as f32 * 0.25)
+            .collect();
+        let mut sorted: Vec<u32> = (0..997).collect();
+        sorted.sort_by(|&a, &b| {
+            scores[b as usize]
+                .total_cmp(&scores[a as usize])
+                .then(a.cmp(&b))
+        });
+        for k in [1, 8, 40] {
+            let left_out = top_k(&scores, k, &mut top);
+            assert_eq!(top, sorted[..k]);
+            assert_eq!(left_out, scores[sorted[k] as usize]);
+        }
     }
 
     /// Vocabulary 4, rank 1, top 3: two rows whose picks follow from the pairwise term by hand.

@@ -44,7 +44,7 @@ pub struct Args {
     json: bool,
     #[command(flatten)]
     model: ModelArgs,
-    /// Drafter: ngram | draft:PKG | layerskip:E.
+    /// Drafter: ngram | draft:PKG | dflash:PATH | layerskip:E.
     #[arg(long, default_value = "ngram")]
     drafter: String,
     #[command(flatten)]
