@@ -231,6 +231,17 @@ fn wrap_refuses_what_the_reader_refuses() {
         wrap_elf(input, &desc),
         Err(ElfReason::BadSectionNameTable(_))
     ));
+    // And: a name table at index 0 (SHN_UNDEF, the null section, read as empty), whose names
+    // the wrapper dropped, so the input's configuration note took the descriptor's name.
+    let input = include_bytes!("../fuzz/corpus/kernel_elf/name_table_at_index_zero.elf");
+    assert!(matches!(
+        elf::parse_elf(input),
+        Err(ElfReason::BadSectionNameTable(_))
+    ));
+    assert!(matches!(
+        wrap_elf(input, &desc),
+        Err(ElfReason::BadSectionNameTable(_))
+    ));
 }
 
 #[test]

@@ -541,6 +541,14 @@ pub fn parse_elf(bytes: &[u8]) -> Result<ParsedElf, ElfReason> {
             "section name table index {shstrndx} ≥ {shnum} sections"
         )));
     }
+    // Index 0 is SHN_UNDEF, "no name table", and section 0 is the null section with no
+    // contents (read as empty below): names read from it and the table `wrap_elf` copies would
+    // disagree, and a wrapped file could then name one of the input's notes the descriptor.
+    if shstrndx == 0 {
+        return Err(ElfReason::BadSectionNameTable(
+            "e_shstrndx is 0 (SHN_UNDEF): the file has no section name table".into(),
+        ));
+    }
     struct Raw {
         name: u32,
         sh_type: u32,
