@@ -503,6 +503,43 @@ fn llama_cpp_comparison(
     decided_margin: f64,
 ) -> Option<(usize, usize, usize, usize)> {
     let gguf = smollm2::smollm2_gguf()?;
+    gguf_py()?;
+    let name = format!("llama-cpp{}", extra.join(""));
+    let draft_path = random_draft(&gguf, &name, extra)?;
+    let c = compare_draft_with_llama_cpp(
+        &draft_path,
+        "The old lighthouse keeper climbed the stairs every evening, counting the steps",
+        24,
+        15,
+        decided_margin,
+    )?;
+    Some((c.compared, c.equal, c.decided, c.decided_equal))
+}
+
+/// How xdna's drafts compare with llama.cpp's on llama.cpp's own rounds.
+struct LlamaComparison {
+    /// Drafts with a margin > 0.1 nat, and the equal ones.
+    compared: usize,
+    equal: usize,
+    /// Drafts with a margin > the decided margin, and the equal ones.
+    decided: usize,
+    decided_equal: usize,
+    /// llama.cpp's rounds and the tokens they emitted.
+    rounds: usize,
+    emitted: usize,
+}
+
+/// `draft_path` run by llama.cpp's `llama-speculative-simple --spec-type draft-dflash` on the
+/// default model (tools/llama-cpp/dflash_reference.py: temperature 0, `draft_max` drafts per
+/// round, `n` tokens), and xdna's drafts on llama.cpp's rounds.
+fn compare_draft_with_llama_cpp(
+    draft_path: &Path,
+    prompt: &str,
+    n: usize,
+    draft_max: usize,
+    decided_margin: f64,
+) -> Option<LlamaComparison> {
+    let gguf = smollm2::smollm2_gguf()?;
     let gguf_py = gguf_py()?;
     let bin = gguf_py.parent().expect("bin dir").join("bin");
     assert!(
@@ -510,11 +547,13 @@ fn llama_cpp_comparison(
         "{} holds no llama-speculative-simple (tools/llama-cpp/build.sh builds it)",
         bin.display()
     );
-    let name = format!("llama-cpp{}", extra.join(""));
-    let draft_path = random_draft(&gguf, &name, extra)?;
     let json_path = std::env::temp_dir().join(format!(
-        "xdna-dflash-{}-{name}-rounds.json",
-        std::process::id()
+        "xdna-dflash-{}-{}-rounds.json",
+        std::process::id(),
+        draft_path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
     ));
     let run = Command::new("python3")
         .arg(concat!(
@@ -526,12 +565,14 @@ fn llama_cpp_comparison(
         .arg("--target")
         .arg(&gguf)
         .arg("--draft")
-        .arg(&draft_path)
+        .arg(draft_path)
         .args([
             "--prompt",
-            "The old lighthouse keeper climbed the stairs every evening, counting the steps",
+            prompt,
             "-n",
-            "24",
+            &n.to_string(),
+            "--draft-max",
+            &draft_max.to_string(),
             "--out",
         ])
         .arg(&json_path)
@@ -544,20 +585,20 @@ fn llama_cpp_comparison(
     );
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json_path).expect("read JSON")).expect("JSON");
+    let _ = std::fs::remove_file(&json_path);
     assert_eq!(
         json["plain_greedy_equal"].as_bool(),
         Some(true),
         "llama.cpp's own speculative run differs from its greedy run"
     );
-    let target_path = gguf;
     let opts = LoadOptions {
         backend: Backend::Host,
         kernels: None,
         exact: false,
     };
-    let (_, mut target) = open_model(Some(&target_path), 1024, &opts).expect("target");
+    let (_, mut target) = open_model(Some(&gguf), 1024, &opts).expect("target");
     let draft = Arc::new(
-        DflashWeights::load(&open_package(&draft_path).expect("draft"), false).expect("draft"),
+        DflashWeights::load(&open_package(draft_path).expect("draft"), false).expect("draft"),
     );
     let prompt: Vec<u32> = json["prompt_ids"]
         .as_array()
@@ -579,5 +620,136 @@ fn llama_cpp_comparison(
     eprintln!(
         "{decided_equal} of {decided} drafts with a margin > {decided_margin} nat equal llama.cpp's"
     );
-    Some((compared, equal, decided, decided_equal))
+    Some(LlamaComparison {
+        compared,
+        equal,
+        decided,
+        decided_equal,
+        rounds: rounds.len(),
+        emitted: rounds.iter().map(|r| r.emitted.len()).sum(),
+    })
+}
+
+/// The draft trained for the default model (`tools/dflash-train`, shipped in `models/`): it
+/// passes the gate as a GGUF and as the package it imports to; llama.cpp, running it through its
+/// own DFlash loop, drafts what xdna drafts on the same rounds and accepts enough of them that a
+/// round yields more than one token; xdna's speculative run with it equals plain greedy decoding.
+#[test]
+fn the_shipped_draft_drafts_as_llama_cpp_does_and_is_accepted() {
+    let Some(gguf) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    if gguf_py().is_none() {
+        return;
+    }
+    let draft_path = xdna::weights::default_model::default_dflash_draft().expect("shipped draft");
+    let report = xdna::weights::dflash_check::check(&draft_path);
+    assert!(
+        report.passed(),
+        "the shipped GGUF fails the gate: {:?}",
+        report.failures().map(|c| &c.name).collect::<Vec<_>>()
+    );
+    let pkg_dir = xdna::weights::import::cached_import(&draft_path).expect("import");
+    let report = xdna::weights::dflash_check::check(&pkg_dir);
+    assert!(
+        report.passed(),
+        "its package fails the gate: {:?}",
+        report.failures().map(|c| &c.name).collect::<Vec<_>>()
+    );
+    let block = open_package(&pkg_dir)
+        .expect("package")
+        .config()
+        .dflash
+        .as_ref()
+        .expect("a DFlash draft")
+        .block_size;
+    for (prompt, n) in [
+        (
+            "Walking home after the concert, she realised that the city had changed while she",
+            48,
+        ),
+        (
+            "def mean(values):\n    \"\"\"Return the arithmetic mean of a list.\"\"\"\n",
+            48,
+        ),
+    ] {
+        let Some(c) = compare_draft_with_llama_cpp(&draft_path, prompt, n, block - 1, 0.5) else {
+            return;
+        };
+        let llama_tau = c.emitted as f64 / c.rounds as f64;
+        eprintln!(
+            "{prompt:?}: llama.cpp {:.2} tokens per round over {} rounds; {} of {} drafts equal, {} of {} decided",
+            llama_tau, c.rounds, c.equal, c.compared, c.decided_equal, c.decided
+        );
+        assert_eq!(
+            c.decided_equal, c.decided,
+            "{prompt:?}: decided drafts differ"
+        );
+        assert!(
+            c.equal * 100 >= c.compared * 95,
+            "{prompt:?}: only {} of {} drafts equal",
+            c.equal,
+            c.compared
+        );
+        assert!(
+            llama_tau > 1.1,
+            "{prompt:?}: llama.cpp accepts the draft too rarely: {llama_tau:.2} tokens per round"
+        );
+    }
+
+    // xdna's own loop with it: plain greedy output, the same drafts accepted.
+    let opts = LoadOptions {
+        backend: Backend::Host,
+        kernels: None,
+        exact: false,
+    };
+    let (pkg, mut target) = open_model(Some(&gguf), 512, &opts).expect("target");
+    let prompt = pkg.encode_prompt("The bridge over the river was built in", false);
+    const TOKENS: usize = 64;
+    let argmax = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold(0, |b, (i, &v)| if v > row[b] { i } else { b }) as u32
+    };
+    target.reset();
+    let mut next = argmax(target.prefill(&prompt).expect("prefill"));
+    let mut plain = vec![next];
+    while plain.len() < TOKENS {
+        next = argmax(target.step(next).expect("step"));
+        plain.push(next);
+    }
+    target.reset();
+    let weights = Arc::new(
+        DflashWeights::load(&open_package(&pkg_dir).expect("pkg"), false).expect("weights"),
+    );
+    let draft = DflashDraft::new(weights, target.weights_arc()).expect("binds");
+    let config = SpecConfig {
+        sampling: SamplingConfig::GREEDY,
+        max_drafts: block - 1,
+        min_drafts: 1,
+        initial_drafts: block - 1,
+        adaptive_drafts: false,
+        fallback: xdna::spec::FallbackConfig {
+            enabled: false,
+            ..Default::default()
+        },
+        seed: 0,
+    };
+    let mut runner = SpecRunner::new(config, DflashDrafter::new(draft)).expect("runner");
+    runner
+        .prefill(&mut target, &prompt[..prompt.len() - 1])
+        .expect("prefill with taps");
+    let generation = runner
+        .generate(&mut target, &prompt, &StopConditions::max_tokens(TOKENS))
+        .expect("speculative generation");
+    assert_eq!(
+        generation.tokens, plain,
+        "speculative output differs from greedy"
+    );
+    let tau = runner.stats().mean_acceptance_length().unwrap_or(1.0);
+    eprintln!("xdna: {tau:.2} tokens per round; {}", runner.stats());
+    assert!(
+        tau > 1.1,
+        "xdna accepts the shipped draft too rarely: {tau:.2} tokens per round"
+    );
 }

@@ -91,3 +91,131 @@ fn merged_statistics_add_up() {
     assert_eq!(total.acceptance_length_histogram[4], 1);
     assert_eq!(total.drafted_at_position[..4], [2, 2, 2, 1]);
 }
+
+/// A drafter reading the target's hidden states, as a DFlash draft does: it checks that it holds
+/// exactly the committed positions' states, in order, whenever it is asked, and drafts the
+/// recorded continuation's next three tokens with the second one wrong.
+struct TapReader {
+    taps: Vec<usize>,
+    hidden: usize,
+    /// Positions whose states arrived, in arrival order.
+    seen: Vec<usize>,
+    continuation_at: Vec<u32>,
+}
+
+impl xdna::spec::Drafter for TapReader {
+    fn name(&self) -> &'static str {
+        "tap-reader"
+    }
+    fn begin(&mut self, context: &[u32]) -> Result<(), xdna::spec::SpecError> {
+        assert_eq!(
+            self.seen.len(),
+            context.len() - 1,
+            "begin: committed rows held"
+        );
+        Ok(())
+    }
+    fn propose(
+        &mut self,
+        context: &[u32],
+        max_drafts: usize,
+        _rule: &xdna::spec::AcceptanceRule,
+        out: &mut xdna::spec::DraftProposal,
+    ) -> Result<(), xdna::spec::SpecError> {
+        assert_eq!(
+            self.seen.len(),
+            context.len() - 1,
+            "propose: committed rows held"
+        );
+        out.reset(true, 100);
+        let next = context.len();
+        for i in 0..max_drafts.min(3) {
+            let t = self.continuation_at.get(next + i).copied().unwrap_or(0);
+            out.push_one_hot(if i == 1 { t + 1 } else { t });
+        }
+        Ok(())
+    }
+    fn target_taps(&self) -> &[usize] {
+        &self.taps
+    }
+    fn observe_target_rows(
+        &mut self,
+        rows: xdna::spec::TapRows<'_>,
+    ) -> Result<(), xdna::spec::SpecError> {
+        assert_eq!((rows.taps(), rows.hidden()), (2, self.hidden));
+        for r in 0..rows.rows() {
+            // Position p's state at tap t is filled with 10·p + t.
+            let p = rows.state(0, r)[0] as usize / 10;
+            for t in 0..2 {
+                assert!(rows.state(t, r).iter().all(|&v| v == (10 * p + t) as f32));
+            }
+            assert_eq!(
+                p,
+                self.seen.len(),
+                "rows arrive in position order, each once"
+            );
+            self.seen.push(p);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn tapped_replay_hands_over_every_committed_row_once_in_order() {
+    use xdna::spec::{replay_acceptance_tapped, ReplayTaps};
+    let prompt = [5u32, 6, 7];
+    let continuation = [10u32, 11, 12, 13, 14, 15, 16, 17];
+    let all: Vec<u32> = prompt.iter().chain(&continuation).copied().collect();
+    let hidden = 4;
+    // States of every fed position (all tokens but the last): [positions][taps][hidden].
+    let mut states = Vec::new();
+    for p in 0..all.len() - 1 {
+        for t in 0..2 {
+            states.extend(std::iter::repeat_n((10 * p + t) as f32, hidden));
+        }
+    }
+    let mut drafter = TapReader {
+        taps: vec![3, 9],
+        hidden,
+        seen: Vec::new(),
+        continuation_at: all.clone(),
+    };
+    let taps = ReplayTaps {
+        states: &states,
+        taps: 2,
+        hidden,
+    };
+    let stats = replay_acceptance_tapped(&mut drafter, &prompt, &continuation, 4, Some(taps))
+        .expect("replay");
+    // Each round drafts the right token then a wrong one: accepted 1, emitted 2. Eight tokens:
+    // three such rounds (6), then two left: k = 1 round (accepted 1, emitted 2).
+    assert_eq!((stats.rounds, stats.accepted, stats.emitted), (4, 4, 8));
+    // The drafter saw every position up to the last committed one.
+    assert_eq!(drafter.seen, (0..all.len() - 1).collect::<Vec<_>>());
+
+    // A drafter that reads hidden states cannot be replayed without them.
+    let mut drafter = TapReader {
+        taps: vec![3, 9],
+        hidden,
+        seen: Vec::new(),
+        continuation_at: all.clone(),
+    };
+    let err = replay_acceptance_tapped(&mut drafter, &prompt, &continuation, 4, None)
+        .expect_err("no states");
+    assert!(err.to_string().contains("hidden states"), "{err}");
+    // Too few states: refused, naming how many were needed.
+    let short = ReplayTaps {
+        states: &states[..states.len() - 2 * hidden],
+        taps: 2,
+        hidden,
+    };
+    let mut drafter = TapReader {
+        taps: vec![3, 9],
+        hidden,
+        seen: Vec::new(),
+        continuation_at: all,
+    };
+    let err = replay_acceptance_tapped(&mut drafter, &prompt, &continuation, 4, Some(short))
+        .expect_err("short");
+    assert!(err.to_string().contains("10 positions"), "{err}");
+}

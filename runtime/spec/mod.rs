@@ -31,7 +31,7 @@ mod stats;
 mod target;
 pub mod toy;
 
-pub use acceptance::{projected_speedups, replay_acceptance};
+pub use acceptance::{projected_speedups, replay_acceptance, replay_acceptance_tapped, ReplayTaps};
 pub use decide::{
     decide, uniforms_needed, AcceptanceRule, DecideWorkspace, Decision, DraftProbabilities,
 };

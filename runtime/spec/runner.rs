@@ -494,12 +494,15 @@ impl<D: Drafter> SpecRunner<D> {
                 .commit_verify_rows(kept)
                 .map_err(|e| target_error("commit_verify_rows", e))?;
             let pass_seconds = pass_start.elapsed().as_secs_f64();
+            // Feeding the kept rows' hidden states to the drafter is drafting work too.
+            let observe_start = Instant::now();
             if tapped {
                 let rows = target.pass_taps().ok_or(SpecError::TargetTaps {
                     drafter: self.drafter.name(),
                 })?;
                 self.drafter.observe_target_rows(rows.first(kept))?;
             }
+            let draft_seconds = draft_seconds + observe_start.elapsed().as_secs_f64();
             if on_tokens(&decision.emitted[..kept]).is_break() && finish.is_none() {
                 finish = Some(FinishReason::Cancelled);
             }

@@ -30,7 +30,8 @@ pub struct SpecStats {
     pub fallback_entries: u64,
     /// Speculative rounds run while falling back, to re-measure acceptance.
     pub probes: u64,
-    /// Seconds spent drafting.
+    /// Seconds spent drafting: proposals, and handing a drafter that reads the target's hidden
+    /// states the rows each pass kept.
     pub draft_seconds: f64,
     /// Seconds spent in verify passes (pass, decide, commit).
     pub verify_seconds: f64,

@@ -162,6 +162,41 @@ pub fn default_gguf() -> Result<PathBuf, WeightsError> {
     Ok(gguf)
 }
 
+/// File name of the DFlash draft trained for the default model (`tools/dflash-train`): kept in
+/// the repository under `models/` and built into the library, so every binary carries it.
+pub const DFLASH_DRAFT_NAME: &str = "SmolLM2-135M-Instruct.dflash.gguf";
+
+/// The default model's DFlash draft (a llama.cpp `dflash` GGUF, ~11 MB).
+static DFLASH_DRAFT: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/models/SmolLM2-135M-Instruct.dflash.gguf"
+));
+
+/// The default model's DFlash draft as a GGUF file in the cache, written from the copy built into
+/// this binary when missing or different (temporary name, renamed into place); open it with
+/// `open_package` like any GGUF. Only for the default model: its taps are that model's.
+pub fn default_dflash_draft() -> Result<PathBuf, WeightsError> {
+    let cache = cache_dir()?;
+    std::fs::create_dir_all(&cache).map_err(|e| WeightsError::io(&cache, e))?;
+    let path = cache.join(DFLASH_DRAFT_NAME);
+    let same = std::fs::metadata(&path).is_ok_and(|m| m.len() == DFLASH_DRAFT.len() as u64)
+        && std::fs::read(&path).is_ok_and(|b| b == DFLASH_DRAFT);
+    if same {
+        return Ok(path);
+    }
+    let tmp = cache.join(format!(
+        ".{DFLASH_DRAFT_NAME}.tmp.{}.{}",
+        std::process::id(),
+        super::import::unique_suffix()
+    ));
+    if let Err(e) = std::fs::write(&tmp, DFLASH_DRAFT) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(WeightsError::io(&tmp, e));
+    }
+    std::fs::rename(&tmp, &path).map_err(|e| WeightsError::io(&path, e))?;
+    Ok(path)
+}
+
 /// The default model's package directory (downloaded and imported on first use).
 pub fn default_model() -> Result<PathBuf, WeightsError> {
     let cache = cache_dir()?;

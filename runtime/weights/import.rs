@@ -1200,6 +1200,13 @@ pub fn cache_dir() -> Result<PathBuf, WeightsError> {
     }
 }
 
+/// A number no other call in this process gets: with the process id it names a temporary
+/// file or directory that two imports running at once (two threads) do not share.
+pub fn unique_suffix() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Import `gguf` once into `<dir>/<stem>.pkg` (or reuse it), atomically: the import goes into a
 /// temporary directory renamed into place only when complete, so an interrupted import is never
 /// reused.
@@ -1216,12 +1223,13 @@ pub fn import_once(
         .ok_or_else(|| WeightsError::invalid(final_dir, "no parent directory"))?;
     std::fs::create_dir_all(parent).map_err(|e| WeightsError::io(parent, e))?;
     let tmp = parent.join(format!(
-        ".{}.tmp.{}",
+        ".{}.tmp.{}.{}",
         final_dir
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        std::process::id()
+        std::process::id(),
+        unique_suffix()
     ));
     let _ = std::fs::remove_dir_all(&tmp);
     if let Err(e) = import_gguf(gguf, &tmp, opts) {

@@ -120,6 +120,98 @@ def llama_cpp_source(arg: str, tmp: str) -> str:
     return os.path.join(tmp, roots.pop(), "vendor", "llama.cpp")
 
 
+def write_target_dir(target_pkg: str, target_dir: str) -> dict:
+    """The target as the converter reads it (config.json less xdna's own key, and the
+    tokenizer files) in `target_dir`; returns the target's config."""
+    with open(os.path.join(target_pkg, "config.json"), encoding="utf-8") as f:
+        tcfg = json.load(f)
+    tcfg.pop("xdna", None)
+    shutil.rmtree(target_dir, ignore_errors=True)
+    os.makedirs(target_dir)
+    with open(os.path.join(target_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(tcfg, f, indent=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(target_pkg, name), target_dir)
+    return tcfg
+
+
+def draft_shape(tcfg: dict) -> dict:
+    """The draft layers' shape taken from the target's config (z-lab drafts share the target's
+    hidden size, heads, head dim and FFN size)."""
+    heads = tcfg["num_attention_heads"]
+    return {
+        "hidden": tcfg["hidden_size"],
+        "heads": heads,
+        "kv_heads": tcfg.get("num_key_value_heads", heads),
+        "head_dim": tcfg.get("head_dim") or tcfg["hidden_size"] // heads,
+        "ffn": tcfg["intermediate_size"],
+        "vocab": tcfg["vocab_size"],
+        "rms_eps": tcfg.get("rms_norm_eps", 1e-6),
+        "rope_theta": tcfg.get("rope_theta",
+                               (tcfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+    }
+
+
+def draft_config(tcfg: dict, layers: int, block_size: int, target_layers: list[int],
+                 mask_token_id: int) -> dict:
+    """The draft's config.json in the form z-lab publishes (Qwen3Config + block_size +
+    dflash_config)."""
+    d = draft_shape(tcfg)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": block_size,
+        "dflash_config": {
+            "block_size": block_size,
+            "target_layer_ids": target_layers,
+            "mask_token_id": mask_token_id,
+        },
+        "bos_token_id": tcfg.get("bos_token_id"),
+        "eos_token_id": tcfg.get("eos_token_id"),
+        "dtype": "bfloat16",
+        "head_dim": d["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": d["hidden"],
+        "initializer_range": 0.02,
+        "intermediate_size": d["ffn"],
+        "layer_types": ["full_attention"] * layers,
+        "max_position_embeddings": tcfg.get("max_position_embeddings", 8192),
+        "max_window_layers": layers,
+        "num_attention_heads": d["heads"],
+        "num_hidden_layers": layers,
+        "num_key_value_heads": d["kv_heads"],
+        "num_target_layers": tcfg["num_hidden_layers"],
+        "rms_norm_eps": d["rms_eps"],
+        "rope_scaling": None,
+        "rope_theta": d["rope_theta"],
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": d["vocab"],
+    }
+
+
+def convert_draft(llama_cpp: str, draft_dir: str, target_dir: str, outtype: str,
+                  gguf_path: str, check: dict) -> dict:
+    """llama.cpp's converter over the checkpoint in `draft_dir`, then the GGUF checked with
+    llama.cpp's own gguf-py (`check`: the keyword arguments of `check_gguf`); returns the
+    GGUF's summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = llama_cpp_source(llama_cpp, tmp)
+        cmd = [sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), draft_dir,
+               "--target-model-dir", target_dir, "--outtype", outtype, "--outfile", gguf_path]
+        print("+ " + " ".join(cmd), file=sys.stderr)
+        subprocess.run(cmd, check=True)
+
+        sys.path.insert(0, os.path.join(src, "gguf-py"))
+        import gguf  # noqa: E402  (llama.cpp's own gguf-py, from the same source)
+
+        return check_gguf(gguf, gguf_path, **check)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-pkg", required=True,
@@ -142,72 +234,23 @@ def main() -> int:
                     help="the target's GGUF: require the draft's vocabulary keys to equal its own")
     a = ap.parse_args()
 
-    with open(os.path.join(a.target_pkg, "config.json"), encoding="utf-8") as f:
-        tcfg = json.load(f)
-    tcfg.pop("xdna", None)
-    n_tgt_layers = tcfg["num_hidden_layers"]
-    hidden = tcfg["hidden_size"]
-    heads = tcfg["num_attention_heads"]
-    kv_heads = tcfg.get("num_key_value_heads", heads)
-    head_dim = tcfg.get("head_dim") or hidden // heads
-    ffn = tcfg["intermediate_size"]
-    vocab = tcfg["vocab_size"]
-    target_layers = a.target_layers or zlab_target_layer_ids(n_tgt_layers, a.n_features)
-    if not all(0 <= i < n_tgt_layers for i in target_layers):
-        ap.error(f"target layers {target_layers} outside 0..{n_tgt_layers - 1}")
-    if not 0 <= a.mask_token_id < vocab:
-        ap.error(f"mask token id {a.mask_token_id} outside the vocabulary (0..{vocab - 1})")
-
     out = os.path.abspath(a.out_dir)
     target_dir = os.path.join(out, "target")
     draft_dir = os.path.join(out, "draft")
-    for d in (target_dir, draft_dir):
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d)
+    tcfg = write_target_dir(a.target_pkg, target_dir)
+    n_tgt_layers = tcfg["num_hidden_layers"]
+    d = draft_shape(tcfg)
+    hidden, heads, kv_heads, head_dim, ffn = (d["hidden"], d["heads"], d["kv_heads"],
+                                              d["head_dim"], d["ffn"])
+    target_layers = a.target_layers or zlab_target_layer_ids(n_tgt_layers, a.n_features)
+    if not all(0 <= i < n_tgt_layers for i in target_layers):
+        ap.error(f"target layers {target_layers} outside 0..{n_tgt_layers - 1}")
+    if not 0 <= mask_token_id < d["vocab"]:
+        ap.error(f"mask token id {mask_token_id} outside the vocabulary (0..{d['vocab'] - 1})")
 
-    # the target as the converter reads it (config + tokenizer only)
-    with open(os.path.join(target_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(tcfg, f, indent=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(a.target_pkg, name), target_dir)
-
-    # the draft's config, in the form z-lab publishes (Qwen3Config + block_size + dflash_config)
-    rope_theta = tcfg.get("rope_theta", (tcfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    dcfg = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "block_size": a.block_size,
-        "dflash_config": {
-            "block_size": a.block_size,
-            "target_layer_ids": target_layers,
-            "mask_token_id": a.mask_token_id,
-        },
-        "bos_token_id": tcfg.get("bos_token_id"),
-        "eos_token_id": tcfg.get("eos_token_id"),
-        "dtype": "bfloat16",
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "initializer_range": 0.02,
-        "intermediate_size": ffn,
-        "layer_types": ["full_attention"] * a.layers,
-        "max_position_embeddings": tcfg.get("max_position_embeddings", 8192),
-        "max_window_layers": a.layers,
-        "num_attention_heads": heads,
-        "num_hidden_layers": a.layers,
-        "num_key_value_heads": kv_heads,
-        "num_target_layers": n_tgt_layers,
-        "rms_norm_eps": tcfg.get("rms_norm_eps", 1e-6),
-        "rope_scaling": None,
-        "rope_theta": rope_theta,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": vocab,
-    }
+    shutil.rmtree(draft_dir, ignore_errors=True)
+    os.makedirs(draft_dir)
+    dcfg = draft_config(tcfg, a.layers, block_size, target_layers, mask_token_id)
     with open(os.path.join(draft_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(dcfg, f, indent=2)
 
@@ -220,7 +263,7 @@ def main() -> int:
         return rng.uniform(0.5, 1.5, n).astype(np.float32)
 
     t: dict[str, np.ndarray] = {}
-    for i in range(a.layers):
+    for i in range(layers):
         p = f"layers.{i}."
         t[p + "input_layernorm.weight"] = gain(hidden)
         t[p + "self_attn.q_proj.weight"] = linear(heads * head_dim, hidden)
@@ -238,20 +281,13 @@ def main() -> int:
     t["norm.weight"] = gain(hidden)
     write_safetensors_bf16(os.path.join(draft_dir, "model.safetensors"), t)
     print(f"draft checkpoint: {draft_dir} ({len(t)} tensors, seed {a.seed}); "
-          f"target layers {target_layers}, mask token {a.mask_token_id}", file=sys.stderr)
+          f"target layers {target_layers}, mask token {mask_token_id}", file=sys.stderr)
 
     gguf_path = os.path.join(out, "draft.gguf")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = llama_cpp_source(a.llama_cpp, tmp)
-        cmd = [sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), draft_dir,
-               "--target-model-dir", target_dir, "--outtype", a.outtype, "--outfile", gguf_path]
-        print("+ " + " ".join(cmd), file=sys.stderr)
-        subprocess.run(cmd, check=True)
-
-        sys.path.insert(0, os.path.join(src, "gguf-py"))
-        import gguf  # noqa: E402  (llama.cpp's own gguf-py, from the same source)
-
-        summary = check_gguf(gguf, gguf_path, a, target_layers)
+    summary = convert_draft(a.llama_cpp, draft_dir, target_dir, a.outtype, gguf_path, check={
+        "layers": a.layers, "block_size": block_size, "target_layers": target_layers,
+        "mask_token_id": mask_token_id, "expect_pre": expect_pre,
+        "target_gguf": target_gguf})
     with open(os.path.join(out, "draft-gguf.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary["keys"].items():
@@ -262,7 +298,9 @@ def main() -> int:
     return 0
 
 
-def check_gguf(gguf, path: str, a, target_layers: list[int]) -> dict:
+def check_gguf(gguf, path: str, *, layers: int, block_size: int, target_layers: list[int],
+               mask_token_id: int, expect_pre: str | None = None,
+               target_gguf: str | None = None) -> dict:
     r = gguf.GGUFReader(path)
     keys = {}
     for k, f in r.fields.items():
@@ -279,19 +317,19 @@ def check_gguf(gguf, path: str, a, target_layers: list[int]) -> dict:
             raise SystemExit(f"{path}: {what}")
 
     need(keys.get("general.architecture") == "dflash", f"architecture {keys.get('general.architecture')}")
-    need(keys.get("dflash.block_size") == a.block_size, f"dflash.block_size {keys.get('dflash.block_size')}")
+    need(keys.get("dflash.block_size") == block_size, f"dflash.block_size {keys.get('dflash.block_size')}")
     need(keys.get("dflash.target_layers") == [i + 1 for i in target_layers],
          f"dflash.target_layers {keys.get('dflash.target_layers')} != HF ids + 1")
-    need(keys.get("tokenizer.ggml.mask_token_id") == a.mask_token_id,
+    need(keys.get("tokenizer.ggml.mask_token_id") == mask_token_id,
          f"mask token {keys.get('tokenizer.ggml.mask_token_id')}")
     # the converter refuses a BPE pre-tokenizer whose hash it does not know, so any value here was
     # recognised; --expect-pre / --target-gguf pin it
     pre = keys.get("tokenizer.ggml.pre")
     need(pre is not None, "no tokenizer.ggml.pre")
-    if a.expect_pre is not None:
-        need(pre == a.expect_pre, f"tokenizer.ggml.pre {pre!r} != {a.expect_pre!r}")
-    if a.target_gguf:
-        tr = gguf.GGUFReader(a.target_gguf)
+    if expect_pre is not None:
+        need(pre == expect_pre, f"tokenizer.ggml.pre {pre!r} != {expect_pre!r}")
+    if target_gguf:
+        tr = gguf.GGUFReader(target_gguf)
         for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
                   "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
                   "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token"):
@@ -304,10 +342,10 @@ def check_gguf(gguf, path: str, a, target_layers: list[int]) -> dict:
     need(not {"token_embd.weight", "output.weight"} & names, "the draft carries its own embeddings/head")
     per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
-    for i in range(a.layers):
+    for i in range(layers):
         for p in per_layer:
             need(f"blk.{i}.{p}.weight" in names, f"blk.{i}.{p}.weight missing")
-    need(len(names) == 3 + a.layers * len(per_layer), f"unexpected tensors: {sorted(names)}")
+    need(len(names) == 3 + layers * len(per_layer), f"unexpected tensors: {sorted(names)}")
     return {"file": path, "keys": keys, "tensors": tensors}
 
 

@@ -37,6 +37,9 @@ enum Command {
     Bench(cmd::bench::Args),
     /// Tokens per round a drafter would yield on the target's greedy continuations.
     SpecAcceptance(cmd::spec_acceptance::Args),
+    /// The target's greedy continuations of token-id prompts with its hidden states after
+    /// chosen layers: training data for a DFlash draft (tools/dflash-train).
+    GreedyTaps(cmd::greedy_taps::Args),
 }
 
 fn main() {
@@ -50,6 +53,7 @@ fn main() {
         Command::Perplexity(args) => cmd::perplexity::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::SpecAcceptance(args) => cmd::spec_acceptance::run(args),
+        Command::GreedyTaps(args) => cmd::greedy_taps::run(args),
     };
     if let Err(err) = result {
         eprintln!("xdna: error: {err}");

@@ -696,7 +696,8 @@ fn penalty(v: &Value, key: &str) -> Result<f32, ApiError> {
 pub const DEFAULT_DRAFT_MAX: usize = 8;
 
 /// The request's `speculative` field: `false` / `{"drafter": "none"}` turn speculation off;
-/// `true` / `{"drafter": "ngram" | "dflash", "draft_max": K}` (K in 1..=15, default the server's
+/// `true` / `{"drafter": "ngram" | "dflash", "draft_max": K}` (`type` is a synonym of `drafter`;
+/// K in 1..=15, default the server's
 /// `--draft-max` when it speculates, else 8) turn it on, `drafter` defaulting to the server's (`--speculate`), else
 /// `"ngram"`; absent: the server default. `"dflash"` needs the server's DFlash draft (`--draft`).
 fn speculative(v: &Value, cfg: &Config) -> Result<Option<Speculate>, ApiError> {
@@ -713,13 +714,24 @@ fn speculative(v: &Value, cfg: &Config) -> Result<Option<Speculate>, ApiError> {
             draft_max: default_k,
         },
         Some(o @ Value::Object(m)) => {
-            if let Some(k) = m.keys().find(|k| *k != "drafter" && *k != "draft_max") {
+            if let Some(k) = m
+                .keys()
+                .find(|k| !matches!(k.as_str(), "drafter" | "type" | "draft_max"))
+            {
                 return Err(bad(format!(
-                    "unknown field `speculative.{k}` (expected `drafter`, `draft_max`)"
+                    "unknown field `speculative.{k}` (expected `drafter` or its synonym `type`, `draft_max`)"
                 )));
             }
+            let named = match (field(o, "drafter"), field(o, "type")) {
+                (Some(d), Some(t)) if d != t => {
+                    return Err(bad(format!(
+                        "`speculative.drafter` {d} and `speculative.type` {t} disagree (they name the same thing)"
+                    )))
+                }
+                (d, t) => d.or(t),
+            };
             // `None`: "none", plain decoding (once `draft_max` is checked too).
-            let drafter = match field(o, "drafter") {
+            let drafter = match named {
                 None => Some(default_drafter),
                 Some(Value::String(d)) if d == "none" => None,
                 Some(Value::String(d)) => match DrafterKind::from_name(d) {

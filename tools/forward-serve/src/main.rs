@@ -30,12 +30,13 @@ struct Args {
     /// Sequences generated at once (each with its own KV cache of `--ctx` positions; ≤ 16).
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
-    /// Speculative decoding for every request: none | ngram | dflash (dflash needs --draft;
-    /// requests may override).
+    /// Speculative decoding for every request: none | ngram | dflash (dflash: the --draft draft,
+    /// or for the default model the one shipped with xdna; requests may override).
     #[arg(long, default_value = "none", value_parser = ["none", "ngram", "dflash"])]
     speculate: String,
-    /// A DFlash draft (a `dflash` GGUF or package) made for the model: requests may draft with
-    /// it (`"speculative": {"drafter": "dflash"}`).
+    /// A DFlash draft (a `dflash` GGUF or package) made for the model, or `default` (the draft
+    /// shipped for the default model): requests may draft with it (`"speculative": {"drafter":
+    /// "dflash"}`).
     #[arg(long, value_name = "PATH")]
     draft: Option<std::path::PathBuf>,
     /// Drafts per speculative round at most (1..=15).
@@ -169,9 +170,15 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn real_main(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+fn real_main(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if args.speculate == "dflash" && args.draft.is_none() {
-        return Err("--speculate dflash needs a DFlash draft: --draft PATH".into());
+        if args.model.path.is_some() {
+            return Err("--speculate dflash needs a DFlash draft made for this model: --draft PATH (the shipped draft, --draft default, is for the default model)".into());
+        }
+        args.draft = Some("default".into());
+    }
+    if !args.fake_engine && args.draft.as_deref() == Some(std::path::Path::new("default")) {
+        args.draft = Some(xdna::weights::default_model::default_dflash_draft()?);
     }
     let loaded = if args.fake_engine {
         Loaded {

@@ -828,11 +828,36 @@ async fn dflash_drafts_through_the_scheduler_return_the_plain_text() {
         r.json()["choices"][0]["text"].as_str(),
         Some(expected_text("sampled", 50).0.as_str())
     );
-    // `"type"` is not a key of the field (no server reads a drafter from it).
+    // `"type"` names the drafter too; it drafts like `"drafter"` ...
+    let before = metric(
+        &s.metrics().await,
+        "forward_serve_speculative_drafter_rounds_total{drafter=\"dflash\"}",
+    )
+    .unwrap_or(0.0);
     let r = post_json(
         s.addr,
         "/v1/completions",
-        &json!({"prompt": "abc", "speculative": {"type": "dflash"}}),
+        &json!({"prompt": "abcd", "max_tokens": 30, "temperature": 0, "speculative": {"type": "dflash"}}),
+    )
+    .await;
+    assert_eq!(
+        r.json()["choices"][0]["text"].as_str(),
+        Some(expected_text("abcd", 30).0.as_str())
+    );
+    let after = metric(
+        &s.metrics().await,
+        "forward_serve_speculative_drafter_rounds_total{drafter=\"dflash\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(
+        after > before,
+        "no DFlash rounds for `type`: {before} -> {after}"
+    );
+    // ... and the two may not disagree.
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "abc", "speculative": {"type": "dflash", "drafter": "ngram"}}),
     )
     .await;
     assert_eq!(r.status, 400, "{}", r.text());

@@ -843,3 +843,54 @@ fn openai_client_asks_for_dflash_drafts() {
     );
     assert_eq!(drafter_metric(&metrics, "errors_total", "dflash"), 0.0);
 }
+
+/// `--draft default`: the draft trained for the default model and shipped with xdna, per request
+/// with `"speculative": {"type": "dflash"}`: each greedy answer equals the same request decoded
+/// plainly, and /metrics shows more than one token per DFlash round.
+#[test]
+fn the_shipped_draft_serves_requests_that_ask_for_it() {
+    let Some(model) = smollm2::smollm2_gguf() else {
+        return;
+    };
+    let (mut child, base) = spawn_binary(
+        &[
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--backend".as_ref(),
+            "host".as_ref(),
+            "--ctx".as_ref(),
+            "512".as_ref(),
+            "--draft".as_ref(),
+            "default".as_ref(),
+        ],
+        Duration::from_secs(120),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let addr = addr_of(&base);
+    let prompts = [
+        "The bridge over the river was built in",
+        "def area(width, height):\n    \"\"\"Return the area of a rectangle.\"\"\"\n",
+    ];
+    let metrics = rt.block_on(async {
+        for p in prompts {
+            let plain = greedy(addr, p, 64, json!(false)).await;
+            let drafted = greedy(addr, p, 64, json!({"type": "dflash"})).await;
+            assert_eq!(drafted, plain, "{p:?}");
+        }
+        get(addr, "/metrics").await.text()
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let rounds = drafter_metric(&metrics, "rounds_total", "dflash");
+    let tau = drafter_metric(&metrics, "tau", "dflash");
+    eprintln!("shipped draft through forward-serve: {rounds} rounds, {tau:.2} tokens per round");
+    assert!(rounds > 0.0, "{metrics}");
+    assert!(
+        tau > 1.1,
+        "the shipped draft is accepted too rarely: {tau:.2}"
+    );
+    assert_eq!(drafter_metric(&metrics, "errors_total", "dflash"), 0.0);
+}

@@ -7,7 +7,7 @@ use xdna::cli::ModelArgs;
 use xdna::model::load::open_model;
 use xdna::model::sampling::{argmax, SamplingConfig};
 use xdna::model::Model;
-use xdna::spec::{SpecRunner, StopConditions};
+use xdna::spec::{SpecRunner, SpecStats, StopConditions};
 
 use super::spec_common::{build_drafter, DraftOptions, DrafterKind};
 
@@ -44,7 +44,7 @@ pub struct Args {
     json: bool,
     #[command(flatten)]
     model: ModelArgs,
-    /// Drafter: ngram | draft:PKG | dflash:PATH | layerskip:E.
+    /// Drafter: ngram | draft:PKG | dflash[:PATH] | layerskip:E (`dflash`: the draft shipped for the default model).
     #[arg(long, default_value = "ngram")]
     drafter: String,
     #[command(flatten)]
@@ -58,6 +58,11 @@ pub struct Args {
     /// Keep speculating even when the measured costs say it does not pay.
     #[arg(long)]
     no_fallback: bool,
+    /// Prompts instead of the built-in set (the format of `xdna spec-acceptance --prompts`: one
+    /// per line, or JSON objects with `prompt` and `name`); names `KIND-…` (e.g. `prose-3`,
+    /// `code-1`) are also summed per kind.
+    #[arg(long)]
+    prompts: Option<std::path::PathBuf>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -66,7 +71,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 struct PromptResult {
-    name: &'static str,
+    name: String,
     prompt_tokens: usize,
     plain_tok_s: f64,
     spec_tok_s: f64,
@@ -74,6 +79,70 @@ struct PromptResult {
     tokens_per_pass: f64,
     fallbacks: u64,
     identical: bool,
+    /// The runs' tokens, plain decode seconds, speculative seconds, and drafting seconds.
+    tokens: usize,
+    plain_seconds: f64,
+    spec_seconds: f64,
+    draft_seconds: f64,
+}
+
+impl PromptResult {
+    /// Share of the speculative run's time spent drafting.
+    fn draft_share(&self) -> f64 {
+        if self.spec_seconds > 0.0 {
+            self.draft_seconds / self.spec_seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Per-kind totals: prompts named `KIND-…` summed (tokens over seconds, so long prompts weigh
+/// more), with the rounds' τ pooled.
+struct KindTotal {
+    kind: String,
+    prompts: usize,
+    tokens: usize,
+    plain_seconds: f64,
+    spec_seconds: f64,
+    draft_seconds: f64,
+    stats: SpecStats,
+    identical: bool,
+}
+
+fn kind_totals(results: &[PromptResult], stats: &[SpecStats]) -> Vec<KindTotal> {
+    let mut out: Vec<KindTotal> = Vec::new();
+    for (r, s) in results.iter().zip(stats) {
+        let Some((kind, _)) = r.name.split_once('-') else {
+            continue;
+        };
+        let at = match out.iter().position(|k| k.kind == kind) {
+            Some(i) => i,
+            None => {
+                out.push(KindTotal {
+                    kind: kind.to_string(),
+                    prompts: 0,
+                    tokens: 0,
+                    plain_seconds: 0.0,
+                    spec_seconds: 0.0,
+                    draft_seconds: 0.0,
+                    stats: SpecStats::default(),
+                    identical: true,
+                });
+                out.len() - 1
+            }
+        };
+        let k = &mut out[at];
+        k.prompts += 1;
+        k.tokens += r.tokens;
+        k.plain_seconds += r.plain_seconds;
+        k.spec_seconds += r.spec_seconds;
+        k.draft_seconds += r.draft_seconds;
+        k.stats.merge(s);
+        k.identical &= r.identical;
+    }
+    out.retain(|k| k.prompts > 1);
+    out
 }
 
 /// Plain greedy: prefill all but the last prompt token, then one `step` per token (the same
@@ -109,22 +178,39 @@ pub fn run(args: Args) -> xdna::Result<()> {
     if args.tokens == 0 {
         return Err(xdna::Error::Usage("--tokens must be at least 1".into()));
     }
+    let prompts: Vec<(String, String)> = match &args.prompts {
+        None => PROMPTS
+            .iter()
+            .map(|&(n, t)| (n.to_string(), t.to_string()))
+            .collect(),
+        Some(path) => {
+            let content = std::fs::read_to_string(path).map_err(|e| xdna::Error::io(path, e))?;
+            super::spec_acceptance::parse_prompts(path, &content)?
+                .into_iter()
+                .map(|p| (p.name, p.text))
+                .collect()
+        }
+    };
     let mut results = Vec::new();
-    for &(name, text) in PROMPTS {
+    let mut all_stats = Vec::new();
+    for (name, text) in &prompts {
         let ids = pkg.encode_prompt(text, false);
         if ids.is_empty() || ids.len() > longest_prompt {
             return Err(xdna::Error::Usage(format!(
-                "built-in prompt {name} has {} tokens (1..={longest_prompt} expected)",
+                "prompt {name} has {} tokens (1..={longest_prompt} expected)",
                 ids.len()
             )));
         }
         let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
+        let (mut plain_times, mut spec_times, mut draft_times) =
+            (Vec::new(), Vec::new(), Vec::new());
         let mut identical = true;
         let mut last_stats = None;
         for _ in 0..args.runs.max(1) {
             // Alternate plain and speculative runs so machine-load drift hits both alike.
             let (plain_tokens, plain_s) = plain(&mut model, &ids, args.tokens)?;
             plain_rates.push(args.tokens as f64 / plain_s);
+            plain_times.push(plain_s);
 
             let drafter = build_drafter(&kind, &args.draft, &pkg, &model, ctx, 0)?;
             let config = args
@@ -136,13 +222,16 @@ pub fn run(args: Args) -> xdna::Result<()> {
             let t = Instant::now();
             let generation =
                 runner.generate(&mut model, &ids, &StopConditions::max_tokens(args.tokens))?;
-            spec_rates.push(generation.tokens.len() as f64 / t.elapsed().as_secs_f64());
+            let spec_s = t.elapsed().as_secs_f64();
+            spec_rates.push(generation.tokens.len() as f64 / spec_s);
+            spec_times.push(spec_s);
+            draft_times.push(runner.stats().draft_seconds);
             identical &= generation.tokens == plain_tokens;
             last_stats = Some(runner.stats().clone());
         }
         let stats = last_stats.unwrap_or_default();
         results.push(PromptResult {
-            name,
+            name: name.clone(),
             prompt_tokens: ids.len(),
             plain_tok_s: median(&mut plain_rates),
             spec_tok_s: median(&mut spec_rates),
@@ -150,8 +239,14 @@ pub fn run(args: Args) -> xdna::Result<()> {
             tokens_per_pass: stats.tokens_per_pass().unwrap_or(1.0),
             fallbacks: stats.fallback_entries,
             identical,
+            tokens: args.tokens,
+            plain_seconds: median(&mut plain_times),
+            spec_seconds: median(&mut spec_times),
+            draft_seconds: median(&mut draft_times),
         });
+        all_stats.push(stats);
     }
+    let kinds = kind_totals(&results, &all_stats);
     if args.json {
         let prompts: Vec<_> = results
             .iter()
@@ -161,7 +256,21 @@ pub fn run(args: Args) -> xdna::Result<()> {
                     "plain_tok_s": r.plain_tok_s, "spec_tok_s": r.spec_tok_s,
                     "speedup": r.spec_tok_s / r.plain_tok_s, "tau": r.tau,
                     "tokens_per_pass": r.tokens_per_pass, "fallbacks": r.fallbacks,
-                    "identical": r.identical,
+                    "identical": r.identical, "draft_share": r.draft_share(),
+                })
+            })
+            .collect();
+        let kinds: Vec<_> = kinds
+            .iter()
+            .map(|k| {
+                serde_json::json!({
+                    "kind": k.kind, "prompts": k.prompts, "tokens": k.tokens,
+                    "plain_tok_s": k.tokens as f64 / k.plain_seconds,
+                    "spec_tok_s": k.tokens as f64 / k.spec_seconds,
+                    "speedup": k.plain_seconds / k.spec_seconds,
+                    "tau": k.stats.mean_acceptance_length().unwrap_or(1.0),
+                    "draft_share": k.draft_seconds / k.spec_seconds,
+                    "identical": k.identical,
                 })
             })
             .collect();
@@ -170,12 +279,12 @@ pub fn run(args: Args) -> xdna::Result<()> {
             serde_json::json!({
                 "drafter": args.drafter, "draft_max": args.draft.draft_max,
                 "tokens": args.tokens, "runs": args.runs.max(1),
-                "backend": model.weights().backend, "prompts": prompts,
+                "backend": model.weights().backend, "prompts": prompts, "kinds": kinds,
             })
         );
     } else {
         println!(
-            "{:<12} {:>7} {:>12} {:>12} {:>8} {:>6} {:>10} {:>9} {:>9}",
+            "{:<12} {:>7} {:>12} {:>12} {:>8} {:>6} {:>10} {:>7} {:>9} {:>9}",
             "prompt",
             "prompt",
             "plain tok/s",
@@ -183,12 +292,13 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "speedup",
             "tau",
             "tok/pass",
+            "draft",
             "fallback",
             "identical"
         );
         for r in &results {
             println!(
-                "{:<12} {:>7} {:>12.1} {:>12.1} {:>7.2}x {:>6.2} {:>10.2} {:>9} {:>9}",
+                "{:<12} {:>7} {:>12.1} {:>12.1} {:>7.2}x {:>6.2} {:>10.2} {:>6.1}% {:>9} {:>9}",
                 r.name,
                 r.prompt_tokens,
                 r.plain_tok_s,
@@ -196,8 +306,24 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 r.spec_tok_s / r.plain_tok_s,
                 r.tau,
                 r.tokens_per_pass,
+                100.0 * r.draft_share(),
                 r.fallbacks,
                 r.identical
+            );
+        }
+        for k in &kinds {
+            println!(
+                "{:<12} {:>7} {:>12.1} {:>12.1} {:>7.2}x {:>6.2} {:>10} {:>6.1}% {:>9} {:>9}",
+                format!("{} ({})", k.kind, k.prompts),
+                "",
+                k.tokens as f64 / k.plain_seconds,
+                k.tokens as f64 / k.spec_seconds,
+                k.plain_seconds / k.spec_seconds,
+                k.stats.mean_acceptance_length().unwrap_or(1.0),
+                "",
+                100.0 * k.draft_seconds / k.spec_seconds,
+                "",
+                k.identical
             );
         }
         println!(

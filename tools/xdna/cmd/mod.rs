@@ -6,6 +6,7 @@ pub mod bench_gemm;
 pub mod bench_load;
 pub mod bench_spec;
 pub mod bench_verify;
+pub mod greedy_taps;
 pub mod info;
 pub mod kernels;
 pub mod pack;

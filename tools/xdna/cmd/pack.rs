@@ -59,7 +59,8 @@ enum Cmd {
         #[arg(long, requires = "selftest")]
         keep: Option<PathBuf>,
     },
-    /// Print the default model's package directory (downloading/importing it if needed).
+    /// Print the default model's package directory (downloading/importing it if needed); also
+    /// imports the DFlash draft shipped for it.
     Default,
     /// Write a deterministic small random-weight package (with its kernel set) for tests and
     /// benches: a Qwen3.5-style hybrid (Gated DeltaNet + gated attention) or a Llama.
@@ -360,6 +361,10 @@ pub fn run(args: Args) -> xdna::Result<()> {
         },
         Cmd::Default => {
             let dir = xdna::weights::default_model()?;
+            // The DFlash draft shipped for it (`--speculate dflash`), imported now like the model.
+            let draft = xdna::weights::default_model::default_dflash_draft()?;
+            let draft_pkg = xdna::weights::import::cached_import(&draft)?;
+            tracing::info!(target: xdna::STATUS_TARGET, "DFlash draft: {}", draft_pkg.display());
             println!("{}", dir.display());
             Ok(())
         }

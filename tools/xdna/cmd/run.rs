@@ -48,7 +48,7 @@ pub struct Args {
     /// Context length (KV cache positions).
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
-    /// Speculative decoding with this drafter: ngram | draft:PKG | dflash:PATH | layerskip:E.
+    /// Speculative decoding with this drafter: ngram | draft:PKG | dflash[:PATH] | layerskip:E (`dflash`: the draft shipped for the default model).
     #[arg(long, value_name = "DRAFTER")]
     speculate: Option<String>,
     #[command(flatten)]

@@ -6,7 +6,9 @@
 //!    with the package's tokenizer.
 //! 2. Replay: walk each continuation as the speculative loop would commit it. At every committed
 //!    prefix the drafter proposes k = min(--draft-max, remaining − 1) drafts; the round accepts the
-//!    longest prefix of drafts equal to the recorded tokens and emits that plus one token.
+//!    longest prefix of drafts equal to the recorded tokens and emits that plus one token. A DFlash
+//!    draft reads the target's hidden states: one tapped prefill of the target over prompt and
+//!    continuation gives them, and each round hands it the rows it committed.
 //! 3. Report τ and tokens per pass per prompt and overall; with `--pass-ms` and `--step-ms`, the
 //!    projected speedups of a one-pass and a two-pass round (formulas in `docs/speculative.md`).
 
@@ -16,7 +18,9 @@ use xdna::cli::ModelArgs;
 use xdna::model::load::{load, open_package};
 use xdna::model::sampling::argmax;
 use xdna::model::Model;
-use xdna::spec::{projected_speedups, replay_acceptance, SpecStats};
+use xdna::spec::{
+    projected_speedups, replay_acceptance, replay_acceptance_tapped, ReplayTaps, SpecStats,
+};
 use xdna::weights::Package;
 
 use super::spec_common::{build_drafter, DraftOptions, DrafterKind};
@@ -37,7 +41,8 @@ pub struct Args {
     /// `model` field sent to the endpoint.
     #[arg(long)]
     endpoint_model: Option<String>,
-    /// Drafter: ngram | draft:PKG | layerskip:E.
+    /// Drafter: ngram | draft:PKG | dflash[:PATH] | layerskip:E. A DFlash draft is handed the
+    /// target's hidden states of the recorded text (one tapped prefill over it).
     #[arg(long, default_value = "ngram")]
     drafter: String,
     #[command(flatten)]
@@ -138,6 +143,27 @@ fn record_local(
         next = argmax(model.step(next)?, 0)?;
     }
     Ok(out)
+}
+
+/// The target's hidden states after the `taps` layers at every position of `tokens`, read in one
+/// tapped prefill: `out` = `[positions][taps][hidden]`.
+fn target_states(
+    model: &mut Model,
+    tokens: &[u32],
+    taps: &[usize],
+    out: &mut Vec<f32>,
+) -> xdna::Result<()> {
+    model.reset();
+    out.clear();
+    model.prefill_tapped(tokens, taps, &mut |pass| {
+        for row in 0..pass.rows() {
+            for t in 0..taps.len() {
+                out.extend_from_slice(pass.tap(t, row));
+            }
+        }
+    })?;
+    model.reset();
+    Ok(())
 }
 
 /// `.../v1/completions` for an endpoint given as a base URL or as the full URL.
@@ -242,11 +268,6 @@ pub fn run(args: Args) -> xdna::Result<()> {
         std::fs::read_to_string(&args.prompts).map_err(|e| xdna::Error::io(&args.prompts, e))?;
     let prompts = parse_prompts(&args.prompts, &content)?;
     let kind: DrafterKind = args.drafter.parse()?;
-    if matches!(kind, DrafterKind::Dflash(_)) {
-        return Err(xdna::Error::Usage(
-            "spec-acceptance replays drafters over recorded text without target passes; a DFlash draft reads the target's hidden states of every pass, so measure it with `xdna bench spec --drafter dflash:PATH`".into(),
-        ));
-    }
     let opts = args.model.load_options(false);
     let mut encoded = Vec::new();
     let path = match &args.model.path {
@@ -288,10 +309,38 @@ pub fn run(args: Args) -> xdna::Result<()> {
     }
     model.reset();
     let mut drafter = build_drafter(&kind, &args.draft, &pkg, &model, model.context(), 0)?;
+    let taps = drafter.target_taps().to_vec();
     let mut reports = Vec::new();
     let mut total = SpecStats::default();
+    let mut states = Vec::new();
     for ((prompt, ids), continuation) in prompts.iter().zip(&encoded).zip(&continuations) {
-        let stats = replay_acceptance(drafter.as_mut(), ids, continuation, args.draft.draft_max)?;
+        let stats = if taps.is_empty() {
+            replay_acceptance(drafter.as_mut(), ids, continuation, args.draft.draft_max)?
+        } else {
+            // A drafter reading the target's hidden states (DFlash): one tapped prefill over the
+            // prompt and the recorded continuation gives the rows every round commits, and each
+            // prompt starts a fresh draft context.
+            let fed: Vec<u32> = ids
+                .iter()
+                .chain(continuation)
+                .copied()
+                .take((ids.len() + continuation.len()).saturating_sub(1))
+                .collect();
+            target_states(&mut model, &fed, &taps, &mut states)?;
+            drafter = build_drafter(&kind, &args.draft, &pkg, &model, model.context(), 0)?;
+            let rows = ReplayTaps {
+                states: &states,
+                taps: taps.len(),
+                hidden: pkg.config().hidden,
+            };
+            replay_acceptance_tapped(
+                drafter.as_mut(),
+                ids,
+                continuation,
+                args.draft.draft_max,
+                Some(rows),
+            )?
+        };
         total.merge(&stats);
         reports.push(PromptReport {
             name: prompt.name.clone(),

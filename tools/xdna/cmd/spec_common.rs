@@ -1,5 +1,5 @@
 //! What `xdna run --speculate`, `xdna spec-acceptance` and `xdna bench spec` share: the drafter
-//! choice (`ngram | draft:PKG | dflash:PATH | layerskip:E`), its options, and the statistics report.
+//! choice (`ngram | draft:PKG | dflash[:PATH] | layerskip:E`), its options, and the statistics report.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -21,8 +21,9 @@ pub enum DrafterKind {
     Ngram,
     /// Another package or GGUF sharing the target's vocabulary, on the host backend.
     Draft(PathBuf),
-    /// A DFlash block draft (a `dflash` GGUF or package) reading the target's hidden states.
-    Dflash(PathBuf),
+    /// A DFlash block draft (a `dflash` GGUF or package) reading the target's hidden states;
+    /// `None`: the draft trained for the default model, shipped with xdna.
+    Dflash(Option<PathBuf>),
     /// The target's first E layers plus its head (self-speculation).
     LayerSkip(usize),
 }
@@ -33,7 +34,7 @@ impl FromStr for DrafterKind {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let usage = |why: &str| {
             xdna::Error::Usage(format!(
-                "drafter {s:?}: {why} (expected ngram, draft:PKG, dflash:PATH or layerskip:E)"
+                "drafter {s:?}: {why} (expected ngram, draft:PKG, dflash, dflash:PATH or layerskip:E)"
             ))
         };
         if s == "ngram" {
@@ -45,11 +46,14 @@ impl FromStr for DrafterKind {
             }
             return Ok(DrafterKind::Draft(PathBuf::from(path)));
         }
+        if s == "dflash" {
+            return Ok(DrafterKind::Dflash(None));
+        }
         if let Some(path) = s.strip_prefix("dflash:") {
             if path.is_empty() {
                 return Err(usage("empty draft path"));
             }
-            return Ok(DrafterKind::Dflash(PathBuf::from(path)));
+            return Ok(DrafterKind::Dflash(Some(PathBuf::from(path))));
         }
         if let Some(layers) = s.strip_prefix("layerskip:") {
             let exit = layers
@@ -185,7 +189,11 @@ pub fn build_drafter(
                 seed ^ 0xd4af_7d4a,
             )))
         }
-        DrafterKind::Dflash(path) => dflash_drafter(path, target_pkg, target),
+        DrafterKind::Dflash(Some(path)) => dflash_drafter(path, target_pkg, target),
+        DrafterKind::Dflash(None) => {
+            let path = xdna::weights::default_model::default_dflash_draft()?;
+            dflash_drafter(&path, target_pkg, target)
+        }
         DrafterKind::LayerSkip(exit) => layer_skip_drafter(*exit, target, ctx, seed),
     }
 }
