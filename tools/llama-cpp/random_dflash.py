@@ -245,12 +245,12 @@ def main() -> int:
     target_layers = a.target_layers or zlab_target_layer_ids(n_tgt_layers, a.n_features)
     if not all(0 <= i < n_tgt_layers for i in target_layers):
         ap.error(f"target layers {target_layers} outside 0..{n_tgt_layers - 1}")
-    if not 0 <= mask_token_id < d["vocab"]:
-        ap.error(f"mask token id {mask_token_id} outside the vocabulary (0..{d['vocab'] - 1})")
+    if not 0 <= a.mask_token_id < d["vocab"]:
+        ap.error(f"mask token id {a.mask_token_id} outside the vocabulary (0..{d['vocab'] - 1})")
 
     shutil.rmtree(draft_dir, ignore_errors=True)
     os.makedirs(draft_dir)
-    dcfg = draft_config(tcfg, a.layers, block_size, target_layers, mask_token_id)
+    dcfg = draft_config(tcfg, a.layers, a.block_size, target_layers, a.mask_token_id)
     with open(os.path.join(draft_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(dcfg, f, indent=2)
 
@@ -263,7 +263,7 @@ def main() -> int:
         return rng.uniform(0.5, 1.5, n).astype(np.float32)
 
     t: dict[str, np.ndarray] = {}
-    for i in range(layers):
+    for i in range(a.layers):
         p = f"layers.{i}."
         t[p + "input_layernorm.weight"] = gain(hidden)
         t[p + "self_attn.q_proj.weight"] = linear(heads * head_dim, hidden)
@@ -281,13 +281,13 @@ def main() -> int:
     t["norm.weight"] = gain(hidden)
     write_safetensors_bf16(os.path.join(draft_dir, "model.safetensors"), t)
     print(f"draft checkpoint: {draft_dir} ({len(t)} tensors, seed {a.seed}); "
-          f"target layers {target_layers}, mask token {mask_token_id}", file=sys.stderr)
+          f"target layers {target_layers}, mask token {a.mask_token_id}", file=sys.stderr)
 
     gguf_path = os.path.join(out, "draft.gguf")
     summary = convert_draft(a.llama_cpp, draft_dir, target_dir, a.outtype, gguf_path, check={
-        "layers": a.layers, "block_size": block_size, "target_layers": target_layers,
-        "mask_token_id": mask_token_id, "expect_pre": expect_pre,
-        "target_gguf": target_gguf})
+        "layers": a.layers, "block_size": a.block_size, "target_layers": target_layers,
+        "mask_token_id": a.mask_token_id, "expect_pre": a.expect_pre,
+        "target_gguf": a.target_gguf})
     with open(os.path.join(out, "draft-gguf.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     for k, v in summary["keys"].items():
