@@ -176,6 +176,16 @@ static DFLASH_DRAFT: &[u8] = include_bytes!(concat!(
 /// this binary when missing or different (temporary name, renamed into place); open it with
 /// `open_package` like any GGUF. Only for the default model: its taps are that model's.
 pub fn default_dflash_draft() -> Result<PathBuf, WeightsError> {
+    // Checked once per process: commands build a drafter per prompt and run.
+    static CHECKED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(path) = CHECKED.get() {
+        return Ok(path.clone());
+    }
+    let path = write_default_dflash_draft()?;
+    Ok(CHECKED.get_or_init(|| path).clone())
+}
+
+fn write_default_dflash_draft() -> Result<PathBuf, WeightsError> {
     let cache = cache_dir()?;
     std::fs::create_dir_all(&cache).map_err(|e| WeightsError::io(&cache, e))?;
     let path = cache.join(DFLASH_DRAFT_NAME);

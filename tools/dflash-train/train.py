@@ -500,6 +500,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--max-minutes", type=float, default=0,
                     help="stop training (checkpointed, resumable) after this long; 0: no limit")
+    ap.add_argument("--evaluate", action="store_true",
+                    help="load the checkpoint in --out, print its held-out tokens per round (as "
+                    "the loop counts them), write the held-out prompts as OUT/heldout-prompts.txt "
+                    "for `xdna spec-acceptance --prompts`, and stop")
     ap.add_argument("--outtype", default="q8_0", choices=["f32", "f16", "bf16", "q8_0"])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -604,6 +608,19 @@ def main() -> int:
             spent = json.load(f)["seconds"]
     t_start = time.time()
     losses = []
+    if a.evaluate:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(pkg, "tokenizer.json"))
+        with open(os.path.join(a.out, "heldout-prompts.txt"), "w", encoding="utf-8") as f:
+            for n, i in enumerate(eval_idx):
+                text = tok.decode(prompts[i]["ids"], skip_special_tokens=False)
+                f.write(json.dumps({"name": f"{kinds[i]}-{n}", "prompt": text}) + "\n")
+        model.eval()
+        tau, by_kind, pos = acceptance(model, embed, batches, eval_idx, kinds)
+        print(f"step {step}: held-out tokens per round {tau:.3f} (prose "
+              f"{by_kind.get('prose', 0):.3f}, code {by_kind.get('code', 0):.3f}); acceptance "
+              "at block positions " + " ".join(f"{p:.2f}" for p in pos[1:]))
+        return 0
     if step == 0:
         evaluate(float("nan"))
     while step < a.steps:
