@@ -140,3 +140,48 @@ fn a_matrix_of_the_wrong_length_or_width_is_refused() {
         .to_string();
     assert!(err.contains("256"), "{err}");
 }
+
+/// On CPUs with AVX-512 VNNI, Q4_K, Q5_K and Q6_K run 512-bit kernels. Q4_K's and Q5_K's block
+/// sums fold to the AVX2 kernels' integers, so their outputs are the same bits; Q6_K's are the
+/// same integers over other lanes, so they agree to float rounding (a wrong scale lane, code
+/// bit or centre is off by far more). Every activation row count.
+#[test]
+fn the_512_bit_k_quant_kernels_agree_with_the_avx2_ones() {
+    if !HostExecutor::new().uses_vnni() {
+        eprintln!("no AVX-512 VNNI on this CPU: only the AVX2 kernels run here");
+        return;
+    }
+    let mut rng = Rng(0x512b);
+    let (n, k) = (40, 1024);
+    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        let format = WeightFormat::Ggml(ty);
+        let data = random_rows(ty, n, k, &mut rng);
+        let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
+        for m in [1usize, 3, 8, 13] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+            let (mut wide, mut narrow) = (vec![0f32; m * n], vec![0f32; m * n]);
+            HostExecutor::new()
+                .gemm(&w, &x, m, &mut wide)
+                .expect("gemm");
+            HostExecutor::without_vnni()
+                .gemm(&w, &x, m, &mut narrow)
+                .expect("gemm");
+            if ty == GgmlType::Q6_K {
+                let e = rel_err(&wide, &narrow);
+                assert!(e < 1e-6, "{} m={m}: relative difference {e}", format.name());
+                continue;
+            }
+            let differ = wide
+                .iter()
+                .zip(&narrow)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ,
+                0,
+                "{} m={m}: {differ} outputs differ",
+                format.name()
+            );
+        }
+    }
+}

@@ -18,6 +18,7 @@ use super::host_layout::{self, Packing};
 use super::pool::{ChunkCounter, Pool, ShareCounter, SharedMut};
 use super::quant::{ActivationScale, QuantizedRows};
 use super::KernelError;
+use crate::ggml::GgmlType;
 use crate::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
 
 /// Activation rows handed to one block-kernel call: bounds the per-thread scratch (128 × 32 f32).
@@ -391,13 +392,27 @@ impl HostExecutor {
             FastKernel::Plain(_) => {
                 format!("{} row dot on f32 activations ({simd})", format.name())
             }
-            FastKernel::Ggml => format!(
-                "ggml block rows unpacked to i8, dot on q8 activations ({})",
-                match self.int_dot() {
-                    Some(avx2::IntDot::Vnni) => "AVX2 unpack, AVX-512 VNNI dot",
-                    _ => simd,
+            FastKernel::Ggml => match format {
+                WeightFormat::Ggml(GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
+                    if self.uses_avx2() =>
+                {
+                    format!(
+                        "{} blocks dotted in place on q8_K activations ({})",
+                        format.name(),
+                        match self.int_dot() {
+                            Some(avx2::IntDot::Vnni) => "AVX-512 VNNI",
+                            _ => "AVX2",
+                        }
+                    )
                 }
-            ),
+                _ => format!(
+                    "ggml block rows unpacked to i8, dot on q8 activations ({})",
+                    match self.int_dot() {
+                        Some(avx2::IntDot::Vnni) => "AVX2 unpack, AVX-512 VNNI dot",
+                        _ => simd,
+                    }
+                ),
+            },
         }
     }
 

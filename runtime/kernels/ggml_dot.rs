@@ -20,9 +20,10 @@
 //! `maddubs(u, c)` takes them straight from the block's bytes; their activations have one scale
 //! per 256-value block (ggml's `q8_K`, `quant::ActivationScale::PerSuperblock`), so the `madd`
 //! that widens the pair sums also applies the sub-block scales and a block sums in integers, with
-//! one float multiply-add per block (`x86::k_block`). CPUs with AVX-512 VNNI take the same
-//! kernels for these three types and keep unpack-then-dot for the others: decode is 2.5–3.3×
-//! that of unpack-then-dot on Zen 3 and Zen 4 (docs/performance.md).
+//! one float multiply-add per block (`x86::k_block`). CPUs with AVX-512 VNNI take 512-bit
+//! versions of these kernels (`k512`: two groups per register; Q6_K through `vpdpbusd`) and keep
+//! unpack-then-dot for the others: decode is 2.5–3.3× that of unpack-then-dot on Zen 3 and Zen 4
+//! (docs/performance.md).
 
 // Unsafe is needed for the AVX2 intrinsics.
 #![allow(unsafe_code)]
@@ -184,14 +185,16 @@ pub fn block(
             _ => None,
         };
         if let Some(kind) = kind {
+            let wide = path == Path::Avx512Vnni;
             // SAFETY: both vector paths are only chosen when AVX2, FMA and F16C are available
-            // (`gemm`; `avx2::vnni_available` implies `avx2::available`); `data` holds rows
-            // n0 .. n0 + out_rows of `row_bytes` (cols / 256 whole blocks: the matrix length
-            // and width are validated), `act` holds `cols` codes for every row of `act_rows`,
-            // and `out` holds `stride` floats per activation row.
+            // (`gemm`; `avx2::vnni_available` implies `avx2::available`), and `wide` only when
+            // AVX-512 F/BW/VL/VNNI are too (`Path::Avx512Vnni` follows `vnni_available`);
+            // `data` holds rows n0 .. n0 + out_rows of `row_bytes` (cols / 256 whole blocks: the
+            // matrix length and width are validated), `act` holds `cols` codes for every row of
+            // `act_rows`, and `out` holds `stride` floats per activation row.
             unsafe {
                 x86::k_block(
-                    kind, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
+                    kind, wide, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
                 )
             };
             return;
@@ -448,6 +451,253 @@ mod vnni {
     }
 }
 
+/// The fused K-quant kernels of [`x86::k_block`] on 512-bit registers, for CPUs with AVX-512
+/// VNNI. Each 512-bit vector holds two 32-value groups.
+///
+/// Q4_K and Q5_K: a block of 256 values is four `maddubs` + `vpdpwssd` pairs per activation row
+/// (the `madd` that weights the pair sums by the sub-block scale and the add into the block sum
+/// become one `vpdpwssd`) where the AVX2 kernels take eight `maddubs` + `madd` + `add`. Lane `j`
+/// of a group pair holds the same four products as lane `j` of the AVX2 kernels' group, so
+/// adding the two halves of the 512-bit block sum gives their 256-bit block sum exactly
+/// (integers); from there the float steps are theirs: the same bits on either kernel.
+///
+/// Q6_K: its centred codes `u − 32` are signed, which cost the AVX2 kernel a second `maddubs`
+/// per group. Here each 64 values take one `vpdpbusd` with the activations as the unsigned
+/// operand (`c + 128`), whose four-product lane sums (|s| ≤ 4·32·127 < 2¹⁵) two groups at a time
+/// are packed to i16 and weighted by their sub-block scales in one `vpdpwssd`: four `vpdpbusd`,
+/// two packs and two `vpdpwssd` per block and activation row, against sixteen `maddubs` and
+/// eight `madd`. The block sum is the same integer as the AVX2 kernel's (|lane| ≤ 4·128·2¹⁵ <
+/// 2²⁴, exact in f32) spread over other lanes, so the result agrees with it to float rounding.
+///
+/// Every activation row runs the same operations whatever the other rows are: batched rows
+/// keep the bits of single rows (docs/performance.md has the speeds).
+#[cfg(target_arch = "x86_64")]
+mod k512 {
+    use super::x86::{f16_at, hsum, k4_scales_mins, K_ACT_CHUNK};
+    use crate::kernels::quant::QuantizedRows;
+    use std::arch::x86_64::*;
+
+    /// The 16 i32 lanes of a block sum folded to the 8 of the AVX2 kernels (lane `j` + `8 + j`).
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f")]
+    unsafe fn fold(v: __m512i) -> __m256i {
+        _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+    }
+
+    /// The 256-bit `v` in both halves of a 512-bit vector.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f")]
+    unsafe fn both_halves(v: __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), v)
+    }
+
+    /// One Q4_K (`FIVE = false`) or Q5_K row against activation rows `first .. first + N`, as
+    /// `x86::k45_rows`. Pair `c` is groups `2c` (low nibbles of `qs[32c..]`, low half) and
+    /// `2c + 1` (high nibbles, high half): one shift by 0 | 4 of the run loaded into both halves.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `row` holds `cols / 256` blocks; `act` holds
+    /// rows `first .. first + N` of `cols` codes and per-superblock scales.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn k45_rows<const N: usize, const FIVE: bool>(
+        row: *const u8,
+        cols: usize,
+        act: &QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        let block_bytes = if FIVE { 176 } else { 144 };
+        let groups = act.groups();
+        let m4 = _mm512_set1_epi8(0x0F);
+        let sixteen = _mm512_set1_epi8(16);
+        let nibble_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+        // Bytes (2k, 2k + 1) of a 128-bit lane — i16 scale k — in every i16 lane: scale 2c in
+        // the low half, 2c + 1 in the high half.
+        let pick = |c: i32| {
+            let (lo, hi) = (
+                0x0100 * (4 * c + 1) + 4 * c,
+                0x0100 * (4 * c + 3) + 4 * c + 2,
+            );
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi16(lo as i16)),
+                _mm256_set1_epi16(hi as i16),
+            )
+        };
+        let picks = [pick(0), pick(1), pick(2), pick(3)];
+        // Q5_K's fifth bits of pair c: bit 2c of qh (low half), bit 2c + 1 (high half).
+        let fifth = |c: u32| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (2 * c)) as i8)),
+                _mm256_set1_epi8((2u8 << (2 * c)) as i8),
+            )
+        };
+        let fifths = [fifth(0), fifth(1), fifth(2), fifth(3)];
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_min = [_mm256_setzero_ps(); N];
+        for b in 0..cols / 256 {
+            let p = row.add(b * block_bytes);
+            let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
+            let (sc, mn) = k4_scales_mins(p.add(4));
+            let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
+            let sc8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(u64::from_le_bytes(sc) as i64));
+            let sc_all = _mm512_broadcast_i32x4(sc8);
+            let qs = p.add(if FIVE { 48 } else { 16 });
+            let qh = if FIVE {
+                both_halves(_mm256_loadu_si256(p.add(16) as *const __m256i))
+            } else {
+                _mm512_setzero_si512()
+            };
+            let mut q = [_mm512_setzero_si512(); 4];
+            let mut sc16 = [_mm512_setzero_si512(); 4];
+            for c in 0..4 {
+                let run = both_halves(_mm256_loadu_si256(qs.add(c * 32) as *const __m256i));
+                let mut v = _mm512_and_si512(_mm512_srlv_epi16(run, nibble_shift), m4);
+                if FIVE {
+                    let set = _mm512_test_epi8_mask(qh, fifths[c]);
+                    v = _mm512_mask_add_epi8(v, set, v, sixteen);
+                }
+                q[c] = v;
+                sc16[c] = _mm512_shuffle_epi8(sc_all, picks[c]);
+            }
+            for slot in 0..N {
+                let i = first + slot;
+                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                let mut isum = _mm512_setzero_si512();
+                for c in 0..4 {
+                    let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
+                    isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc16[c]);
+                }
+                let at = i * groups + b * 8;
+                let act_d = *act.scales.as_ptr().add(at);
+                let act_sum = _mm256_loadu_ps(act.sums.as_ptr().add(at));
+                acc[slot] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(d * act_d),
+                    _mm256_cvtepi32_ps(fold(isum)),
+                    acc[slot],
+                );
+                acc_min[slot] = _mm256_fmadd_ps(dmn, act_sum, acc_min[slot]);
+            }
+        }
+        for slot in 0..N {
+            out[slot] = hsum(_mm256_add_ps(acc[slot], acc_min[slot]));
+        }
+    }
+
+    /// The sums of one Q6_K block's four 64-value pairs of centred codes `q` with the
+    /// activation codes at `codes`, as the module docs describe: the activations are the
+    /// unsigned operand of `vpdpbusd` (sign bits flipped as they load), each lane starting at
+    /// `start[c]`; two groups' lane sums packed to i16 and weighted by `sc01` (pairs 0-1) and
+    /// `sc23` (pairs 2-3) in a `vpdpwssd`.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vnni")]
+    unsafe fn q6k_block_sum(
+        q: &[__m512i; 4],
+        start: &[__m512i; 4],
+        (sc01, sc23): (__m512i, __m512i),
+        codes: *const i8,
+    ) -> __m512i {
+        let mut p = [_mm512_setzero_si512(); 4];
+        for c in 0..4 {
+            let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
+            let unsigned = _mm512_xor_si512(x, _mm512_set1_epi8(-128));
+            p[c] = _mm512_dpbusd_epi32(start[c], unsigned, q[c]);
+        }
+        let isum =
+            _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(p[0], p[1]), sc01);
+        _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(p[2], p[3]), sc23)
+    }
+
+    /// One Q6_K row against activation rows `first .. first + N`, as `x86::q6k_rows`. Pair `c`
+    /// is groups `2c`, `2c + 1`. In half `h = c / 2` of the block, pair `2h` takes the low
+    /// nibbles of the 64 `ql` bytes and bits 0-1 | 2-3 of `qh`, pair `2h + 1` the high nibbles
+    /// and bits 4-5 | 6-7. The centred codes `u − 32` are signed, so the activations go
+    /// unsigned instead (`c + 128`, a sign-bit flip as they load) and each lane starts at
+    /// `−128·Σ(u − 32)` of its four codes (per weight block, shared by the activation rows),
+    /// which cancels the flip exactly.
+    ///
+    /// # Safety
+    /// As [`k45_rows`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn q6k_rows<const N: usize>(
+        row: *const u8,
+        cols: usize,
+        act: &QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        const BLOCK_BYTES: usize = 210;
+        let groups = act.groups();
+        let m4 = _mm512_set1_epi8(0x0F);
+        let m3 = _mm512_set1_epi8(3);
+        let thirty_two = _mm512_set1_epi8(32);
+        let ones = _mm512_set1_epi8(1);
+        let shifts = |lo: i16, hi: i16| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
+                _mm256_set1_epi16(hi),
+            )
+        };
+        let high_shifts = [shifts(0, 2), shifts(4, 6)];
+        // Sub-block scales are per 16 values: pair c's lanes (4 per 16 values) read sub-block
+        // 4c + lane / 4; after the pack, i16 j of 128-bit lane L comes from P (j < 4) or P'
+        // at i32 lane 4L + j % 4: sub-block 4c + L of the pair it came from.
+        let control = |c0: i16, c1: i16| {
+            let mut idx = [0i16; 32];
+            for (w, v) in idx.iter_mut().enumerate() {
+                let (lane, j) = (w / 8, w % 8);
+                *v = if j < 4 { 4 * c0 } else { 4 * c1 } + lane as i16;
+            }
+            _mm512_loadu_si512(idx.as_ptr() as *const _)
+        };
+        let controls = [control(0, 1), control(2, 3)];
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..cols / 256 {
+            let p = row.add(b * BLOCK_BYTES);
+            let d = f16_at(p.add(208));
+            let sub_scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(
+                p.add(192) as *const __m128i,
+            )));
+            let scales = (
+                _mm512_permutexvar_epi16(controls[0], sub_scales),
+                _mm512_permutexvar_epi16(controls[1], sub_scales),
+            );
+            let mut q = [_mm512_setzero_si512(); 4];
+            let mut start = [_mm512_setzero_si512(); 4];
+            for h in 0..2 {
+                let ql = _mm512_loadu_si512(p.add(h * 64) as *const _);
+                let qh = both_halves(_mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i));
+                let lows = [
+                    _mm512_and_si512(ql, m4),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+                ];
+                for k in 0..2 {
+                    let high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shifts[k]), m3);
+                    let centred = _mm512_sub_epi8(
+                        _mm512_or_si512(lows[k], _mm512_slli_epi16::<4>(high)),
+                        thirty_two,
+                    );
+                    let sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, centred);
+                    q[2 * h + k] = centred;
+                    start[2 * h + k] =
+                        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum4));
+                }
+            }
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                let i = first + slot;
+                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                let isum = q6k_block_sum(&q, &start, scales, codes);
+                let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                *acc = _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
+            }
+        }
+        for slot in 0..N {
+            out[slot] = _mm512_reduce_add_ps(acc[slot]);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::UnpackedRow;
@@ -457,7 +707,7 @@ mod x86 {
 
     /// Horizontal sum of 8 f32 lanes.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -523,7 +773,7 @@ mod x86 {
     /// minimum) topped with the two high bits of the matching byte of `w0` / `w1`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn k4_scales_mins(p: *const u8) -> ([u8; 8], __m256i) {
+    pub(super) unsafe fn k4_scales_mins(p: *const u8) -> ([u8; 8], __m256i) {
         let word =
             |i: usize| u32::from_le_bytes([*p.add(i), *p.add(i + 1), *p.add(i + 2), *p.add(i + 3)]);
         let (w0, w1, w2) = (word(0), word(4), word(8));
@@ -541,7 +791,7 @@ mod x86 {
     }
 
     /// Activation rows whose accumulators one pass over a weight row's blocks keeps.
-    const K_ACT_CHUNK: usize = 8;
+    pub(super) const K_ACT_CHUNK: usize = 8;
 
     /// Which super-block type a fused kernel reads.
     #[derive(Clone, Copy, PartialEq, Eq)]
@@ -572,14 +822,19 @@ mod x86 {
     /// runs the same sequence of operations whatever the other rows are: batched rows keep the
     /// bits of single rows. Same value as [`super::dot_reference`] up to float summation order.
     ///
+    /// With `wide` the blocks are taken by the 512-bit kernels of [`super::k512`], which give
+    /// the same bits.
+    ///
     /// # Safety
-    /// AVX2, FMA and F16C; `data` holds rows `n0 .. n0 + out_rows` of `row_bytes` (`cols / 256`
-    /// blocks of `kind`), `act` holds `cols` codes and `cols / 32` scales and sums for each row
-    /// of `act_rows`, `out` holds `(act_rows.len() - 1) * stride + out_rows` floats.
+    /// AVX2, FMA and F16C, and with `wide` AVX-512 F/BW/VL/VNNI; `data` holds rows `n0 .. n0 +
+    /// out_rows` of `row_bytes` (`cols / 256` blocks of `kind`), `act` holds `cols` codes and
+    /// `cols / 32` scales and sums for each row of `act_rows`, `out` holds `(act_rows.len() - 1)
+    /// * stride + out_rows` floats.
     #[allow(clippy::too_many_arguments)] // one work item's context
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn k_block(
         kind: KQuant,
+        wide: bool,
         data: &[u8],
         row_bytes: usize,
         cols: usize,
@@ -590,17 +845,33 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        for r in 0..out_rows {
-            let row = data.as_ptr().add((n0 + r) * row_bytes);
-            for first in act_rows.clone().step_by(K_ACT_CHUNK) {
-                let n = (act_rows.end - first).min(K_ACT_CHUNK);
+        // Activation chunks outside, weight rows inside: a chunk's codes stay in L1 across the
+        // block's weight rows (taken the other way round, every weight row streamed all the
+        // activation rows from L2, one byte per multiply-add, and L2 was the bound).
+        for first in act_rows.clone().step_by(K_ACT_CHUNK) {
+            let n = (act_rows.end - first).min(K_ACT_CHUNK);
+            for r in 0..out_rows {
+                let row = data.as_ptr().add((n0 + r) * row_bytes);
                 let mut sums = [0f32; K_ACT_CHUNK];
                 macro_rules! rows {
                     ($n:literal) => {
-                        match kind {
-                            KQuant::Q4 => k45_rows::<$n, false>(row, cols, act, first, &mut sums),
-                            KQuant::Q5 => k45_rows::<$n, true>(row, cols, act, first, &mut sums),
-                            KQuant::Q6 => q6k_rows::<$n>(row, cols, act, first, &mut sums),
+                        match (kind, wide) {
+                            (KQuant::Q4, false) => {
+                                k45_rows::<$n, false>(row, cols, act, first, &mut sums)
+                            }
+                            (KQuant::Q5, false) => {
+                                k45_rows::<$n, true>(row, cols, act, first, &mut sums)
+                            }
+                            (KQuant::Q6, false) => q6k_rows::<$n>(row, cols, act, first, &mut sums),
+                            (KQuant::Q4, true) => {
+                                super::k512::k45_rows::<$n, false>(row, cols, act, first, &mut sums)
+                            }
+                            (KQuant::Q5, true) => {
+                                super::k512::k45_rows::<$n, true>(row, cols, act, first, &mut sums)
+                            }
+                            (KQuant::Q6, true) => {
+                                super::k512::q6k_rows::<$n>(row, cols, act, first, &mut sums)
+                            }
                         }
                     };
                 }
@@ -866,7 +1137,7 @@ mod x86 {
     /// out-of-line call that picks its path at run time: a tenth of a decode step).
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn f16_at(p: *const u8) -> f32 {
+    pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
         let bits = u16::from_le_bytes([*p, *p.add(1)]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
