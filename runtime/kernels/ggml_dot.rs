@@ -473,7 +473,7 @@ mod vnni {
 /// keep the bits of single rows (docs/performance.md has the speeds).
 #[cfg(target_arch = "x86_64")]
 mod k512 {
-    use super::x86::{f16_at, hsum, k4_scales_mins, K_ACT_CHUNK};
+    use super::x86::{f16_at, hsum, k4_scales_mins};
     use crate::kernels::quant::QuantizedRows;
     use std::arch::x86_64::*;
 
@@ -482,6 +482,26 @@ mod k512 {
     #[target_feature(enable = "avx2,avx512f")]
     unsafe fn fold(v: __m512i) -> __m256i {
         _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+    }
+
+    /// Weight rows `n0 .. n0 + count` of a matrix whose rows of `row_bytes` start at `data`.
+    #[derive(Clone, Copy)]
+    pub struct WeightRows {
+        pub data: *const u8,
+        pub row_bytes: usize,
+        pub n0: usize,
+        pub count: usize,
+    }
+
+    impl WeightRows {
+        /// The first byte of row `n0 + r`.
+        ///
+        /// # Safety
+        /// `r < count`, and `data` holds rows `n0 .. n0 + count`.
+        #[inline]
+        unsafe fn row(&self, r: usize) -> *const u8 {
+            self.data.add((self.n0 + r) * self.row_bytes)
+        }
     }
 
     /// The 256-bit `v` in both halves of a 512-bit vector.
@@ -495,17 +515,22 @@ mod k512 {
     /// `x86::k45_rows`. Pair `c` is groups `2c` (low nibbles of `qs[32c..]`, low half) and
     /// `2c + 1` (high nibbles, high half): one shift by 0 | 4 of the run loaded into both halves.
     ///
+    /// Every weight row of `rows` in one call, so the constants are set up once: `out[slot ·
+    /// stride + r]` for activation row `first + slot` and weight row `r`.
+    ///
     /// # Safety
-    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `row` holds `cols / 256` blocks; `act` holds
-    /// rows `first .. first + N` of `cols` codes and per-superblock scales.
+    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `rows` holds `cols / 256` blocks per row; `act`
+    /// holds rows `first .. first + N` of `cols` codes and per-superblock scales; `out` holds
+    /// `(N - 1) · stride + rows.count` floats.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub unsafe fn k45_rows<const N: usize, const FIVE: bool>(
-        row: *const u8,
+        rows: WeightRows,
         cols: usize,
         act: &QuantizedRows,
         first: usize,
-        out: &mut [f32; K_ACT_CHUNK],
+        out: &mut [f32],
+        stride: usize,
     ) {
         let block_bytes = if FIVE { 176 } else { 144 };
         let groups = act.groups();
@@ -533,54 +558,57 @@ mod k512 {
             )
         };
         let fifths = [fifth(0), fifth(1), fifth(2), fifth(3)];
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut acc_min = [_mm256_setzero_ps(); N];
-        for b in 0..cols / 256 {
-            let p = row.add(b * block_bytes);
-            let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
-            let (sc, mn) = k4_scales_mins(p.add(4));
-            let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
-            let sc8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(u64::from_le_bytes(sc) as i64));
-            let sc_all = _mm512_broadcast_i32x4(sc8);
-            let qs = p.add(if FIVE { 48 } else { 16 });
-            let qh = if FIVE {
-                both_halves(_mm256_loadu_si256(p.add(16) as *const __m256i))
-            } else {
-                _mm512_setzero_si512()
-            };
-            let mut q = [_mm512_setzero_si512(); 4];
-            let mut sc16 = [_mm512_setzero_si512(); 4];
-            for c in 0..4 {
-                let run = both_halves(_mm256_loadu_si256(qs.add(c * 32) as *const __m256i));
-                let mut v = _mm512_and_si512(_mm512_srlv_epi16(run, nibble_shift), m4);
-                if FIVE {
-                    let set = _mm512_test_epi8_mask(qh, fifths[c]);
-                    v = _mm512_mask_add_epi8(v, set, v, sixteen);
+        for r in 0..rows.count {
+            let row = rows.row(r);
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut acc_min = [_mm256_setzero_ps(); N];
+            for b in 0..cols / 256 {
+                let p = row.add(b * block_bytes);
+                let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
+                let (sc, mn) = k4_scales_mins(p.add(4));
+                let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
+                let sc8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(u64::from_le_bytes(sc) as i64));
+                let sc_all = _mm512_broadcast_i32x4(sc8);
+                let qs = p.add(if FIVE { 48 } else { 16 });
+                let qh = if FIVE {
+                    both_halves(_mm256_loadu_si256(p.add(16) as *const __m256i))
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let mut q = [_mm512_setzero_si512(); 4];
+                let mut sc16 = [_mm512_setzero_si512(); 4];
+                for c in 0..4 {
+                    let run = both_halves(_mm256_loadu_si256(qs.add(c * 32) as *const __m256i));
+                    let mut v = _mm512_and_si512(_mm512_srlv_epi16(run, nibble_shift), m4);
+                    if FIVE {
+                        let set = _mm512_test_epi8_mask(qh, fifths[c]);
+                        v = _mm512_mask_add_epi8(v, set, v, sixteen);
+                    }
+                    q[c] = v;
+                    sc16[c] = _mm512_shuffle_epi8(sc_all, picks[c]);
                 }
-                q[c] = v;
-                sc16[c] = _mm512_shuffle_epi8(sc_all, picks[c]);
+                for slot in 0..N {
+                    let i = first + slot;
+                    let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                    let mut isum = _mm512_setzero_si512();
+                    for c in 0..4 {
+                        let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
+                        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc16[c]);
+                    }
+                    let at = i * groups + b * 8;
+                    let act_d = *act.scales.as_ptr().add(at);
+                    let act_sum = _mm256_loadu_ps(act.sums.as_ptr().add(at));
+                    acc[slot] = _mm256_fmadd_ps(
+                        _mm256_set1_ps(d * act_d),
+                        _mm256_cvtepi32_ps(fold(isum)),
+                        acc[slot],
+                    );
+                    acc_min[slot] = _mm256_fmadd_ps(dmn, act_sum, acc_min[slot]);
+                }
             }
             for slot in 0..N {
-                let i = first + slot;
-                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                let mut isum = _mm512_setzero_si512();
-                for c in 0..4 {
-                    let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
-                    isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc16[c]);
-                }
-                let at = i * groups + b * 8;
-                let act_d = *act.scales.as_ptr().add(at);
-                let act_sum = _mm256_loadu_ps(act.sums.as_ptr().add(at));
-                acc[slot] = _mm256_fmadd_ps(
-                    _mm256_set1_ps(d * act_d),
-                    _mm256_cvtepi32_ps(fold(isum)),
-                    acc[slot],
-                );
-                acc_min[slot] = _mm256_fmadd_ps(dmn, act_sum, acc_min[slot]);
+                out[slot * stride + r] = hsum(_mm256_add_ps(acc[slot], acc_min[slot]));
             }
-        }
-        for slot in 0..N {
-            out[slot] = hsum(_mm256_add_ps(acc[slot], acc_min[slot]));
         }
     }
 
@@ -621,11 +649,12 @@ mod k512 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub unsafe fn q6k_rows<const N: usize>(
-        row: *const u8,
+        rows: WeightRows,
         cols: usize,
         act: &QuantizedRows,
         first: usize,
-        out: &mut [f32; K_ACT_CHUNK],
+        out: &mut [f32],
+        stride: usize,
     ) {
         const BLOCK_BYTES: usize = 210;
         let groups = act.groups();
@@ -652,48 +681,52 @@ mod k512 {
             _mm512_loadu_si512(idx.as_ptr() as *const _)
         };
         let controls = [control(0, 1), control(2, 3)];
-        let mut acc = [_mm512_setzero_ps(); N];
-        for b in 0..cols / 256 {
-            let p = row.add(b * BLOCK_BYTES);
-            let d = f16_at(p.add(208));
-            let sub_scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(
-                p.add(192) as *const __m128i,
-            )));
-            let scales = (
-                _mm512_permutexvar_epi16(controls[0], sub_scales),
-                _mm512_permutexvar_epi16(controls[1], sub_scales),
-            );
-            let mut q = [_mm512_setzero_si512(); 4];
-            let mut start = [_mm512_setzero_si512(); 4];
-            for h in 0..2 {
-                let ql = _mm512_loadu_si512(p.add(h * 64) as *const _);
-                let qh = both_halves(_mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i));
-                let lows = [
-                    _mm512_and_si512(ql, m4),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
-                ];
-                for k in 0..2 {
-                    let high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shifts[k]), m3);
-                    let centred = _mm512_sub_epi8(
-                        _mm512_or_si512(lows[k], _mm512_slli_epi16::<4>(high)),
-                        thirty_two,
-                    );
-                    let sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, centred);
-                    q[2 * h + k] = centred;
-                    start[2 * h + k] =
-                        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum4));
+        for r in 0..rows.count {
+            let row = rows.row(r);
+            let mut acc = [_mm512_setzero_ps(); N];
+            for b in 0..cols / 256 {
+                let p = row.add(b * BLOCK_BYTES);
+                let d = f16_at(p.add(208));
+                let sub_scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(
+                    p.add(192) as *const __m128i,
+                )));
+                let scales = (
+                    _mm512_permutexvar_epi16(controls[0], sub_scales),
+                    _mm512_permutexvar_epi16(controls[1], sub_scales),
+                );
+                let mut q = [_mm512_setzero_si512(); 4];
+                let mut start = [_mm512_setzero_si512(); 4];
+                for h in 0..2 {
+                    let ql = _mm512_loadu_si512(p.add(h * 64) as *const _);
+                    let qh = both_halves(_mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i));
+                    let lows = [
+                        _mm512_and_si512(ql, m4),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+                    ];
+                    for k in 0..2 {
+                        let high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shifts[k]), m3);
+                        let centred = _mm512_sub_epi8(
+                            _mm512_or_si512(lows[k], _mm512_slli_epi16::<4>(high)),
+                            thirty_two,
+                        );
+                        let sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, centred);
+                        q[2 * h + k] = centred;
+                        start[2 * h + k] =
+                            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum4));
+                    }
+                }
+                for (slot, acc) in acc.iter_mut().enumerate() {
+                    let i = first + slot;
+                    let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                    let isum = q6k_block_sum(&q, &start, scales, codes);
+                    let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                    *acc =
+                        _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
                 }
             }
-            for (slot, acc) in acc.iter_mut().enumerate() {
-                let i = first + slot;
-                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                let isum = q6k_block_sum(&q, &start, scales, codes);
-                let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
-                *acc = _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
+            for slot in 0..N {
+                out[slot * stride + r] = _mm512_reduce_add_ps(acc[slot]);
             }
-        }
-        for slot in 0..N {
-            out[slot] = _mm512_reduce_add_ps(acc[slot]);
         }
     }
 }
@@ -791,7 +824,7 @@ mod x86 {
     }
 
     /// Activation rows whose accumulators one pass over a weight row's blocks keeps.
-    pub(super) const K_ACT_CHUNK: usize = 8;
+    const K_ACT_CHUNK: usize = 8;
 
     /// Which super-block type a fused kernel reads.
     #[derive(Clone, Copy, PartialEq, Eq)]
@@ -850,28 +883,50 @@ mod x86 {
         // activation rows from L2, one byte per multiply-add, and L2 was the bound).
         for first in act_rows.clone().step_by(K_ACT_CHUNK) {
             let n = (act_rows.end - first).min(K_ACT_CHUNK);
+            if wide {
+                let rows = super::k512::WeightRows {
+                    data: data.as_ptr(),
+                    row_bytes,
+                    n0,
+                    count: out_rows,
+                };
+                let out = &mut out[(first - act_rows.start) * stride..];
+                macro_rules! rows {
+                    ($n:literal) => {
+                        match kind {
+                            KQuant::Q4 => super::k512::k45_rows::<$n, false>(
+                                rows, cols, act, first, out, stride,
+                            ),
+                            KQuant::Q5 => super::k512::k45_rows::<$n, true>(
+                                rows, cols, act, first, out, stride,
+                            ),
+                            KQuant::Q6 => {
+                                super::k512::q6k_rows::<$n>(rows, cols, act, first, out, stride)
+                            }
+                        }
+                    };
+                }
+                match n {
+                    1 => rows!(1),
+                    2 => rows!(2),
+                    3 => rows!(3),
+                    4 => rows!(4),
+                    5 => rows!(5),
+                    6 => rows!(6),
+                    7 => rows!(7),
+                    _ => rows!(8),
+                }
+                continue;
+            }
             for r in 0..out_rows {
                 let row = data.as_ptr().add((n0 + r) * row_bytes);
                 let mut sums = [0f32; K_ACT_CHUNK];
                 macro_rules! rows {
                     ($n:literal) => {
-                        match (kind, wide) {
-                            (KQuant::Q4, false) => {
-                                k45_rows::<$n, false>(row, cols, act, first, &mut sums)
-                            }
-                            (KQuant::Q5, false) => {
-                                k45_rows::<$n, true>(row, cols, act, first, &mut sums)
-                            }
-                            (KQuant::Q6, false) => q6k_rows::<$n>(row, cols, act, first, &mut sums),
-                            (KQuant::Q4, true) => {
-                                super::k512::k45_rows::<$n, false>(row, cols, act, first, &mut sums)
-                            }
-                            (KQuant::Q5, true) => {
-                                super::k512::k45_rows::<$n, true>(row, cols, act, first, &mut sums)
-                            }
-                            (KQuant::Q6, true) => {
-                                super::k512::q6k_rows::<$n>(row, cols, act, first, &mut sums)
-                            }
+                        match kind {
+                            KQuant::Q4 => k45_rows::<$n, false>(row, cols, act, first, &mut sums),
+                            KQuant::Q5 => k45_rows::<$n, true>(row, cols, act, first, &mut sums),
+                            KQuant::Q6 => q6k_rows::<$n>(row, cols, act, first, &mut sums),
                         }
                     };
                 }
