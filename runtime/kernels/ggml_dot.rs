@@ -201,6 +201,21 @@ pub fn block(
         }
     }
     #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx512Vnni && act.scale == ActivationScale::PerGroup {
+        if let Some(kind) = g512::Small::of(ty) {
+            // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
+            // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
+            // out_rows of `row_bytes` (cols / 32 whole blocks: validated with the matrix), `act`
+            // holds `cols` codes per group-scaled row of `act_rows`, `out` `stride` per row.
+            unsafe {
+                g512::block(
+                    kind, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
+                )
+            };
+            return;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
     if path == Path::Avx512Vnni {
         vnni::block(
             ty, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
@@ -486,7 +501,7 @@ mod k512 {
 
     /// Weight rows `n0 .. n0 + count` of a matrix whose rows of `row_bytes` start at `data`.
     #[derive(Clone, Copy)]
-    pub struct WeightRows {
+    pub(super) struct WeightRows {
         pub data: *const u8,
         pub row_bytes: usize,
         pub n0: usize,
@@ -499,7 +514,7 @@ mod k512 {
         /// # Safety
         /// `r < count`, and `data` holds rows `n0 .. n0 + count`.
         #[inline]
-        unsafe fn row(&self, r: usize) -> *const u8 {
+        pub(super) unsafe fn row(&self, r: usize) -> *const u8 {
             self.data.add((self.n0 + r) * self.row_bytes)
         }
     }
@@ -726,6 +741,296 @@ mod k512 {
             }
             for slot in 0..N {
                 out[slot * stride + r] = _mm512_reduce_add_ps(acc[slot]);
+            }
+        }
+    }
+}
+
+/// Q5_0, Q5_1 and IQ4_NL rows dotted straight from their 32-value blocks on CPUs with AVX-512
+/// VNNI, without the unpacked scratch row: two blocks fill a 512-bit register (nibbles split by
+/// one variable shift, Q5's fifth bits added under a mask made from the two `qh` words, IQ4_NL's
+/// codes looked up with one byte shuffle), once per weight row and chunk of activation rows.
+/// The codes go into `vpdpbusd` unsigned (`u = w + bias`: Q5_0's raw 5-bit code, bias 16;
+/// IQ4_NL's table value with its sign bit flipped, bias 128; Q5_1's code, bias 0), and the
+/// first lane of each group starts at `−bias · Σc` of the group (`QuantizedRows::code_sums`),
+/// so each group's lanes sum to `Σ w·c` exactly. Each lane then takes its group's weight scale
+/// times activation scale in one FMA (Q5_1 adds `m · d·Σc` per group). Every activation row
+/// runs the same operations whatever the other rows are.
+#[cfg(target_arch = "x86_64")]
+mod g512 {
+    use super::k512::WeightRows;
+    use super::x86::f16_at;
+    use crate::ggml::{GgmlType, IQ4_TABLE};
+    use crate::kernels::quant::QuantizedRows;
+    use std::arch::x86_64::*;
+
+    /// Which 32-value block type a kernel reads.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub enum Small {
+        /// 22 bytes: f16 d, u32 fifth bits, 16 bytes of nibbles; `w = d·(u − 16)`.
+        Q5_0,
+        /// 24 bytes: f16 d, f16 m, u32 fifth bits, 16 bytes of nibbles; `w = d·u + m`.
+        Q5_1,
+        /// 18 bytes: f16 d, 16 bytes of nibbles indexing `IQ4_TABLE`; `w = d·table[u]`.
+        Iq4Nl,
+    }
+
+    impl Small {
+        /// The kernel for `ty`, if there is one.
+        pub fn of(ty: GgmlType) -> Option<Self> {
+            match ty {
+                GgmlType::Q5_0 => Some(Self::Q5_0),
+                GgmlType::Q5_1 => Some(Self::Q5_1),
+                GgmlType::IQ4_NL => Some(Self::Iq4Nl),
+                _ => None,
+            }
+        }
+
+        fn bytes(self) -> usize {
+            match self {
+                Self::Q5_0 => 22,
+                Self::Q5_1 => 24,
+                Self::Iq4Nl => 18,
+            }
+        }
+
+        /// Offset of the 16 nibble bytes in a block.
+        fn nibbles_at(self) -> usize {
+            match self {
+                Self::Q5_0 => 6,
+                Self::Q5_1 => 8,
+                Self::Iq4Nl => 2,
+            }
+        }
+
+        /// `u − w`: what the unsigned code adds to the weight code.
+        fn bias(self) -> i32 {
+            match self {
+                Self::Q5_0 => 16,
+                Self::Q5_1 => 0,
+                Self::Iq4Nl => 128,
+            }
+        }
+    }
+
+    /// [`super::block`] for these types: activation rows in chunks of up to 8, each chunk against
+    /// every weight row of the call.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `data` holds rows `n0 .. n0 + out_rows` of
+    /// `row_bytes` (`cols / 32` blocks of `kind`); `act` (per-group scales) holds `cols` codes
+    /// for every row of `act_rows`; `out` holds `stride` floats per activation row.
+    #[allow(clippy::too_many_arguments)] // one work item's context
+    pub unsafe fn block(
+        kind: Small,
+        data: &[u8],
+        row_bytes: usize,
+        cols: usize,
+        n0: usize,
+        out_rows: usize,
+        act: &QuantizedRows,
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        const CHUNK: usize = 8;
+        let weights = WeightRows {
+            data: data.as_ptr(),
+            row_bytes,
+            n0,
+            count: out_rows,
+        };
+        for first in act_rows.clone().step_by(CHUNK) {
+            let out = &mut out[(first - act_rows.start) * stride..];
+            macro_rules! chunk {
+                ($n:literal) => {
+                    rows::<$n>(kind, weights, cols, act, first, out, stride)
+                };
+            }
+            match (act_rows.end - first).min(CHUNK) {
+                1 => chunk!(1),
+                2 => chunk!(2),
+                3 => chunk!(3),
+                4 => chunk!(4),
+                5 => chunk!(5),
+                6 => chunk!(6),
+                7 => chunk!(7),
+                _ => chunk!(8),
+            }
+        }
+    }
+
+    /// The little-endian u32 at `p`.
+    #[inline]
+    unsafe fn u32_at(p: *const u8) -> u32 {
+        u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
+    }
+
+    /// Blocks `2c` and `2c + 1` of a row (the second absent when `two` is false: zero codes and
+    /// scale): the 64 unsigned codes, per lane the weight scale, and per lane the minimum
+    /// (Q5_1; zero otherwise).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn decode_pair(
+        kind: Small,
+        a: *const u8,
+        two: bool,
+        table: __m512i,
+        pair_lanes: __m512i,
+    ) -> (__m512i, __m512, __m512) {
+        let b = a.add(kind.bytes());
+        let at = kind.nibbles_at();
+        let nib_a = _mm_loadu_si128(a.add(at) as *const __m128i);
+        let nib_b = if two {
+            _mm_loadu_si128(b.add(at) as *const __m128i)
+        } else {
+            _mm_setzero_si128()
+        };
+        // 128-bit lanes [A, A, B, B], shifted by 0, 4, 0, 4: values 0-15 and 16-31 of each block.
+        let ab = _mm512_castsi256_si512(_mm256_set_m128i(nib_b, nib_a));
+        let spread = _mm512_shuffle_i64x2::<0b01_01_00_00>(ab, ab);
+        const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
+        let shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
+        let mut u = _mm512_and_si512(_mm512_srlv_epi16(spread, shift), _mm512_set1_epi8(0x0F));
+        let (da, db) = (f16_at(a), if two { f16_at(b) } else { 0.0 });
+        let halves = |lo: f32, hi: f32| {
+            _mm512_permutexvar_ps(
+                pair_lanes,
+                _mm512_castps128_ps512(_mm_setr_ps(lo, hi, 0.0, 0.0)),
+            )
+        };
+        let mut min = _mm512_setzero_ps();
+        match kind {
+            Small::Q5_0 | Small::Q5_1 => {
+                let qh = if kind == Small::Q5_0 { 2 } else { 4 };
+                let bits_b = if two { u32_at(b.add(qh)) } else { 0 };
+                let fifth: __mmask64 = (u64::from(bits_b) << 32) | u64::from(u32_at(a.add(qh)));
+                u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
+                if kind == Small::Q5_1 {
+                    let mb = if two { f16_at(b.add(2)) } else { 0.0 };
+                    min = halves(f16_at(a.add(2)), mb);
+                }
+            }
+            Small::Iq4Nl => {
+                u = _mm512_xor_si512(_mm512_shuffle_epi8(table, u), _mm512_set1_epi8(-128));
+            }
+        }
+        (u, halves(da, db), min)
+    }
+
+    /// Rows of `rows` against activation rows `first .. first + N` (`act` quantized per 32
+    /// values): `out[slot · stride + r]`.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `rows` holds `cols / 32` blocks of `kind` per
+    /// row; `act` holds rows `first .. first + N` of `cols` codes, scales, sums and code sums
+    /// per 32 values; `out` holds `(N - 1) · stride + rows.count` floats.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn rows<const N: usize>(
+        kind: Small,
+        rows: WeightRows,
+        cols: usize,
+        act: &QuantizedRows,
+        first: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let blocks = cols / 32;
+        let consts = Consts {
+            table: _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i)),
+            pair_lanes: _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+            bias_shift: _mm_cvtsi32_si128(kind.bias().trailing_zeros() as i32),
+        };
+        for r in 0..rows.count {
+            let row = rows.row(r);
+            let mut acc = [_mm512_setzero_ps(); N];
+            for c in 0..blocks / 2 {
+                pair::<N, true>(kind, row, c, act, first, &consts, &mut acc);
+            }
+            if blocks % 2 == 1 {
+                pair::<N, false>(kind, row, blocks / 2, act, first, &consts, &mut acc);
+            }
+            for (slot, acc) in acc.iter().enumerate() {
+                out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
+            }
+        }
+    }
+
+    /// What every pair of a call uses.
+    struct Consts {
+        /// `IQ4_TABLE` in each 128-bit lane.
+        table: __m512i,
+        /// Lanes 0-7 read the first of two values, 8-15 the second.
+        pair_lanes: __m512i,
+        /// `log2 bias` (the biases are 0, 16 and 128): `−bias·Σc` is `−(Σc << shift)`.
+        bias_shift: __m128i,
+    }
+
+    /// Blocks `2c` and `2c + 1` of `row` (only `2c` without `TWO`, the row's last block) into
+    /// `acc[slot]` for activation rows `first + slot`. Full pairs load unmasked.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn pair<const N: usize, const TWO: bool>(
+        kind: Small,
+        row: *const u8,
+        c: usize,
+        act: &QuantizedRows,
+        first: usize,
+        consts: &Consts,
+        acc: &mut [__m512; N],
+    ) {
+        let groups = act.groups();
+        let zero = _mm512_setzero_si512();
+        let (u, w_scale, w_min) = decode_pair(
+            kind,
+            row.add(2 * c * kind.bytes()),
+            TWO,
+            consts.table,
+            consts.pair_lanes,
+        );
+        let firsts: __mmask16 = if TWO { 0x0101 } else { 0x0001 };
+        // The pair's two per-group values at `v` (one without `TWO`) spread over their lanes.
+        let lanes = |v: *const f32| {
+            let two = if TWO {
+                _mm_castpd_ps(_mm_load_sd(v as *const f64))
+            } else {
+                _mm_load_ss(v)
+            };
+            _mm512_permutexvar_ps(consts.pair_lanes, _mm512_castps128_ps512(two))
+        };
+        for (slot, acc) in acc.iter_mut().enumerate() {
+            let i = first + slot;
+            let g = i * groups + 2 * c;
+            let codes = act.codes.as_ptr().add(i * act.cols + 64 * c);
+            let x = if TWO {
+                _mm512_loadu_si512(codes as *const _)
+            } else {
+                _mm512_zextsi256_si512(_mm256_loadu_si256(codes as *const __m256i))
+            };
+            let start = if kind.bias() == 0 {
+                zero
+            } else {
+                // Each group's Σc in its first lane.
+                let at = act.code_sums.as_ptr().add(g);
+                let two = if TWO {
+                    _mm_loadl_epi64(at as *const __m128i)
+                } else {
+                    _mm_cvtsi32_si128(*at)
+                };
+                let sums = _mm512_maskz_permutexvar_epi32(
+                    firsts,
+                    consts.pair_lanes,
+                    _mm512_castsi128_si512(two),
+                );
+                _mm512_sub_epi32(zero, _mm512_sll_epi32(sums, consts.bias_shift))
+            };
+            let isum = _mm512_dpbusd_epi32(start, u, x);
+            let scale = _mm512_mul_ps(w_scale, lanes(act.scales.as_ptr().add(g)));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+            if kind == Small::Q5_1 {
+                // m · d·Σc once per group, from its first lane.
+                let sums = _mm512_maskz_mov_ps(firsts, lanes(act.sums.as_ptr().add(g)));
+                *acc = _mm512_fmadd_ps(w_min, sums, *acc);
             }
         }
     }
