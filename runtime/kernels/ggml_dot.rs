@@ -201,6 +201,22 @@ pub fn block(
         }
     }
     #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx512Vnni
+        && act.scale == ActivationScale::PerSuperblock
+        && ty == GgmlType::IQ4_XS
+    {
+        // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
+        // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
+        // out_rows of `row_bytes` (cols / 256 whole blocks: validated with the matrix), `act`
+        // holds `cols` codes per superblock-scaled row of `act_rows`, `out` `stride` per row.
+        unsafe {
+            k512::iq4xs_block(
+                data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
+            )
+        };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if path == Path::Avx512Vnni && act.scale == ActivationScale::PerGroup {
         if let Some(kind) = g512::Small::of(ty) {
             // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
@@ -519,6 +535,22 @@ mod k512 {
         }
     }
 
+    /// A `vpshufb` control that puts i16 scale `2c` (of the eight in each 128-bit lane) in every
+    /// i16 lane of the low half and scale `2c + 1` in the high half: bytes (4c, 4c + 1) and
+    /// (4c + 2, 4c + 3).
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f")]
+    unsafe fn scale_pick(c: i32) -> __m512i {
+        let (lo, hi) = (
+            0x0100 * (4 * c + 1) + 4 * c,
+            0x0100 * (4 * c + 3) + 4 * c + 2,
+        );
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(lo as i16)),
+            _mm256_set1_epi16(hi as i16),
+        )
+    }
+
     /// The 256-bit `v` in both halves of a 512-bit vector.
     #[inline]
     #[target_feature(enable = "avx2,avx512f")]
@@ -552,19 +584,7 @@ mod k512 {
         let m4 = _mm512_set1_epi8(0x0F);
         let sixteen = _mm512_set1_epi8(16);
         let nibble_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-        // Bytes (2k, 2k + 1) of a 128-bit lane — i16 scale k — in every i16 lane: scale 2c in
-        // the low half, 2c + 1 in the high half.
-        let pick = |c: i32| {
-            let (lo, hi) = (
-                0x0100 * (4 * c + 1) + 4 * c,
-                0x0100 * (4 * c + 3) + 4 * c + 2,
-            );
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi16(lo as i16)),
-                _mm256_set1_epi16(hi as i16),
-            )
-        };
-        let picks = [pick(0), pick(1), pick(2), pick(3)];
+        let picks = [scale_pick(0), scale_pick(1), scale_pick(2), scale_pick(3)];
         // Q5_K's fifth bits of pair c: bit 2c of qh (low half), bit 2c + 1 (high half).
         let fifth = |c: u32| {
             _mm512_inserti64x4::<1>(
@@ -623,6 +643,135 @@ mod k512 {
             }
             for slot in 0..N {
                 out[slot * stride + r] = hsum(_mm256_add_ps(acc[slot], acc_min[slot]));
+            }
+        }
+    }
+
+    /// [`super::block`] for IQ4_XS (activations per 256 values): activation rows in chunks of
+    /// up to 8, each chunk against every weight row of the call.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `data` holds rows `n0 .. n0 + out_rows` of
+    /// `row_bytes` (`cols / 256` IQ4_XS blocks); `act` (per-superblock scales) holds `cols`
+    /// codes for every row of `act_rows`; `out` holds `stride` floats per activation row.
+    #[allow(clippy::too_many_arguments)] // one work item's context
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn iq4xs_block(
+        data: &[u8],
+        row_bytes: usize,
+        cols: usize,
+        n0: usize,
+        out_rows: usize,
+        act: &QuantizedRows,
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        const CHUNK: usize = 8;
+        let rows = WeightRows {
+            data: data.as_ptr(),
+            row_bytes,
+            n0,
+            count: out_rows,
+        };
+        for first in act_rows.clone().step_by(CHUNK) {
+            let out = &mut out[(first - act_rows.start) * stride..];
+            macro_rules! chunk {
+                ($n:literal) => {
+                    iq4xs_rows::<$n>(rows, cols, act, first, out, stride)
+                };
+            }
+            match (act_rows.end - first).min(CHUNK) {
+                1 => chunk!(1),
+                2 => chunk!(2),
+                3 => chunk!(3),
+                4 => chunk!(4),
+                5 => chunk!(5),
+                6 => chunk!(6),
+                7 => chunk!(7),
+                _ => chunk!(8),
+            }
+        }
+    }
+
+    /// IQ4_XS rows (`w = d·(ls − 32)·T[q]` per 32 values, 136-byte blocks) against activation
+    /// rows `first .. first + N`: `out[slot · stride + r]`. The table values are signed and
+    /// reach −127, so neither operand order of `vpdpbusd` nor a pack to i16 fits; instead
+    /// ggml's sign trick in 512 bits: `maddubs(|w|, ±c)` (pairs ≤ 2·127² < 2¹⁵), with the
+    /// activations negated under the mask of the negative weights (AVX-512 has no `vpsignb`),
+    /// weighted by the sub-block scales in the `vpdpwssd` that widens them. Pair `c` is
+    /// sub-blocks `2c` (low half: the low then the high nibbles of `qs[32c..32c + 16]`) and
+    /// `2c + 1`. The block sum is exact (|lane| ≤ 8·32·32258 < 2²⁴) and takes `d·d_act` in one
+    /// 512-bit FMA.
+    ///
+    /// # Safety
+    /// As [`k45_rows`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn iq4xs_rows<const N: usize>(
+        rows: WeightRows,
+        cols: usize,
+        act: &QuantizedRows,
+        first: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        const BLOCK_BYTES: usize = 136;
+        let groups = act.groups();
+        let table = _mm512_broadcast_i32x4(_mm_loadu_si128(
+            crate::ggml::IQ4_TABLE.as_ptr() as *const __m128i
+        ));
+        let m4 = _mm512_set1_epi8(0x0F);
+        const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
+        let nibble_shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
+        let picks = [scale_pick(0), scale_pick(1), scale_pick(2), scale_pick(3)];
+        for r in 0..rows.count {
+            let row = rows.row(r);
+            let mut acc = [_mm512_setzero_ps(); N];
+            for b in 0..cols / 256 {
+                let p = row.add(b * BLOCK_BYTES);
+                let d = f16_at(p);
+                let high = u16::from_le_bytes([*p.add(2), *p.add(3)]);
+                let mut ls = [0i16; 8];
+                for (s, v) in ls.iter_mut().enumerate() {
+                    let low = (*p.add(4 + s / 2) >> (4 * (s % 2))) & 0x0F;
+                    let top = ((high >> (2 * s)) & 3) as u8;
+                    *v = i16::from(low | (top << 4)) - 32;
+                }
+                let sc_all = _mm512_broadcast_i32x4(_mm_loadu_si128(ls.as_ptr() as *const __m128i));
+                let mut magnitude = [_mm512_setzero_si512(); 4];
+                let mut negative = [0 as __mmask64; 4];
+                let mut sc16 = [_mm512_setzero_si512(); 4];
+                for c in 0..4 {
+                    let run = _mm512_castsi256_si512(_mm256_loadu_si256(
+                        p.add(8 + 32 * c) as *const __m256i
+                    ));
+                    // 128-bit lanes [2c, 2c, 2c + 1, 2c + 1] shifted by 0, 4, 0, 4.
+                    let spread = _mm512_shuffle_i64x2::<0b01_01_00_00>(run, run);
+                    let codes = _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), m4);
+                    let w = _mm512_shuffle_epi8(table, codes);
+                    magnitude[c] = _mm512_abs_epi8(w);
+                    negative[c] = _mm512_movepi8_mask(w);
+                    sc16[c] = _mm512_shuffle_epi8(sc_all, picks[c]);
+                }
+                for (slot, acc) in acc.iter_mut().enumerate() {
+                    let i = first + slot;
+                    let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                    let mut isum = _mm512_setzero_si512();
+                    for c in 0..4 {
+                        let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
+                        let signed =
+                            _mm512_mask_sub_epi8(x, negative[c], _mm512_setzero_si512(), x);
+                        let pairs = _mm512_maddubs_epi16(magnitude[c], signed);
+                        isum = _mm512_dpwssd_epi32(isum, pairs, sc16[c]);
+                    }
+                    let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                    *acc =
+                        _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
+                }
+            }
+            for (slot, acc) in acc.iter().enumerate() {
+                out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
             }
         }
     }
