@@ -201,17 +201,16 @@ pub fn block(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx512Vnni
-        && act.scale == ActivationScale::PerSuperblock
-        && ty == GgmlType::IQ4_XS
+    if let (Path::Avx512Vnni, ActivationScale::PerSuperblock, Some(kind)) =
+        (path, act.scale, k512::Signed::of(ty))
     {
         // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
         // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
         // out_rows of `row_bytes` (cols / 256 whole blocks: validated with the matrix), `act`
         // holds `cols` codes per superblock-scaled row of `act_rows`, `out` `stride` per row.
         unsafe {
-            k512::iq4xs_block(
-                data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
+            k512::signed_block(
+                kind, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
             )
         };
         return;
@@ -505,6 +504,7 @@ mod vnni {
 #[cfg(target_arch = "x86_64")]
 mod k512 {
     use super::x86::{f16_at, hsum, k4_scales_mins};
+    use crate::ggml::GgmlType;
     use crate::kernels::quant::QuantizedRows;
     use std::arch::x86_64::*;
 
@@ -647,16 +647,38 @@ mod k512 {
         }
     }
 
-    /// [`super::block`] for IQ4_XS (activations per 256 values): activation rows in chunks of
-    /// up to 8, each chunk against every weight row of the call.
+    /// Super-block types whose codes are signed: [`signed_rows`] reads them.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub enum Signed {
+        /// 136 bytes: f16 d, 6-bit scales (offset 32) per 32 values, nibbles into `IQ4_TABLE`.
+        Iq4Xs,
+        /// 110 bytes: 2-bit codes with a high bit (`q − 4` where it is clear), 6-bit scales
+        /// (offset 32) per 16 values, f16 d last.
+        Q3K,
+    }
+
+    impl Signed {
+        /// The kernel for `ty`, if there is one.
+        pub fn of(ty: GgmlType) -> Option<Self> {
+            match ty {
+                GgmlType::IQ4_XS => Some(Self::Iq4Xs),
+                GgmlType::Q3_K => Some(Self::Q3K),
+                _ => None,
+            }
+        }
+    }
+
+    /// [`super::block`] for the [`Signed`] types (activations per 256 values): activation rows
+    /// in chunks of up to 8, each chunk against every weight row of the call.
     ///
     /// # Safety
     /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `data` holds rows `n0 .. n0 + out_rows` of
-    /// `row_bytes` (`cols / 256` IQ4_XS blocks); `act` (per-superblock scales) holds `cols`
+    /// `row_bytes` (`cols / 256` blocks of `kind`); `act` (per-superblock scales) holds `cols`
     /// codes for every row of `act_rows`; `out` holds `stride` floats per activation row.
     #[allow(clippy::too_many_arguments)] // one work item's context
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn iq4xs_block(
+    pub unsafe fn signed_block(
+        kind: Signed,
         data: &[u8],
         row_bytes: usize,
         cols: usize,
@@ -678,7 +700,14 @@ mod k512 {
             let out = &mut out[(first - act_rows.start) * stride..];
             macro_rules! chunk {
                 ($n:literal) => {
-                    iq4xs_rows::<$n>(rows, cols, act, first, out, stride)
+                    match kind {
+                        Signed::Iq4Xs => signed_rows::<$n, { Signed::IQ4_XS }>(
+                            rows, cols, act, first, out, stride,
+                        ),
+                        Signed::Q3K => {
+                            signed_rows::<$n, { Signed::Q3_K }>(rows, cols, act, first, out, stride)
+                        }
+                    }
                 };
             }
             match (act_rows.end - first).min(CHUNK) {
@@ -694,21 +723,110 @@ mod k512 {
         }
     }
 
-    /// IQ4_XS rows (`w = d·(ls − 32)·T[q]` per 32 values, 136-byte blocks) against activation
-    /// rows `first .. first + N`: `out[slot · stride + r]`. The table values are signed and
-    /// reach −127, so neither operand order of `vpdpbusd` nor a pack to i16 fits; instead
-    /// ggml's sign trick in 512 bits: `maddubs(|w|, ±c)` (pairs ≤ 2·127² < 2¹⁵), with the
-    /// activations negated under the mask of the negative weights (AVX-512 has no `vpsignb`),
-    /// weighted by the sub-block scales in the `vpdpwssd` that widens them. Pair `c` is
-    /// sub-blocks `2c` (low half: the low then the high nibbles of `qs[32c..32c + 16]`) and
-    /// `2c + 1`. The block sum is exact (|lane| ≤ 8·32·32258 < 2²⁴) and takes `d·d_act` in one
-    /// 512-bit FMA.
+    impl Signed {
+        /// [`Signed::Iq4Xs`] as a const-generic argument.
+        const IQ4_XS: u8 = 0;
+        /// [`Signed::Q3K`] as a const-generic argument.
+        const Q3_K: u8 = 1;
+    }
+
+    /// One block of a [`Signed`] type, four 64-value pairs: `|w|`, the mask of negative `w`,
+    /// and per i16 lane (a pair of values) its sub-block scale; and `d`.
+    struct SignedBlock {
+        magnitude: [__m512i; 4],
+        negative: [__mmask64; 4],
+        scales: [__m512i; 4],
+        d: f32,
+    }
+
+    /// IQ4_XS block at `p`: pair `c` is sub-blocks `2c` (low half: the low then the high
+    /// nibbles of `qs[32c..32c + 16]`) and `2c + 1`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn iq4xs_block_codes(p: *const u8, table: __m512i, picks: &[__m512i; 4]) -> SignedBlock {
+        const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
+        let nibble_shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
+        let high = u16::from_le_bytes([*p.add(2), *p.add(3)]);
+        let mut ls = [0i16; 8];
+        for (s, v) in ls.iter_mut().enumerate() {
+            let low = (*p.add(4 + s / 2) >> (4 * (s % 2))) & 0x0F;
+            let top = ((high >> (2 * s)) & 3) as u8;
+            *v = i16::from(low | (top << 4)) - 32;
+        }
+        let sc_all = _mm512_broadcast_i32x4(_mm_loadu_si128(ls.as_ptr() as *const __m128i));
+        let mut block = SignedBlock {
+            magnitude: [_mm512_setzero_si512(); 4],
+            negative: [0; 4],
+            scales: [_mm512_setzero_si512(); 4],
+            d: f16_at(p),
+        };
+        for (c, pick) in picks.iter().enumerate() {
+            let run =
+                _mm512_castsi256_si512(_mm256_loadu_si256(p.add(8 + 32 * c) as *const __m256i));
+            // 128-bit lanes [2c, 2c, 2c + 1, 2c + 1] shifted by 0, 4, 0, 4.
+            let spread = _mm512_shuffle_i64x2::<0b01_01_00_00>(run, run);
+            let codes = _mm512_and_si512(
+                _mm512_srlv_epi16(spread, nibble_shift),
+                _mm512_set1_epi8(0x0F),
+            );
+            let w = _mm512_shuffle_epi8(table, codes);
+            block.magnitude[c] = _mm512_abs_epi8(w);
+            block.negative[c] = _mm512_movepi8_mask(w);
+            block.scales[c] = _mm512_shuffle_epi8(sc_all, *pick);
+        }
+        block
+    }
+
+    /// Q3_K block at `p`: values `128n + 32j + l` are bits `2j, 2j + 1` of `qs[32n + l]`, less
+    /// 4 where bit `4n + j` of `hmask[l]` is clear; pair `c` is `n = c / 2` and `j = 2(c % 2)`
+    /// (low half), `j + 1` (high half), sub-blocks of 16 `4c .. 4c + 4`, one per 128-bit lane.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q3k_block_codes(p: *const u8, scale_lanes: &[__m512i; 4]) -> SignedBlock {
+        let packed = std::slice::from_raw_parts(p.add(96), 12);
+        let sc = crate::ggml::q3k_scales(packed).map(i16::from);
+        let sub_scales = _mm512_castsi256_si512(_mm256_loadu_si256(sc.as_ptr() as *const __m256i));
+        let hmask = both_halves(_mm256_loadu_si256(p as *const __m256i));
+        let mut block = SignedBlock {
+            magnitude: [_mm512_setzero_si512(); 4],
+            negative: [0; 4],
+            scales: [_mm512_setzero_si512(); 4],
+            d: f16_at(p.add(108)),
+        };
+        for (c, lanes) in scale_lanes.iter().enumerate() {
+            let (n, j) = (c / 2, 2 * (c % 2));
+            let qs = both_halves(_mm256_loadu_si256(p.add(32 + 32 * n) as *const __m256i));
+            let counts = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi16(2 * j as i16)),
+                _mm256_set1_epi16(2 * j as i16 + 2),
+            );
+            let low = _mm512_and_si512(_mm512_srlv_epi16(qs, counts), _mm512_set1_epi8(3));
+            let bits = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (4 * n + j)) as i8)),
+                _mm256_set1_epi8((2u8 << (4 * n + j)) as i8),
+            );
+            let clear = _mm512_testn_epi8_mask(hmask, bits);
+            let w = _mm512_mask_sub_epi8(low, clear, low, _mm512_set1_epi8(4));
+            block.magnitude[c] = _mm512_abs_epi8(w);
+            block.negative[c] = _mm512_movepi8_mask(w);
+            block.scales[c] = _mm512_permutexvar_epi16(*lanes, sub_scales);
+        }
+        block
+    }
+
+    /// Rows of a [`Signed`] type (`KIND`: [`Signed::IQ4_XS`] or [`Signed::Q3_K`]) against
+    /// activation rows `first .. first + N`: `out[slot · stride + r]`. The codes are signed
+    /// (IQ4_XS's table reaches −127), so neither operand order of `vpdpbusd` nor a pack to i16
+    /// fits; instead ggml's sign trick in 512 bits: `maddubs(|w|, ±c)` (pairs ≤ 2·127² < 2¹⁵),
+    /// with the activations negated under the mask of the negative weights (AVX-512 has no
+    /// `vpsignb`), weighted by the sub-block scales in the `vpdpwssd` that widens them. The
+    /// block sum is exact (|lane| ≤ 8·32·32258 < 2²⁴) and takes `d·d_act` in one 512-bit FMA.
     ///
     /// # Safety
     /// As [`k45_rows`].
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn iq4xs_rows<const N: usize>(
+    unsafe fn signed_rows<const N: usize, const KIND: u8>(
         rows: WeightRows,
         cols: usize,
         act: &QuantizedRows,
@@ -716,44 +834,31 @@ mod k512 {
         out: &mut [f32],
         stride: usize,
     ) {
-        const BLOCK_BYTES: usize = 136;
+        let block_bytes = if KIND == Signed::IQ4_XS { 136 } else { 110 };
         let groups = act.groups();
         let table = _mm512_broadcast_i32x4(_mm_loadu_si128(
             crate::ggml::IQ4_TABLE.as_ptr() as *const __m128i
         ));
-        let m4 = _mm512_set1_epi8(0x0F);
-        const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
-        let nibble_shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
         let picks = [scale_pick(0), scale_pick(1), scale_pick(2), scale_pick(3)];
+        // Q3_K: i16 lane l of pair c reads sub-block scale 4c + l / 8.
+        let lanes = |c: i16| {
+            let mut idx = [0i16; 32];
+            for (l, v) in idx.iter_mut().enumerate() {
+                *v = 4 * c + l as i16 / 8;
+            }
+            _mm512_loadu_si512(idx.as_ptr() as *const _)
+        };
+        let scale_lanes = [lanes(0), lanes(1), lanes(2), lanes(3)];
         for r in 0..rows.count {
             let row = rows.row(r);
             let mut acc = [_mm512_setzero_ps(); N];
             for b in 0..cols / 256 {
-                let p = row.add(b * BLOCK_BYTES);
-                let d = f16_at(p);
-                let high = u16::from_le_bytes([*p.add(2), *p.add(3)]);
-                let mut ls = [0i16; 8];
-                for (s, v) in ls.iter_mut().enumerate() {
-                    let low = (*p.add(4 + s / 2) >> (4 * (s % 2))) & 0x0F;
-                    let top = ((high >> (2 * s)) & 3) as u8;
-                    *v = i16::from(low | (top << 4)) - 32;
-                }
-                let sc_all = _mm512_broadcast_i32x4(_mm_loadu_si128(ls.as_ptr() as *const __m128i));
-                let mut magnitude = [_mm512_setzero_si512(); 4];
-                let mut negative = [0 as __mmask64; 4];
-                let mut sc16 = [_mm512_setzero_si512(); 4];
-                for c in 0..4 {
-                    let run = _mm512_castsi256_si512(_mm256_loadu_si256(
-                        p.add(8 + 32 * c) as *const __m256i
-                    ));
-                    // 128-bit lanes [2c, 2c, 2c + 1, 2c + 1] shifted by 0, 4, 0, 4.
-                    let spread = _mm512_shuffle_i64x2::<0b01_01_00_00>(run, run);
-                    let codes = _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), m4);
-                    let w = _mm512_shuffle_epi8(table, codes);
-                    magnitude[c] = _mm512_abs_epi8(w);
-                    negative[c] = _mm512_movepi8_mask(w);
-                    sc16[c] = _mm512_shuffle_epi8(sc_all, picks[c]);
-                }
+                let p = row.add(b * block_bytes);
+                let block = if KIND == Signed::IQ4_XS {
+                    iq4xs_block_codes(p, table, &picks)
+                } else {
+                    q3k_block_codes(p, &scale_lanes)
+                };
                 for (slot, acc) in acc.iter_mut().enumerate() {
                     let i = first + slot;
                     let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
@@ -761,13 +866,16 @@ mod k512 {
                     for c in 0..4 {
                         let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
                         let signed =
-                            _mm512_mask_sub_epi8(x, negative[c], _mm512_setzero_si512(), x);
-                        let pairs = _mm512_maddubs_epi16(magnitude[c], signed);
-                        isum = _mm512_dpwssd_epi32(isum, pairs, sc16[c]);
+                            _mm512_mask_sub_epi8(x, block.negative[c], _mm512_setzero_si512(), x);
+                        let pairs = _mm512_maddubs_epi16(block.magnitude[c], signed);
+                        isum = _mm512_dpwssd_epi32(isum, pairs, block.scales[c]);
                     }
                     let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
-                    *acc =
-                        _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
+                    *acc = _mm512_fmadd_ps(
+                        _mm512_set1_ps(block.d * act_d),
+                        _mm512_cvtepi32_ps(isum),
+                        *acc,
+                    );
                 }
             }
             for (slot, acc) in acc.iter().enumerate() {
