@@ -202,7 +202,7 @@ pub fn block(
     }
     #[cfg(target_arch = "x86_64")]
     if let (Path::Avx512Vnni, ActivationScale::PerSuperblock, Some(kind)) =
-        (path, act.scale, k512::Signed::of(ty))
+        (path, act.scale, k512::Super256::of(ty))
     {
         // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
         // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
@@ -647,28 +647,33 @@ mod k512 {
         }
     }
 
-    /// Super-block types whose codes are signed: [`signed_rows`] reads them.
+    /// The other 256-value super-block types with 512-bit kernels here: the signed-code ones
+    /// ([`signed_rows`]) and Q2_K ([`q2k_rows`]).
     #[derive(Clone, Copy, PartialEq, Eq)]
-    pub enum Signed {
+    pub enum Super256 {
         /// 136 bytes: f16 d, 6-bit scales (offset 32) per 32 values, nibbles into `IQ4_TABLE`.
         Iq4Xs,
         /// 110 bytes: 2-bit codes with a high bit (`q − 4` where it is clear), 6-bit scales
         /// (offset 32) per 16 values, f16 d last.
         Q3K,
+        /// 84 bytes: per 16 values a 4-bit scale and a 4-bit minimum, 2-bit codes, f16 d and
+        /// dmin last; `w = d·sc·q − dmin·m`.
+        Q2K,
     }
 
-    impl Signed {
+    impl Super256 {
         /// The kernel for `ty`, if there is one.
         pub fn of(ty: GgmlType) -> Option<Self> {
             match ty {
                 GgmlType::IQ4_XS => Some(Self::Iq4Xs),
                 GgmlType::Q3_K => Some(Self::Q3K),
+                GgmlType::Q2_K => Some(Self::Q2K),
                 _ => None,
             }
         }
     }
 
-    /// [`super::block`] for the [`Signed`] types (activations per 256 values): activation rows
+    /// [`super::block`] for the [`Super256`] types (activations per 256 values): activation rows
     /// in chunks of up to 8, each chunk against every weight row of the call.
     ///
     /// # Safety
@@ -678,7 +683,7 @@ mod k512 {
     #[allow(clippy::too_many_arguments)] // one work item's context
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub unsafe fn signed_block(
-        kind: Signed,
+        kind: Super256,
         data: &[u8],
         row_bytes: usize,
         cols: usize,
@@ -701,12 +706,13 @@ mod k512 {
             macro_rules! chunk {
                 ($n:literal) => {
                     match kind {
-                        Signed::Iq4Xs => signed_rows::<$n, { Signed::IQ4_XS }>(
+                        Super256::Iq4Xs => signed_rows::<$n, { SIGNED_IQ4_XS }>(
                             rows, cols, act, first, out, stride,
                         ),
-                        Signed::Q3K => {
-                            signed_rows::<$n, { Signed::Q3_K }>(rows, cols, act, first, out, stride)
+                        Super256::Q3K => {
+                            signed_rows::<$n, { SIGNED_Q3_K }>(rows, cols, act, first, out, stride)
                         }
+                        Super256::Q2K => q2k_rows::<$n>(rows, cols, act, first, out, stride),
                     }
                 };
             }
@@ -723,14 +729,12 @@ mod k512 {
         }
     }
 
-    impl Signed {
-        /// [`Signed::Iq4Xs`] as a const-generic argument.
-        const IQ4_XS: u8 = 0;
-        /// [`Signed::Q3K`] as a const-generic argument.
-        const Q3_K: u8 = 1;
-    }
+    /// [`Super256::Iq4Xs`] as [`signed_rows`]'s const-generic argument.
+    const SIGNED_IQ4_XS: u8 = 0;
+    /// [`Super256::Q3K`] as [`signed_rows`]'s const-generic argument.
+    const SIGNED_Q3_K: u8 = 1;
 
-    /// One block of a [`Signed`] type, four 64-value pairs: `|w|`, the mask of negative `w`,
+    /// One block of a signed-code type, four 64-value pairs: `|w|`, the mask of negative `w`,
     /// and per i16 lane (a pair of values) its sub-block scale; and `d`.
     struct SignedBlock {
         magnitude: [__m512i; 4],
@@ -814,7 +818,7 @@ mod k512 {
         block
     }
 
-    /// Rows of a [`Signed`] type (`KIND`: [`Signed::IQ4_XS`] or [`Signed::Q3_K`]) against
+    /// Rows of a signed-code type (`KIND`: [`SIGNED_IQ4_XS`] or [`SIGNED_Q3_K`]) against
     /// activation rows `first .. first + N`: `out[slot · stride + r]`. The codes are signed
     /// (IQ4_XS's table reaches −127), so neither operand order of `vpdpbusd` nor a pack to i16
     /// fits; instead ggml's sign trick in 512 bits: `maddubs(|w|, ±c)` (pairs ≤ 2·127² < 2¹⁵),
@@ -834,27 +838,19 @@ mod k512 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let block_bytes = if KIND == Signed::IQ4_XS { 136 } else { 110 };
+        let block_bytes = if KIND == SIGNED_IQ4_XS { 136 } else { 110 };
         let groups = act.groups();
         let table = _mm512_broadcast_i32x4(_mm_loadu_si128(
             crate::ggml::IQ4_TABLE.as_ptr() as *const __m128i
         ));
         let picks = [scale_pick(0), scale_pick(1), scale_pick(2), scale_pick(3)];
-        // Q3_K: i16 lane l of pair c reads sub-block scale 4c + l / 8.
-        let lanes = |c: i16| {
-            let mut idx = [0i16; 32];
-            for (l, v) in idx.iter_mut().enumerate() {
-                *v = 4 * c + l as i16 / 8;
-            }
-            _mm512_loadu_si512(idx.as_ptr() as *const _)
-        };
-        let scale_lanes = [lanes(0), lanes(1), lanes(2), lanes(3)];
+        let scale_lanes = sub16_scale_lanes();
         for r in 0..rows.count {
             let row = rows.row(r);
             let mut acc = [_mm512_setzero_ps(); N];
             for b in 0..cols / 256 {
                 let p = row.add(b * block_bytes);
-                let block = if KIND == Signed::IQ4_XS {
+                let block = if KIND == SIGNED_IQ4_XS {
                     iq4xs_block_codes(p, table, &picks)
                 } else {
                     q3k_block_codes(p, &scale_lanes)
@@ -874,6 +870,103 @@ mod k512 {
                     *acc = _mm512_fmadd_ps(
                         _mm512_set1_ps(block.d * act_d),
                         _mm512_cvtepi32_ps(isum),
+                        *acc,
+                    );
+                }
+            }
+            for (slot, acc) in acc.iter().enumerate() {
+                out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
+            }
+        }
+    }
+
+    /// i16 lane `l` of pair `c` reads sub-block `4c + l / 8` (sub-blocks of 16 values, one per
+    /// 128-bit lane): `vpermw` indices.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f")]
+    unsafe fn sub16_scale_lanes() -> [__m512i; 4] {
+        let lanes = |c: i16| {
+            let mut idx = [0i16; 32];
+            for (l, v) in idx.iter_mut().enumerate() {
+                *v = 4 * c + l as i16 / 8;
+            }
+            _mm512_loadu_si512(idx.as_ptr() as *const _)
+        };
+        [lanes(0), lanes(1), lanes(2), lanes(3)]
+    }
+
+    /// Q2_K rows against activation rows `first .. first + N`: `out[slot · stride + r]`. Values
+    /// `128n + 32j + l` are bits `2j, 2j + 1` of `qs[32n + l]` (unsigned, 0..=3); pair `c` is `n
+    /// = c / 2` and `j = 2(c % 2)` (low half), `j + 1` (high half), sub-blocks of 16 `4c .. 4c +
+    /// 4`, one per 128-bit lane. Per pair: `maddubs(q, c)` weighted by the sub-block scales in a
+    /// `vpdpwssd`, and the minimums' term `Σ m·c` in one `vpdpbusd` of the minimum of each
+    /// value's sub-block against the codes; both block sums are exact and take `d·d_act` and
+    /// `−dmin·d_act` in one 512-bit FMA each.
+    ///
+    /// # Safety
+    /// As [`k45_rows`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q2k_rows<const N: usize>(
+        rows: WeightRows,
+        cols: usize,
+        act: &QuantizedRows,
+        first: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        const BLOCK_BYTES: usize = 84;
+        let groups = act.groups();
+        let scale_lanes = sub16_scale_lanes();
+        // Byte i of 128-bit lane L of pair c reads byte 4c + L (sub-block 4c + L's minimum).
+        let min_picks: [__m512i; 4] = std::array::from_fn(|c| {
+            let mut idx = [0u8; 64];
+            for (i, v) in idx.iter_mut().enumerate() {
+                *v = (4 * c + i / 16) as u8;
+            }
+            _mm512_loadu_si512(idx.as_ptr() as *const _)
+        });
+        let m3 = _mm512_set1_epi8(3);
+        let m4 = _mm_set1_epi8(0x0F);
+        for r in 0..rows.count {
+            let row = rows.row(r);
+            let mut acc = [_mm512_setzero_ps(); N];
+            for b in 0..cols / 256 {
+                let p = row.add(b * BLOCK_BYTES);
+                let (d, dmin) = (f16_at(p.add(80)), f16_at(p.add(82)));
+                let packed = _mm_loadu_si128(p as *const __m128i);
+                let sub_scales =
+                    _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(packed, m4)));
+                let mins = _mm512_broadcast_i32x4(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
+                let mut q = [_mm512_setzero_si512(); 4];
+                let mut sc = [_mm512_setzero_si512(); 4];
+                let mut mn = [_mm512_setzero_si512(); 4];
+                for c in 0..4 {
+                    let (n, j) = (c / 2, 2 * (c % 2));
+                    let qs = both_halves(_mm256_loadu_si256(p.add(16 + 32 * n) as *const __m256i));
+                    let counts = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_set1_epi16(2 * j as i16)),
+                        _mm256_set1_epi16(2 * j as i16 + 2),
+                    );
+                    q[c] = _mm512_and_si512(_mm512_srlv_epi16(qs, counts), m3);
+                    sc[c] = _mm512_permutexvar_epi16(scale_lanes[c], sub_scales);
+                    mn[c] = _mm512_shuffle_epi8(mins, min_picks[c]);
+                }
+                for (slot, acc) in acc.iter_mut().enumerate() {
+                    let i = first + slot;
+                    let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                    let (mut isum, mut msum) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    for c in 0..4 {
+                        let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
+                        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc[c]);
+                        msum = _mm512_dpbusd_epi32(msum, mn[c], x);
+                    }
+                    let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                    *acc =
+                        _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
+                    *acc = _mm512_fmadd_ps(
+                        _mm512_set1_ps(-dmin * act_d),
+                        _mm512_cvtepi32_ps(msum),
                         *acc,
                     );
                 }
