@@ -151,6 +151,29 @@ pub fn dot(path: Path, w: &UnpackedRow, codes: &[i8], scales: &[f32]) -> f32 {
     dot_reference(w, codes, scales)
 }
 
+/// Calls `$kernel::<N>(args)` once per chunk of up to 8 activation rows of `$act_rows` (`N`
+/// the chunk's row count, a const generic: the kernels keep `N` accumulators in registers), with
+/// `$first` bound to the chunk's first row and `$out` to the output from that row on.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_act_chunks {
+    ($act_rows:expr, $out:expr, $stride:expr, |$first:ident, $chunk_out:ident|
+        $($kernel:ident)::+ ($($arg:expr),* $(,)?)) => {{
+        for $first in $act_rows.clone().step_by(8) {
+            let $chunk_out = &mut $out[($first - $act_rows.start) * $stride..];
+            match ($act_rows.end - $first).min(8) {
+                1 => $($kernel)::+::<1>($($arg),*),
+                2 => $($kernel)::+::<2>($($arg),*),
+                3 => $($kernel)::+::<3>($($arg),*),
+                4 => $($kernel)::+::<4>($($arg),*),
+                5 => $($kernel)::+::<5>($($arg),*),
+                6 => $($kernel)::+::<6>($($arg),*),
+                7 => $($kernel)::+::<7>($($arg),*),
+                _ => $($kernel)::+::<8>($($arg),*),
+            }
+        }
+    }};
+}
+
 thread_local! {
     static SCRATCH: RefCell<UnpackedRow> = RefCell::new(UnpackedRow::default());
 }
@@ -209,10 +232,11 @@ pub fn block(
         // out_rows of `row_bytes` (cols / 256 whole blocks: validated with the matrix), `act`
         // holds `cols` codes per superblock-scaled row of `act_rows`, `out` `stride` per row.
         unsafe {
-            k512::signed_block(
-                kind, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
-            )
-        };
+            let rows = k512::WeightRows::new(data, row_bytes, n0, out_rows);
+            by_act_chunks!(act_rows, out, stride, |first, out| k512::super256_rows(
+                kind, rows, cols, act, first, out, stride
+            ));
+        }
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -223,10 +247,11 @@ pub fn block(
             // out_rows of `row_bytes` (cols / 32 whole blocks: validated with the matrix), `act`
             // holds `cols` codes per group-scaled row of `act_rows`, `out` `stride` per row.
             unsafe {
-                g512::block(
-                    kind, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
-                )
-            };
+                let rows = k512::WeightRows::new(data, row_bytes, n0, out_rows);
+                by_act_chunks!(act_rows, out, stride, |first, out| g512::rows(
+                    kind, rows, cols, act, first, out, stride
+                ));
+            }
             return;
         }
     }
@@ -525,6 +550,16 @@ mod k512 {
     }
 
     impl WeightRows {
+        /// Rows `n0 .. n0 + count` of `data`, rows of `row_bytes`.
+        pub(super) fn new(data: &[u8], row_bytes: usize, n0: usize, count: usize) -> Self {
+            Self {
+                data: data.as_ptr(),
+                row_bytes,
+                n0,
+                count,
+            }
+        }
+
         /// The first byte of row `n0 + r`.
         ///
         /// # Safety
@@ -673,59 +708,48 @@ mod k512 {
         }
     }
 
-    /// [`super::block`] for the [`Super256`] types (activations per 256 values): activation rows
-    /// in chunks of up to 8, each chunk against every weight row of the call.
+    /// The [`Super256`] kernel of `kind` for `N` activation rows.
     ///
     /// # Safety
-    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `data` holds rows `n0 .. n0 + out_rows` of
-    /// `row_bytes` (`cols / 256` blocks of `kind`); `act` (per-superblock scales) holds `cols`
-    /// codes for every row of `act_rows`; `out` holds `stride` floats per activation row.
-    #[allow(clippy::too_many_arguments)] // one work item's context
+    /// As [`k45_rows`].
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn signed_block(
+    pub unsafe fn super256_rows<const N: usize>(
         kind: Super256,
-        data: &[u8],
-        row_bytes: usize,
+        rows: WeightRows,
         cols: usize,
-        n0: usize,
-        out_rows: usize,
         act: &QuantizedRows,
-        act_rows: std::ops::Range<usize>,
+        first: usize,
         out: &mut [f32],
         stride: usize,
     ) {
-        const CHUNK: usize = 8;
-        let rows = WeightRows {
-            data: data.as_ptr(),
-            row_bytes,
-            n0,
-            count: out_rows,
-        };
-        for first in act_rows.clone().step_by(CHUNK) {
-            let out = &mut out[(first - act_rows.start) * stride..];
-            macro_rules! chunk {
-                ($n:literal) => {
-                    match kind {
-                        Super256::Iq4Xs => signed_rows::<$n, { SIGNED_IQ4_XS }>(
-                            rows, cols, act, first, out, stride,
-                        ),
-                        Super256::Q3K => {
-                            signed_rows::<$n, { SIGNED_Q3_K }>(rows, cols, act, first, out, stride)
-                        }
-                        Super256::Q2K => q2k_rows::<$n>(rows, cols, act, first, out, stride),
-                    }
-                };
-            }
-            match (act_rows.end - first).min(CHUNK) {
-                1 => chunk!(1),
-                2 => chunk!(2),
-                3 => chunk!(3),
-                4 => chunk!(4),
-                5 => chunk!(5),
-                6 => chunk!(6),
-                7 => chunk!(7),
-                _ => chunk!(8),
-            }
+        match kind {
+            Super256::Iq4Xs => signed_rows::<N, SIGNED_IQ4_XS>(rows, cols, act, first, out, stride),
+            Super256::Q3K => signed_rows::<N, SIGNED_Q3_K>(rows, cols, act, first, out, stride),
+            Super256::Q2K => q2k_rows::<N>(rows, cols, act, first, out, stride),
+        }
+    }
+
+    /// The K-quant kernel of `kind` for `N` activation rows.
+    ///
+    /// # Safety
+    /// As [`k45_rows`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn kquant_rows<const N: usize>(
+        kind: super::x86::KQuant,
+        rows: WeightRows,
+        cols: usize,
+        act: &QuantizedRows,
+        first: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        use super::x86::KQuant;
+        match kind {
+            KQuant::Q4 => k45_rows::<N, false>(rows, cols, act, first, out, stride),
+            KQuant::Q5 => k45_rows::<N, true>(rows, cols, act, first, out, stride),
+            KQuant::Q6 => q6k_rows::<N>(rows, cols, act, first, out, stride),
         }
     }
 
@@ -1163,53 +1187,6 @@ mod g512 {
         }
     }
 
-    /// [`super::block`] for these types: activation rows in chunks of up to 8, each chunk against
-    /// every weight row of the call.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `data` holds rows `n0 .. n0 + out_rows` of
-    /// `row_bytes` (`cols / 32` blocks of `kind`); `act` (per-group scales) holds `cols` codes
-    /// for every row of `act_rows`; `out` holds `stride` floats per activation row.
-    #[allow(clippy::too_many_arguments)] // one work item's context
-    pub unsafe fn block(
-        kind: Small,
-        data: &[u8],
-        row_bytes: usize,
-        cols: usize,
-        n0: usize,
-        out_rows: usize,
-        act: &QuantizedRows,
-        act_rows: std::ops::Range<usize>,
-        out: &mut [f32],
-        stride: usize,
-    ) {
-        const CHUNK: usize = 8;
-        let weights = WeightRows {
-            data: data.as_ptr(),
-            row_bytes,
-            n0,
-            count: out_rows,
-        };
-        for first in act_rows.clone().step_by(CHUNK) {
-            let out = &mut out[(first - act_rows.start) * stride..];
-            macro_rules! chunk {
-                ($n:literal) => {
-                    rows::<$n>(kind, weights, cols, act, first, out, stride)
-                };
-            }
-            match (act_rows.end - first).min(CHUNK) {
-                1 => chunk!(1),
-                2 => chunk!(2),
-                3 => chunk!(3),
-                4 => chunk!(4),
-                5 => chunk!(5),
-                6 => chunk!(6),
-                7 => chunk!(7),
-                _ => chunk!(8),
-            }
-        }
-    }
-
     /// The little-endian u32 at `p`.
     #[inline]
     unsafe fn u32_at(p: *const u8) -> u32 {
@@ -1536,43 +1513,18 @@ mod x86 {
         // Activation chunks outside, weight rows inside: a chunk's codes stay in L1 across the
         // block's weight rows (taken the other way round, every weight row streamed all the
         // activation rows from L2, one byte per multiply-add, and L2 was the bound).
+        if wide {
+            let rows = super::k512::WeightRows::new(data, row_bytes, n0, out_rows);
+            by_act_chunks!(
+                act_rows,
+                out,
+                stride,
+                |first, out| super::k512::kquant_rows(kind, rows, cols, act, first, out, stride)
+            );
+            return;
+        }
         for first in act_rows.clone().step_by(K_ACT_CHUNK) {
             let n = (act_rows.end - first).min(K_ACT_CHUNK);
-            if wide {
-                let rows = super::k512::WeightRows {
-                    data: data.as_ptr(),
-                    row_bytes,
-                    n0,
-                    count: out_rows,
-                };
-                let out = &mut out[(first - act_rows.start) * stride..];
-                macro_rules! rows {
-                    ($n:literal) => {
-                        match kind {
-                            KQuant::Q4 => super::k512::k45_rows::<$n, false>(
-                                rows, cols, act, first, out, stride,
-                            ),
-                            KQuant::Q5 => super::k512::k45_rows::<$n, true>(
-                                rows, cols, act, first, out, stride,
-                            ),
-                            KQuant::Q6 => {
-                                super::k512::q6k_rows::<$n>(rows, cols, act, first, out, stride)
-                            }
-                        }
-                    };
-                }
-                match n {
-                    1 => rows!(1),
-                    2 => rows!(2),
-                    3 => rows!(3),
-                    4 => rows!(4),
-                    5 => rows!(5),
-                    6 => rows!(6),
-                    7 => rows!(7),
-                    _ => rows!(8),
-                }
-                continue;
-            }
             for r in 0..out_rows {
                 let row = data.as_ptr().add((n0 + r) * row_bytes);
                 let mut sums = [0f32; K_ACT_CHUNK];
