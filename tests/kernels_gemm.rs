@@ -260,6 +260,58 @@ fn plain_formats_match_reference() {
     }
 }
 
+/// On AVX-512 CPUs plain rows run in 4 × 3 register tiles (`avx512::plain_rows`); every output
+/// has the bits of the AVX2 row dot (`avx2::plain_dot`), in a batch or alone, whatever the
+/// length's remainder after 16 and 8 elements.
+#[test]
+fn plain_register_tiles_give_the_row_dot_bits() {
+    let wide = HostExecutor::new();
+    if !wide.uses_vnni() {
+        eprintln!("no AVX-512 VNNI on this CPU: plain rows run the AVX2 row dot only");
+        return;
+    }
+    let narrow = HostExecutor::without_vnni();
+    let mut rng = Rng(0x9a17);
+    for format in [WeightFormat::Bf16, WeightFormat::F16, WeightFormat::F32] {
+        for (n, k) in [(37, 576), (9, 1000), (6, 1003), (5, 13), (3, 5)] {
+            let weights: Vec<f32> = (0..n * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
+            let data = encode(format, &weights, n, k);
+            let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
+            for m in [1usize, 3, 4, 5, 9, 16] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+                let (mut tiles, mut rows) = (vec![0f32; m * n], vec![0f32; m * n]);
+                wide.gemm(&w, &x, m, &mut tiles).expect("gemm");
+                narrow.gemm(&w, &x, m, &mut rows).expect("gemm");
+                let differ = tiles
+                    .iter()
+                    .zip(&rows)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ,
+                    0,
+                    "{} {n}x{k} m={m}: {differ} outputs differ",
+                    format.name()
+                );
+                for i in 0..m {
+                    let mut one = vec![0f32; n];
+                    wide.gemm(&w, &x[i * k..(i + 1) * k], 1, &mut one)
+                        .expect("gemm");
+                    let same = one
+                        .iter()
+                        .zip(&tiles[i * n..(i + 1) * n])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{} {n}x{k} m={m}: row {i} differs alone",
+                        format.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// candle's `ggml_matmul_error_test`: |quantized dot − f32 dot| / len within ggml's per-type bound
 /// (times `err_m`), on ggml's test vectors: length 32·128, `0.1 + 2·cos(i + offset)`, and a ramp.
 #[test]

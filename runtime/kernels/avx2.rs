@@ -1484,7 +1484,7 @@ mod imp {
     /// Horizontal sum of 8 floats.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum_float_8(v: __m256) -> f32 {
+    pub(in crate::kernels) unsafe fn hsum_float_8(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
@@ -1500,6 +1500,16 @@ mod imp {
         F16,
         /// f32 elements (4 bytes).
         F32,
+    }
+
+    impl PlainKind {
+        /// Bytes per element.
+        pub fn bytes(self) -> usize {
+            match self {
+                PlainKind::Bf16 | PlainKind::F16 => 2,
+                PlainKind::F32 => 4,
+            }
+        }
     }
 
     /// Dot product of one plain weight row (`k` elements of `kind` at `w`) with `x[..k]`.
@@ -1536,7 +1546,26 @@ mod imp {
             acc[0] = _mm256_fmadd_ps(load(c), x0, acc[0]);
             c += 8;
         }
-        let mut sum = hsum_float_8(_mm256_add_ps(acc[0], acc[1]));
+        plain_tail(
+            kind,
+            w,
+            x,
+            c,
+            k,
+            hsum_float_8(_mm256_add_ps(acc[0], acc[1])),
+        )
+    }
+
+    /// `sum` plus the products of elements `c .. k` (fewer than 8) of a plain row, one at a time:
+    /// the end of [`plain_dot`] and of the AVX-512 tiles that give its bits.
+    pub(in crate::kernels) fn plain_tail(
+        kind: PlainKind,
+        w: &[u8],
+        x: &[f32],
+        mut c: usize,
+        k: usize,
+        mut sum: f32,
+    ) -> f32 {
         while c < k {
             let v = match kind {
                 PlainKind::Bf16 => {

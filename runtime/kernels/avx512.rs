@@ -42,8 +42,8 @@ pub use imp::*;
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use crate::kernels::avx2::{
-        prefetch_q4_group, prefetch_q8_group, q4_group_scales, q8_group_scales, tile_and_group,
-        Q4Layout, Q8Layout,
+        hsum_float_8, plain_tail, prefetch_q4_group, prefetch_q8_group, q4_group_scales,
+        q8_group_scales, tile_and_group, PlainKind, Q4Layout, Q8Layout,
     };
     use crate::kernels::quant::QuantizedRows;
     use crate::tiles::{GROUP, TILE_ROWS};
@@ -678,5 +678,184 @@ mod imp {
             }
             row_start = row_chunk.end;
         }
+    }
+
+    /// Weight rows of one register tile of [`plain_rows`].
+    const PLAIN_TILE_ROWS: usize = 4;
+    /// Most activation rows of one register tile of [`plain_rows`].
+    const PLAIN_TILE_ACTS: usize = 3;
+
+    /// Plain (f32 / f16 / bf16) weight rows `0 .. rows` of `w` (`k` elements each) against f32
+    /// activation rows `act_rows` of `x` (`k` each): `out[slot · stride + r]`, the same bits as
+    /// [`avx2::plain_dot`] for every pair. Tiles of 4 weight rows × 3 activation rows keep 12
+    /// accumulators in registers (4 × 4 spilled them), so each 16 weights are converted once for
+    /// 3 activation rows and each 16 activations loaded once for 4 weight rows. An accumulator holds `plain_dot`'s
+    /// two 8-lane sums side by side (elements `16i .. 16i + 8` low, `16i + 8 .. 16i + 16`
+    /// high), a trailing 8 go into the low half only, and the halves are added and summed by
+    /// the same `hsum_float_8`, so every sum sees the same operations in the same order.
+    ///
+    /// [`avx2::plain_dot`]: crate::kernels::avx2::plain_dot
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F; `w` holds `rows` rows of `k` elements of `kind`; `x` holds
+    /// `k` floats for every row of `act_rows`; `out` holds `(act_rows.len() - 1) · stride +
+    /// rows` floats.
+    #[allow(clippy::too_many_arguments)] // one work item's context
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub unsafe fn plain_rows(
+        kind: PlainKind,
+        w: &[u8],
+        rows: usize,
+        k: usize,
+        x: &[f32],
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let row_bytes = k * kind.bytes();
+        for a0 in act_rows.clone().step_by(PLAIN_TILE_ACTS) {
+            let acts = (act_rows.end - a0).min(PLAIN_TILE_ACTS);
+            for r0 in (0..rows).step_by(PLAIN_TILE_ROWS) {
+                let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
+                let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
+                macro_rules! tile {
+                    ($kind:expr) => {
+                        match acts {
+                            1 => plain_tile::<1, { $kind }>(wp, row_bytes, wrows, xp, k),
+                            2 => plain_tile::<2, { $kind }>(wp, row_bytes, wrows, xp, k),
+                            _ => plain_tile::<3, { $kind }>(wp, row_bytes, wrows, xp, k),
+                        }
+                    };
+                }
+                let sums = match kind {
+                    PlainKind::F32 => tile!(PLAIN_F32),
+                    PlainKind::F16 => tile!(PLAIN_F16),
+                    PlainKind::Bf16 => tile!(PLAIN_BF16),
+                };
+                for (a, sums) in sums.iter().enumerate().take(acts) {
+                    for (r, &sum) in sums.iter().enumerate().take(wrows) {
+                        let (wrow, xrow) = (
+                            &w[(r0 + r) * row_bytes..(r0 + r + 1) * row_bytes],
+                            &x[(a0 + a) * k..(a0 + a + 1) * k],
+                        );
+                        out[(a0 + a - act_rows.start) * stride + r0 + r] =
+                            plain_tail(kind, wrow, xrow, k / 8 * 8, k, sum);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`PlainKind::F32`] as a const-generic argument.
+    const PLAIN_F32: u8 = 0;
+    /// [`PlainKind::F16`] as a const-generic argument.
+    const PLAIN_F16: u8 = 1;
+    /// [`PlainKind::Bf16`] as a const-generic argument.
+    const PLAIN_BF16: u8 = 2;
+
+    /// 16 elements of kind `KIND` at `p` (8 when `HALF`, in the low lanes) as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn plain16<const KIND: u8, const HALF: bool>(p: *const u8) -> __m512 {
+        match (KIND, HALF) {
+            (PLAIN_F32, false) => _mm512_loadu_ps(p as *const f32),
+            (PLAIN_F32, true) => _mm512_castps256_ps512(_mm256_loadu_ps(p as *const f32)),
+            (PLAIN_F16, false) => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            (PLAIN_F16, true) => {
+                _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)))
+            }
+            (_, false) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(p as *const __m256i),
+            ))),
+            (_, true) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_castsi128_si256(_mm_loadu_si128(p as *const __m128i)),
+            ))),
+        }
+    }
+
+    /// One tile: the vector part (elements `0 .. k / 8 · 8`) of the sums of weight rows `0 ..
+    /// wrows` (rows `row_bytes` apart from `w`) against activation rows `0 .. ACTS` (`k` floats
+    /// apart from `x`), `[activation][weight]`; entries past `ACTS` / `wrows` are zero.
+    ///
+    /// # Safety
+    /// As [`plain_rows`], for the rows of this tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn plain_tile<const ACTS: usize, const KIND: u8>(
+        w: *const u8,
+        row_bytes: usize,
+        wrows: usize,
+        x: *const f32,
+        k: usize,
+    ) -> [[f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS] {
+        let elem = if KIND == PLAIN_F32 { 4 } else { 2 };
+        // Weight rows past the tile's real ones repeat its first row (their sums are dropped), so
+        // the loops below run fixed counts and keep every accumulator in a register.
+        let wp: [*const u8; PLAIN_TILE_ROWS] =
+            std::array::from_fn(|r| w.add(if r < wrows { r } else { 0 } * row_bytes));
+        let xp: [*const f32; PLAIN_TILE_ACTS] =
+            std::array::from_fn(|a| x.add(if a < ACTS { a } else { 0 } * k));
+        let mut acc = [[_mm512_setzero_ps(); PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
+        // Written out per activation row with constant indices (a loop over them left the
+        // accumulators on the stack).
+        macro_rules! per_act {
+            (|$a:ident| $body:expr) => {{
+                {
+                    let $a = 0;
+                    $body
+                }
+                if ACTS > 1 {
+                    let $a = 1;
+                    $body
+                }
+                if ACTS > 2 {
+                    let $a = 2;
+                    $body
+                }
+            }};
+        }
+        let mut c = 0;
+        while c + 16 <= k {
+            let w0 = plain16::<KIND, false>(wp[0].add(c * elem));
+            let w1 = plain16::<KIND, false>(wp[1].add(c * elem));
+            let w2 = plain16::<KIND, false>(wp[2].add(c * elem));
+            let w3 = plain16::<KIND, false>(wp[3].add(c * elem));
+            per_act!(|a| {
+                let xv = _mm512_loadu_ps(xp[a].add(c));
+                acc[a][0] = _mm512_fmadd_ps(w0, xv, acc[a][0]);
+                acc[a][1] = _mm512_fmadd_ps(w1, xv, acc[a][1]);
+                acc[a][2] = _mm512_fmadd_ps(w2, xv, acc[a][2]);
+                acc[a][3] = _mm512_fmadd_ps(w3, xv, acc[a][3]);
+            });
+            c += 16;
+        }
+        if c + 8 <= k {
+            const LOW: __mmask16 = 0x00FF;
+            let w0 = plain16::<KIND, true>(wp[0].add(c * elem));
+            let w1 = plain16::<KIND, true>(wp[1].add(c * elem));
+            let w2 = plain16::<KIND, true>(wp[2].add(c * elem));
+            let w3 = plain16::<KIND, true>(wp[3].add(c * elem));
+            per_act!(|a| {
+                let xv = _mm512_maskz_loadu_ps(LOW, xp[a].add(c));
+                acc[a][0] = _mm512_mask3_fmadd_ps(w0, xv, acc[a][0], LOW);
+                acc[a][1] = _mm512_mask3_fmadd_ps(w1, xv, acc[a][1], LOW);
+                acc[a][2] = _mm512_mask3_fmadd_ps(w2, xv, acc[a][2], LOW);
+                acc[a][3] = _mm512_mask3_fmadd_ps(w3, xv, acc[a][3], LOW);
+            });
+        }
+        let total = |v: __m512| {
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+            hsum_float_8(_mm256_add_ps(_mm512_castps512_ps256(v), high))
+        };
+        let mut sums = [[0f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
+        per_act!(|a| {
+            sums[a] = [
+                total(acc[a][0]),
+                total(acc[a][1]),
+                total(acc[a][2]),
+                total(acc[a][3]),
+            ];
+        });
+        sums
     }
 }

@@ -24,6 +24,9 @@ use crate::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
 /// Activation rows handed to one block-kernel call: bounds the per-thread scratch (128 × 32 f32).
 const ROWS_PER_PASS: usize = 128;
 
+/// Activation rows from which plain (f32 / f16 / bf16) matrices run `avx512::plain_rows`.
+const PLAIN_TILE_MIN_ROWS: usize = 4;
+
 /// A `[rows = N, cols = K]` weight matrix in a stored format, borrowed (typically from an mmap).
 #[derive(Clone, Copy, Debug)]
 pub struct WeightMatrix<'a> {
@@ -389,6 +392,10 @@ impl HostExecutor {
         match fast_kernel(format, Packing::Tiles) {
             FastKernel::Q4(_) => format!("q4 tile dot on q8 activations ({int_dot})"),
             FastKernel::Q8(_) => format!("q8 tile dot on q8 activations ({int_dot})"),
+            FastKernel::Plain(_) if self.uses_vnni() => format!(
+                "{} row dots in 4 x 3 register tiles on f32 activations (AVX-512)",
+                format.name()
+            ),
             FastKernel::Plain(_) => {
                 format!("{} row dot on f32 activations ({simd})", format.name())
             }
@@ -698,6 +705,19 @@ fn compute_block(
     let elem = w.format.plain_elem_bytes().unwrap_or(4);
     let n0 = block * TILE_ROWS;
     let rows_here = (w.rows - n0).min(TILE_ROWS);
+    #[cfg(target_arch = "x86_64")]
+    // Register tiles from a few activation rows on: alone, a row streams best one weight row
+    // after the other (the tiles read four rows at once); both give the same bits.
+    if let (Some(avx2::IntDot::Vnni), FastKernel::Plain(kind), true) =
+        (fast, kernel, rows.len() >= PLAIN_TILE_MIN_ROWS)
+    {
+        let data = &w.data[n0 * k * elem..(n0 + rows_here) * k * elem];
+        // SAFETY: `IntDot::Vnni` is only chosen when AVX2, FMA, F16C and AVX-512 F are available
+        // (`avx2::vnni_available`); `data` holds rows_here rows of k elements, `x` k floats per
+        // activation row (rows ⊂ 0..m), and `out` TILE_ROWS floats per row of `rows`.
+        unsafe { super::avx512::plain_rows(kind, data, rows_here, k, x, rows, out, TILE_ROWS) };
+        return;
+    }
     for r in 0..rows_here {
         let wrow = &w.data[(n0 + r) * k * elem..(n0 + r + 1) * k * elem];
         for (slot, i) in rows.clone().enumerate() {

@@ -811,9 +811,7 @@ mod k512 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn q3k_block_codes(p: *const u8, scale_lanes: &[__m512i; 4]) -> SignedBlock {
-        let packed = std::slice::from_raw_parts(p.add(96), 12);
-        let sc = crate::ggml::q3k_scales(packed).map(i16::from);
-        let sub_scales = _mm512_castsi256_si512(_mm256_loadu_si256(sc.as_ptr() as *const __m256i));
+        let sub_scales = _mm512_castsi256_si512(q3k_scales16(p.add(96)));
         let hmask = both_halves(_mm256_loadu_si256(p as *const __m256i));
         let mut block = SignedBlock {
             magnitude: [_mm512_setzero_si512(); 4],
@@ -840,6 +838,24 @@ mod k512 {
             block.scales[c] = _mm512_permutexvar_epi16(*lanes, sub_scales);
         }
         block
+    }
+
+    /// `ggml::q3k_scales` of the 12 bytes at `p`, as 16 i16 lanes, in a few word operations:
+    /// scale `j`'s low nibble is byte `j % 8`'s (low for `j < 8`, high after), its top two bits
+    /// are bits `2(j / 4)` of byte `8 + j % 4`, so each run of four scales takes the four high
+    /// bytes shifted by `2(j / 4)` at once.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q3k_scales16(p: *const u8) -> __m256i {
+        const NIBBLES: u64 = 0x0F0F_0F0F_0F0F_0F0F;
+        const PAIRS: u32 = 0x0303_0303;
+        let low = (p as *const u64).read_unaligned();
+        let top = (p.add(8) as *const u32).read_unaligned();
+        let tops = |t: u32| u64::from((top >> (2 * t)) & PAIRS);
+        let first = (low & NIBBLES) | ((tops(0) | (tops(1) << 32)) << 4);
+        let second = ((low >> 4) & NIBBLES) | ((tops(2) | (tops(3) << 32)) << 4);
+        let bytes = _mm_set_epi64x(second as i64, first as i64);
+        _mm256_cvtepi8_epi16(_mm_sub_epi8(bytes, _mm_set1_epi8(32)))
     }
 
     /// Rows of a signed-code type (`KIND`: [`SIGNED_IQ4_XS`] or [`SIGNED_Q3_K`]) against
@@ -1193,18 +1209,12 @@ mod g512 {
         u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
     }
 
-    /// Blocks `2c` and `2c + 1` of a row (the second absent when `two` is false: zero codes and
-    /// scale): the 64 unsigned codes, per lane the weight scale, and per lane the minimum
-    /// (Q5_1; zero otherwise).
+    /// Blocks `2c` and `2c + 1` of a row at `a` (the second absent when `two` is false: zero
+    /// codes): the 64 unsigned codes (block `2c` in the low 256 bits, values 0-15 and 16-31 in
+    /// its two 128-bit lanes; block `2c + 1` in the high 256).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn decode_pair(
-        kind: Small,
-        a: *const u8,
-        two: bool,
-        table: __m512i,
-        pair_lanes: __m512i,
-    ) -> (__m512i, __m512, __m512) {
+    unsafe fn decode_pair(kind: Small, a: *const u8, two: bool, table: __m512i) -> __m512i {
         let b = a.add(kind.bytes());
         let at = kind.nibbles_at();
         let nib_a = _mm_loadu_si128(a.add(at) as *const __m128i);
@@ -1219,34 +1229,52 @@ mod g512 {
         const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
         let shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
         let mut u = _mm512_and_si512(_mm512_srlv_epi16(spread, shift), _mm512_set1_epi8(0x0F));
-        let (da, db) = (f16_at(a), if two { f16_at(b) } else { 0.0 });
-        let halves = |lo: f32, hi: f32| {
-            _mm512_permutexvar_ps(
-                pair_lanes,
-                _mm512_castps128_ps512(_mm_setr_ps(lo, hi, 0.0, 0.0)),
-            )
-        };
-        let mut min = _mm512_setzero_ps();
         match kind {
             Small::Q5_0 | Small::Q5_1 => {
                 let qh = if kind == Small::Q5_0 { 2 } else { 4 };
                 let bits_b = if two { u32_at(b.add(qh)) } else { 0 };
                 let fifth: __mmask64 = (u64::from(bits_b) << 32) | u64::from(u32_at(a.add(qh)));
                 u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
-                if kind == Small::Q5_1 {
-                    let mb = if two { f16_at(b.add(2)) } else { 0.0 };
-                    min = halves(f16_at(a.add(2)), mb);
-                }
             }
             Small::Iq4Nl => {
                 u = _mm512_xor_si512(_mm512_shuffle_epi8(table, u), _mm512_set1_epi8(-128));
             }
         }
-        (u, halves(da, db), min)
+        u
+    }
+
+    /// Groups per span: each span of a row sums its groups' lanes into one lane per group.
+    const SPAN: usize = 16;
+
+    /// The 8 lanes of each of 16 groups summed into one lane per group: `v[p]` holds group `2p`
+    /// in lanes 0-7 and `2p + 1` in lanes 8-15; the result holds group `g` in lane `g`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn group_sums(v: &[__m512i; 8]) -> __m512i {
+        // Per 128-bit lane: interleave and add twice, so lane q of 128-bit lane L of `u[m]`
+        // holds the 4-lane sum of `v[4m + q]`'s 128-bit lane L.
+        let t: [__m512i; 4] = std::array::from_fn(|k| {
+            let (a, b) = (v[2 * k], v[2 * k + 1]);
+            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+        });
+        let u: [__m512i; 2] = std::array::from_fn(|m| {
+            let (a, b) = (t[2 * m], t[2 * m + 1]);
+            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+        });
+        // 128-bit lanes 0 + 1 (the even group of each pair) and 2 + 3 (the odd one).
+        let even = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[0], u[1]);
+        let odd = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[0], u[1]);
+        // Lanes now hold groups 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15.
+        let order = _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+        _mm512_permutexvar_epi32(order, _mm512_add_epi32(even, odd))
     }
 
     /// Rows of `rows` against activation rows `first .. first + N` (`act` quantized per 32
-    /// values): `out[slot · stride + r]`.
+    /// values): `out[slot · stride + r]`. Per span of 16 groups, each pair of groups takes one
+    /// `vpdpbusd` of its unsigned codes against the activations; the 16 groups' lanes are then
+    /// summed into one lane per group (`group_sums`), corrected by `−bias·Σc` (the activations'
+    /// code sums), and take their scales `d·d_act` in one FMA per 16 groups (Q5_1: and its
+    /// minimums `m·d_act·Σc` in another), so the float work is per 512 values, not per 32.
     ///
     /// # Safety
     /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `rows` holds `cols / 32` blocks of `kind` per
@@ -1264,18 +1292,19 @@ mod g512 {
     ) {
         let blocks = cols / 32;
         let consts = Consts {
+            kind,
             table: _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i)),
-            pair_lanes: _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
             bias_shift: _mm_cvtsi32_si128(kind.bias().trailing_zeros() as i32),
         };
         for r in 0..rows.count {
             let row = rows.row(r);
             let mut acc = [_mm512_setzero_ps(); N];
-            for c in 0..blocks / 2 {
-                pair::<N, true>(kind, row, c, act, first, &consts, &mut acc);
+            let full = blocks / SPAN * SPAN;
+            for g0 in (0..full).step_by(SPAN) {
+                span::<N, true>(&consts, row, g0, SPAN, act, first, &mut acc);
             }
-            if blocks % 2 == 1 {
-                pair::<N, false>(kind, row, blocks / 2, act, first, &consts, &mut acc);
+            if full < blocks {
+                span::<N, false>(&consts, row, full, blocks - full, act, first, &mut acc);
             }
             for (slot, acc) in acc.iter().enumerate() {
                 out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
@@ -1283,81 +1312,72 @@ mod g512 {
         }
     }
 
-    /// What every pair of a call uses.
+    /// What every span of a call uses.
     struct Consts {
+        kind: Small,
         /// `IQ4_TABLE` in each 128-bit lane.
         table: __m512i,
-        /// Lanes 0-7 read the first of two values, 8-15 the second.
-        pair_lanes: __m512i,
         /// `log2 bias` (the biases are 0, 16 and 128): `−bias·Σc` is `−(Σc << shift)`.
         bias_shift: __m128i,
     }
 
-    /// Blocks `2c` and `2c + 1` of `row` (only `2c` without `TWO`, the row's last block) into
-    /// `acc[slot]` for activation rows `first + slot`. Full pairs load unmasked.
+    /// Groups `g0 .. g0 + count` of `row` (`count` = 16 with `FULL`, fewer at a row's end)
+    /// into `acc[slot]` for activation rows `first + slot`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn pair<const N: usize, const TWO: bool>(
-        kind: Small,
+    unsafe fn span<const N: usize, const FULL: bool>(
+        consts: &Consts,
         row: *const u8,
-        c: usize,
+        g0: usize,
+        count: usize,
         act: &QuantizedRows,
         first: usize,
-        consts: &Consts,
         acc: &mut [__m512; N],
     ) {
+        let kind = consts.kind;
+        let count = if FULL { SPAN } else { count };
         let groups = act.groups();
-        let zero = _mm512_setzero_si512();
-        let (u, w_scale, w_min) = decode_pair(
-            kind,
-            row.add(2 * c * kind.bytes()),
-            TWO,
-            consts.table,
-            consts.pair_lanes,
-        );
-        let firsts: __mmask16 = if TWO { 0x0101 } else { 0x0001 };
-        // The pair's two per-group values at `v` (one without `TWO`) spread over their lanes.
-        let lanes = |v: *const f32| {
-            let two = if TWO {
-                _mm_castpd_ps(_mm_load_sd(v as *const f64))
-            } else {
-                _mm_load_ss(v)
-            };
-            _mm512_permutexvar_ps(consts.pair_lanes, _mm512_castps128_ps512(two))
-        };
+        let block_bytes = kind.bytes();
+        let live: __mmask16 = if FULL { !0 } else { (1u16 << count) - 1 };
+        let pairs = count.div_ceil(2);
+        let mut codes = [_mm512_setzero_si512(); 8];
+        let (mut d, mut m) = ([0f32; SPAN], [0f32; SPAN]);
+        for (p, codes) in codes.iter_mut().enumerate().take(pairs) {
+            let a = row.add((g0 + 2 * p) * block_bytes);
+            *codes = decode_pair(kind, a, FULL || 2 * p + 1 < count, consts.table);
+        }
+        for g in 0..count {
+            let a = row.add((g0 + g) * block_bytes);
+            d[g] = f16_at(a);
+            if kind == Small::Q5_1 {
+                m[g] = f16_at(a.add(2));
+            }
+        }
+        let d = _mm512_loadu_ps(d.as_ptr());
+        let m = _mm512_loadu_ps(m.as_ptr());
         for (slot, acc) in acc.iter_mut().enumerate() {
             let i = first + slot;
-            let g = i * groups + 2 * c;
-            let codes = act.codes.as_ptr().add(i * act.cols + 64 * c);
-            let x = if TWO {
-                _mm512_loadu_si512(codes as *const _)
-            } else {
-                _mm512_zextsi256_si512(_mm256_loadu_si256(codes as *const __m256i))
-            };
-            let start = if kind.bias() == 0 {
-                zero
-            } else {
-                // Each group's Σc in its first lane.
-                let at = act.code_sums.as_ptr().add(g);
-                let two = if TWO {
-                    _mm_loadl_epi64(at as *const __m128i)
+            let g = i * groups + g0;
+            let x = act.codes.as_ptr().add(i * act.cols + 32 * g0);
+            let mut sums = [_mm512_setzero_si512(); 8];
+            for (p, sum) in sums.iter_mut().enumerate().take(pairs) {
+                let xs = if FULL || 2 * p + 1 < count {
+                    _mm512_loadu_si512(x.add(64 * p) as *const _)
                 } else {
-                    _mm_cvtsi32_si128(*at)
+                    _mm512_zextsi256_si512(_mm256_loadu_si256(x.add(64 * p) as *const _))
                 };
-                let sums = _mm512_maskz_permutexvar_epi32(
-                    firsts,
-                    consts.pair_lanes,
-                    _mm512_castsi128_si512(two),
-                );
-                _mm512_sub_epi32(zero, _mm512_sll_epi32(sums, consts.bias_shift))
-            };
-            let isum = _mm512_dpbusd_epi32(start, u, x);
-            let scale = _mm512_mul_ps(w_scale, lanes(act.scales.as_ptr().add(g)));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+                *sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[p], xs);
+            }
+            let mut isum = group_sums(&sums);
+            if kind.bias() != 0 {
+                let code_sums = _mm512_maskz_loadu_epi32(live, act.code_sums.as_ptr().add(g));
+                isum = _mm512_sub_epi32(isum, _mm512_sll_epi32(code_sums, consts.bias_shift));
+            }
+            let act_d = _mm512_maskz_loadu_ps(live, act.scales.as_ptr().add(g));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, act_d), *acc);
             if kind == Small::Q5_1 {
-                // m · d·Σc once per group, from its first lane.
-                let sums = _mm512_maskz_mov_ps(firsts, lanes(act.sums.as_ptr().add(g)));
-                *acc = _mm512_fmadd_ps(w_min, sums, *acc);
+                let act_sums = _mm512_maskz_loadu_ps(live, act.sums.as_ptr().add(g));
+                *acc = _mm512_fmadd_ps(m, act_sums, *acc);
             }
         }
     }
