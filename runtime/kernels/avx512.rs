@@ -688,11 +688,12 @@ mod imp {
     /// Plain (f32 / f16 / bf16) weight rows `0 .. rows` of `w` (`k` elements each) against f32
     /// activation rows `act_rows` of `x` (`k` each): `out[slot · stride + r]`, the same bits as
     /// [`avx2::plain_dot`] for every pair. Tiles of 4 weight rows × 3 activation rows keep 12
-    /// accumulators in registers (4 × 4 spilled them), so each 16 weights are converted once for
-    /// 3 activation rows and each 16 activations loaded once for 4 weight rows. An accumulator holds `plain_dot`'s
-    /// two 8-lane sums side by side (elements `16i .. 16i + 8` low, `16i + 8 .. 16i + 16`
-    /// high), a trailing 8 go into the low half only, and the halves are added and summed by
-    /// the same `hsum_float_8`, so every sum sees the same operations in the same order.
+    /// accumulators in registers (4 × 4 spilled them), so each 16 weights are converted once
+    /// for 3 activation rows and each 16 activations loaded once for 4 weight rows. An
+    /// accumulator holds `plain_dot`'s two 8-lane sums side by side (elements `16i .. 16i + 8`
+    /// low, `16i + 8 .. 16i + 16` high), a trailing 8 go into the low half only, and the halves
+    /// are added and summed by the same `hsum_float_8`, so every sum sees the same operations
+    /// in the same order.
     ///
     /// [`avx2::plain_dot`]: crate::kernels::avx2::plain_dot
     ///

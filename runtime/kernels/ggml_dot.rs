@@ -939,9 +939,9 @@ mod k512 {
     /// `128n + 32j + l` are bits `2j, 2j + 1` of `qs[32n + l]` (unsigned, 0..=3); pair `c` is `n
     /// = c / 2` and `j = 2(c % 2)` (low half), `j + 1` (high half), sub-blocks of 16 `4c .. 4c +
     /// 4`, one per 128-bit lane. Per pair: `maddubs(q, c)` weighted by the sub-block scales in a
-    /// `vpdpwssd`, and the minimums' term `Σ m·c` in one `vpdpbusd` of the minimum of each
-    /// value's sub-block against the codes; both block sums are exact and take `d·d_act` and
-    /// `−dmin·d_act` in one 512-bit FMA each.
+    /// `vpdpwssd`; per block the minimums' term `Σ m·c` in one `vpmaddwd` of the 16 minimums
+    /// against the activations' code sums per 16 (taken once per call, as ggml's q8_K `bsums`);
+    /// both block sums are exact and take `d·d_act` and `−dmin·d_act` in one FMA each.
     ///
     /// # Safety
     /// As [`k45_rows`].
@@ -958,61 +958,100 @@ mod k512 {
         const BLOCK_BYTES: usize = 84;
         let groups = act.groups();
         let scale_lanes = sub16_scale_lanes();
-        // Byte i of 128-bit lane L of pair c reads byte 4c + L (sub-block 4c + L's minimum).
-        let min_picks: [__m512i; 4] = std::array::from_fn(|c| {
-            let mut idx = [0u8; 64];
-            for (i, v) in idx.iter_mut().enumerate() {
-                *v = (4 * c + i / 16) as u8;
-            }
-            _mm512_loadu_si512(idx.as_ptr() as *const _)
-        });
         let m3 = _mm512_set1_epi8(3);
         let m4 = _mm_set1_epi8(0x0F);
-        for r in 0..rows.count {
-            let row = rows.row(r);
-            let mut acc = [_mm512_setzero_ps(); N];
-            for b in 0..cols / 256 {
-                let p = row.add(b * BLOCK_BYTES);
-                let (d, dmin) = (f16_at(p.add(80)), f16_at(p.add(82)));
-                let packed = _mm_loadu_si128(p as *const __m128i);
-                let sub_scales =
-                    _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(packed, m4)));
-                let mins = _mm512_broadcast_i32x4(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
-                let mut q = [_mm512_setzero_si512(); 4];
-                let mut sc = [_mm512_setzero_si512(); 4];
-                let mut mn = [_mm512_setzero_si512(); 4];
-                for c in 0..4 {
-                    let (n, j) = (c / 2, 2 * (c % 2));
-                    let qs = both_halves(_mm256_loadu_si256(p.add(16 + 32 * n) as *const __m256i));
-                    let counts = _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_set1_epi16(2 * j as i16)),
-                        _mm256_set1_epi16(2 * j as i16 + 2),
-                    );
-                    q[c] = _mm512_and_si512(_mm512_srlv_epi16(qs, counts), m3);
-                    sc[c] = _mm512_permutexvar_epi16(scale_lanes[c], sub_scales);
-                    mn[c] = _mm512_shuffle_epi8(mins, min_picks[c]);
-                }
-                for (slot, acc) in acc.iter_mut().enumerate() {
-                    let i = first + slot;
-                    let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                    let (mut isum, mut msum) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        SUMS16.with(|cell| {
+            let mut fallback = Vec::new();
+            let mut guard = cell.try_borrow_mut();
+            let sums16: &mut Vec<i16> = match guard.as_deref_mut() {
+                Ok(v) => v,
+                Err(_) => &mut fallback,
+            };
+            // Each activation row's codes summed per 16 values once per call: the minimums'
+            // term of a block is then one `vpmaddwd` of its 16 minimums against them.
+            sums16.clear();
+            sums16.resize(N * cols / 16, 0);
+            for slot in 0..N {
+                let codes = act.codes.as_ptr().add((first + slot) * act.cols);
+                code_sums16(codes, cols, sums16.as_mut_ptr().add(slot * cols / 16));
+            }
+            for r in 0..rows.count {
+                let row = rows.row(r);
+                let mut acc = [_mm512_setzero_ps(); N];
+                for b in 0..cols / 256 {
+                    let p = row.add(b * BLOCK_BYTES);
+                    let (d, dmin) = (f16_at(p.add(80)), f16_at(p.add(82)));
+                    let packed = _mm_loadu_si128(p as *const __m128i);
+                    let sub_scales =
+                        _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(packed, m4)));
+                    let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
+                    let mut q = [_mm512_setzero_si512(); 4];
+                    let mut sc = [_mm512_setzero_si512(); 4];
                     for c in 0..4 {
-                        let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
-                        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc[c]);
-                        msum = _mm512_dpbusd_epi32(msum, mn[c], x);
+                        let (n, j) = (c / 2, 2 * (c % 2));
+                        let qs =
+                            both_halves(_mm256_loadu_si256(p.add(16 + 32 * n) as *const __m256i));
+                        let counts = _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_set1_epi16(2 * j as i16)),
+                            _mm256_set1_epi16(2 * j as i16 + 2),
+                        );
+                        q[c] = _mm512_and_si512(_mm512_srlv_epi16(qs, counts), m3);
+                        sc[c] = _mm512_permutexvar_epi16(scale_lanes[c], sub_scales);
                     }
-                    let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
-                    *acc =
-                        _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
-                    *acc = _mm512_fmadd_ps(
-                        _mm512_set1_ps(-dmin * act_d),
-                        _mm512_cvtepi32_ps(msum),
-                        *acc,
-                    );
+                    for (slot, acc) in acc.iter_mut().enumerate() {
+                        let i = first + slot;
+                        let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                        let mut isum = _mm512_setzero_si512();
+                        for c in 0..4 {
+                            let x = _mm512_loadu_si512(codes.add(c * 64) as *const _);
+                            isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc[c]);
+                        }
+                        let bsums = _mm256_loadu_si256(
+                            sums16.as_ptr().add(slot * cols / 16 + b * 16) as *const __m256i,
+                        );
+                        let msum = _mm512_zextsi256_si512(_mm256_madd_epi16(mins, bsums));
+                        let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                        *acc = _mm512_fmadd_ps(
+                            _mm512_set1_ps(d * act_d),
+                            _mm512_cvtepi32_ps(isum),
+                            *acc,
+                        );
+                        *acc = _mm512_fmadd_ps(
+                            _mm512_set1_ps(-dmin * act_d),
+                            _mm512_cvtepi32_ps(msum),
+                            *acc,
+                        );
+                    }
+                }
+                for (slot, acc) in acc.iter().enumerate() {
+                    out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
                 }
             }
-            for (slot, acc) in acc.iter().enumerate() {
-                out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
+        });
+    }
+
+    thread_local! {
+        /// [`q2k_rows`]' per-16 activation code sums, reused across calls.
+        static SUMS16: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// The sums of `cols` (a multiple of 64) i8 codes at `codes`, per 16, into `out`: per 64
+    /// bytes, sign bits flipped (`c + 128`), `vpsadbw` against zero (sums of 8), adjacent sums
+    /// added and the offset `16 · 128` taken off.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW; `codes` holds `cols` bytes and `out` `cols / 16` i16.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn code_sums16(codes: *const i8, cols: usize, out: *mut i16) {
+        let flip = _mm512_set1_epi8(-128);
+        for c in 0..cols / 64 {
+            let x = _mm512_xor_si512(_mm512_loadu_si512(codes.add(64 * c) as *const _), flip);
+            let eights = _mm512_sad_epu8(x, _mm512_setzero_si512());
+            let mut lanes = [0i64; 8];
+            _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, eights);
+            for k in 0..4 {
+                *out.add(4 * c + k) = (lanes[2 * k] + lanes[2 * k + 1] - 16 * 128) as i16;
             }
         }
     }

@@ -365,6 +365,8 @@ pub fn run(
     let mut scratch = String::new();
     let mut decide_ws = DecideWorkspace::new();
     let mut closed = false;
+    // Decode passes so far: where each pass starts sharing its spare draft rows.
+    let mut turn = 0usize;
     loop {
         // Admit. The samples of a group are queued one after another right behind their leader;
         // until they are here (briefly: the handler sends them at once), the queue is read again,
@@ -482,7 +484,9 @@ pub fn run(
             &metrics,
             &mut scratch,
             &mut decide_ws,
+            turn,
         );
+        turn = turn.wrapping_add(1);
         // Retire.
         active.retain(|a| {
             if a.done {
@@ -725,26 +729,31 @@ fn prompt_offsets(codec: &dyn TextCodec, prompt: &[u32]) -> Vec<usize> {
 }
 
 /// How many drafts each generating sequence may carry this pass: one row each for the pending
-/// tokens, the rest of [`MAX_STEP_ROWS`] shared among the speculating sequences (in order), each
-/// also bounded by its own `draft_max`, its context and its remaining `max_tokens`.
-fn draft_budget(active: &[Active], live: &[usize], ctx: usize) -> Vec<usize> {
+/// tokens, the rest of [`MAX_STEP_ROWS`] shared among the speculating sequences in turn, each
+/// also bounded by its own `draft_max`, its context and its remaining `max_tokens`. The sharing
+/// starts at a different sequence each pass (`turn`), so when the spare rows are fewer than the
+/// speculating sequences, every one of them still drafts on some passes, whatever order the
+/// requests arrived in.
+fn draft_budget(active: &[Active], live: &[usize], ctx: usize, turn: usize) -> Vec<usize> {
     let mut spare = MAX_STEP_ROWS.saturating_sub(live.len());
     let mut speculating = live.iter().filter(|&&i| active[i].spec.is_some()).count();
-    live.iter()
-        .map(|&i| {
-            let a = &active[i];
-            let Some(sp) = &a.spec else { return 0 };
-            let share = spare.div_ceil(speculating.max(1));
-            speculating = speculating.saturating_sub(1);
-            let room = ctx.saturating_sub(a.req.prompt.len() + a.generated + 1);
-            let left = a.req.max_tokens.saturating_sub(a.generated + 1);
-            let k = sp.draft_max.min(share).min(room).min(left);
-            spare -= k;
-            k
-        })
-        .collect()
+    let mut budget = vec![0; live.len()];
+    for j in 0..live.len() {
+        let slot = (turn + j) % live.len();
+        let a = &active[live[slot]];
+        let Some(sp) = &a.spec else { continue };
+        let share = spare.div_ceil(speculating.max(1));
+        speculating = speculating.saturating_sub(1);
+        let room = ctx.saturating_sub(a.req.prompt.len() + a.generated + 1);
+        let left = a.req.max_tokens.saturating_sub(a.generated + 1);
+        let k = sp.draft_max.min(share).min(room).min(left);
+        spare -= k;
+        budget[slot] = k;
+    }
+    budget
 }
 
+#[allow(clippy::too_many_arguments)] // the scheduler loop's state for one pass
 fn decode_turn(
     engine: &mut dyn Engine,
     codec: &dyn TextCodec,
@@ -752,6 +761,7 @@ fn decode_turn(
     metrics: &Metrics,
     scratch: &mut String,
     decide_ws: &mut DecideWorkspace,
+    turn: usize,
 ) {
     let live: Vec<usize> = (0..active.len())
         .filter(|&i| !active[i].done && active[i].pending.is_some())
@@ -760,7 +770,7 @@ fn decode_turn(
     if live.is_empty() {
         return;
     }
-    let budget = draft_budget(active, &live, codec.context_len());
+    let budget = draft_budget(active, &live, codec.context_len(), turn);
     let mut segments: Vec<Segment> = Vec::with_capacity(live.len());
     for (&i, &k) in live.iter().zip(&budget) {
         let a = &mut active[i];
