@@ -21,9 +21,11 @@
 //! per 256-value block (ggml's `q8_K`, `quant::ActivationScale::PerSuperblock`), so the `madd`
 //! that widens the pair sums also applies the sub-block scales and a block sums in integers, with
 //! one float multiply-add per block (`x86::k_block`). CPUs with AVX-512 VNNI take 512-bit
-//! versions of these kernels (`k512`: two groups per register; Q6_K through `vpdpbusd`) and keep
-//! unpack-then-dot for the others: decode is 2.5–3.3× that of unpack-then-dot on Zen 3 and Zen 4
-//! (docs/performance.md).
+//! kernels for every block type (`k512` for the 256-value super-blocks, two groups per register;
+//! `g512` for Q5_0, Q5_1 and IQ4_NL), and from 16 activation rows the super-block types run with
+//! weight rows across the lanes of a register, one `vpdpbusd` per four values of 16 rows
+//! (`lanes`): decode is 2.5–3.3× that of unpack-then-dot on Zen 3 and Zen 4, and the lanes take
+//! prefill 1.4–2.1× (docs/performance.md).
 
 // Unsafe is needed for the AVX2 intrinsics.
 #![allow(unsafe_code)]
@@ -196,6 +198,22 @@ pub fn block(
     stride: usize,
 ) {
     let groups = act.groups();
+    #[cfg(target_arch = "x86_64")]
+    if let (Path::Avx512Vnni, ActivationScale::PerSuperblock, Some(kind)) =
+        (path, act.scale, lanes::Kind::of(ty))
+    {
+        if act_rows.len() >= lanes::MIN_ROWS {
+            // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
+            // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
+            // out_rows of `row_bytes` (cols / 256 whole blocks: validated with the matrix), `act`
+            // holds `cols` codes per superblock-scaled row of `act_rows`, `out` `stride` per row.
+            unsafe {
+                let rows = k512::WeightRows::new(data, row_bytes, n0, out_rows);
+                lanes::rows(kind, rows, cols, act, act_rows, out, stride);
+            }
+            return;
+        }
+    }
     // The fused K-quant kernels need AVX2 only; on VNNI CPUs they also beat unpack + vpdpbusd
     // (module docs), so both vector paths take them. They sum each 256-value block in integers,
     // which needs the block's activations to share one scale.
@@ -511,24 +529,28 @@ mod vnni {
 ///
 /// Q4_K and Q5_K: a block of 256 values is four `maddubs` + `vpdpwssd` pairs per activation row
 /// (the `madd` that weights the pair sums by the sub-block scale and the add into the block sum
-/// become one `vpdpwssd`) where the AVX2 kernels take eight `maddubs` + `madd` + `add`. Lane `j`
-/// of a group pair holds the same four products as lane `j` of the AVX2 kernels' group, so
-/// adding the two halves of the 512-bit block sum gives their 256-bit block sum exactly
-/// (integers); from there the float steps are theirs: the same bits on either kernel.
+/// become one `vpdpwssd`) where the AVX2 kernels take eight `maddubs` + `madd` + `add`.
 ///
 /// Q6_K: its centred codes `u − 32` are signed, which cost the AVX2 kernel a second `maddubs`
 /// per group. Here each 64 values take one `vpdpbusd` with the activations as the unsigned
 /// operand (`c + 128`), whose four-product lane sums (|s| ≤ 4·32·127 < 2¹⁵) two groups at a time
 /// are packed to i16 and weighted by their sub-block scales in one `vpdpwssd`: four `vpdpbusd`,
 /// two packs and two `vpdpwssd` per block and activation row, against sixteen `maddubs` and
-/// eight `madd`. The block sum is the same integer as the AVX2 kernel's (|lane| ≤ 4·128·2¹⁵ <
-/// 2²⁴, exact in f32) spread over other lanes, so the result agrees with it to float rounding.
+/// eight `madd`.
 ///
-/// Every activation row runs the same operations whatever the other rows are: batched rows
-/// keep the bits of single rows (docs/performance.md has the speeds).
+/// Every kernel here, and the lane kernels of [`lanes`] that take calls of
+/// [`lanes::MIN_ROWS`] activation rows or more, finds each block's exact integer sums and takes
+/// them into floats in one place, [`BlockSums::finish`]: one f32 product and one fused
+/// multiply-add per block and term. So an output has the same bits whichever kernel ran it and
+/// whatever the other rows of the call are. The AVX2 kernels sum the same integers but take them
+/// into floats per lane, so the two paths agree to float rounding (docs/performance.md has the
+/// speeds).
+#[cfg(target_arch = "x86_64")]
+mod lanes;
+
 #[cfg(target_arch = "x86_64")]
 mod k512 {
-    use super::x86::{f16_at, hsum, k4_scales_mins};
+    use super::x86::{f16_at, k4_scales_mins};
     use crate::ggml::GgmlType;
     use crate::kernels::quant::QuantizedRows;
     use std::arch::x86_64::*;
@@ -616,47 +638,19 @@ mod k512 {
     ) {
         let block_bytes = if FIVE { 176 } else { 144 };
         let groups = act.groups();
-        let m4 = _mm512_set1_epi8(0x0F);
-        let sixteen = _mm512_set1_epi8(16);
-        let nibble_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
         let picks = [scale_pick(0), scale_pick(1), scale_pick(2), scale_pick(3)];
-        // Q5_K's fifth bits of pair c: bit 2c of qh (low half), bit 2c + 1 (high half).
-        let fifth = |c: u32| {
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (2 * c)) as i8)),
-                _mm256_set1_epi8((2u8 << (2 * c)) as i8),
-            )
-        };
-        let fifths = [fifth(0), fifth(1), fifth(2), fifth(3)];
         for r in 0..rows.count {
             let row = rows.row(r);
-            let mut acc = [_mm256_setzero_ps(); N];
-            let mut acc_min = [_mm256_setzero_ps(); N];
+            let mut acc = [0f32; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * block_bytes);
                 let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
                 let (sc, mn) = k4_scales_mins(p.add(4));
-                let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
                 let sc8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(u64::from_le_bytes(sc) as i64));
                 let sc_all = _mm512_broadcast_i32x4(sc8);
-                let qs = p.add(if FIVE { 48 } else { 16 });
-                let qh = if FIVE {
-                    both_halves(_mm256_loadu_si256(p.add(16) as *const __m256i))
-                } else {
-                    _mm512_setzero_si512()
-                };
-                let mut q = [_mm512_setzero_si512(); 4];
-                let mut sc16 = [_mm512_setzero_si512(); 4];
-                for c in 0..4 {
-                    let run = both_halves(_mm256_loadu_si256(qs.add(c * 32) as *const __m256i));
-                    let mut v = _mm512_and_si512(_mm512_srlv_epi16(run, nibble_shift), m4);
-                    if FIVE {
-                        let set = _mm512_test_epi8_mask(qh, fifths[c]);
-                        v = _mm512_mask_add_epi8(v, set, v, sixteen);
-                    }
-                    q[c] = v;
-                    sc16[c] = _mm512_shuffle_epi8(sc_all, picks[c]);
-                }
+                let q = k45_codes::<FIVE>(p);
+                let sc16 = picks.map(|pick| _mm512_shuffle_epi8(sc_all, pick));
+                let mut sums = BlockSums::<N>::default();
                 for slot in 0..N {
                     let i = first + slot;
                     let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
@@ -666,20 +660,283 @@ mod k512 {
                         isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc16[c]);
                     }
                     let at = i * groups + b * 8;
-                    let act_d = *act.scales.as_ptr().add(at);
-                    let act_sum = _mm256_loadu_ps(act.sums.as_ptr().add(at));
-                    acc[slot] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(d * act_d),
-                        _mm256_cvtepi32_ps(fold(isum)),
-                        acc[slot],
-                    );
-                    acc_min[slot] = _mm256_fmadd_ps(dmn, act_sum, acc_min[slot]);
+                    let group_sums = _mm256_loadu_si256(act.code_sums.as_ptr().add(at) as *const _);
+                    sums.codes[slot] = fold(isum);
+                    sums.mins[slot] = _mm256_mullo_epi32(mn, group_sums);
+                    sums.act_d[slot] = *act.scales.as_ptr().add(at);
                 }
+                sums.finish::<true>(d, dmin, &mut acc);
             }
-            for slot in 0..N {
-                out[slot * stride + r] = hsum(_mm256_add_ps(acc[slot], acc_min[slot]));
+            for (slot, acc) in acc.iter().enumerate() {
+                out[slot * stride + r] = *acc;
             }
         }
+    }
+
+    /// One super-block's sums for `N` activation rows, before they take the block's scales: per
+    /// row, i32 lanes summing to the block's exact `S = Σ_s sc_s·Σ_{i∈s} q_i·c_i` (`codes`) and,
+    /// for types with minimums, `M = Σ_s m_s·Σ_{i∈s} c_i` (`mins`), and the row's activation
+    /// scale. [`BlockSums::finish`] is the one place where a block becomes floats, the same
+    /// steps for every kernel of these types whatever their lane layout ([`super::lanes`] too),
+    /// so every kernel gives the same bits.
+    pub(super) struct BlockSums<const N: usize> {
+        pub codes: [__m256i; N],
+        pub mins: [__m256i; N],
+        pub act_d: [f32; N],
+    }
+
+    impl<const N: usize> Default for BlockSums<N> {
+        fn default() -> Self {
+            // SAFETY: zeroing a register value needs no CPU feature beyond SSE2 (x86_64).
+            let zero = unsafe { _mm256_setzero_si256() };
+            Self {
+                codes: [zero; N],
+                mins: [zero; N],
+                act_d: [0.0; N],
+            }
+        }
+    }
+
+    impl<const N: usize> BlockSums<N> {
+        /// `acc[slot] = fma(d·d_act, S, acc[slot])`, then with `MINS` `acc[slot] = fma(−(dmin·
+        /// d_act), M, acc[slot])`: each an f32 product and one fused multiply-add (one rounding),
+        /// `S` and `M` converted from their exact i32 totals.
+        ///
+        /// # Safety
+        /// AVX2 and FMA.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub(super) unsafe fn finish<const MINS: bool>(
+            &self,
+            d: f32,
+            dmin: f32,
+            acc: &mut [f32; N],
+        ) {
+            if N == 1 {
+                // One row (decode): the totals stay in a register, through the same steps.
+                let halves = |x: __m256i| {
+                    _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256::<1>(x))
+                };
+                let (codes, mins) = if MINS {
+                    // [S, M, S, M] after two pairwise rounds and the halves' sum.
+                    let x = halves(_mm256_hadd_epi32(self.codes[0], self.mins[0]));
+                    let totals = _mm_cvtepi32_ps(_mm_hadd_epi32(x, x));
+                    (totals, _mm_movehdup_ps(totals))
+                } else {
+                    let x = halves(self.codes[0]);
+                    let x = _mm_hadd_epi32(x, x);
+                    (_mm_cvtepi32_ps(_mm_hadd_epi32(x, x)), _mm_setzero_ps())
+                };
+                let act_d = self.act_d[0];
+                let mut sum = _mm_fmadd_ss(_mm_set_ss(d * act_d), codes, _mm_set_ss(acc[0]));
+                if MINS {
+                    sum = _mm_fmadd_ss(_mm_set_ss(-(dmin * act_d)), mins, sum);
+                }
+                acc[0] = _mm_cvtss_f32(sum);
+                return;
+            }
+            let zero = _mm256_setzero_si256();
+            let (mut codes, mut mins) = ([0i32; 8], [0i32; 8]);
+            if MINS && 2 * N <= 8 {
+                // Both sums of every row in one reduction.
+                let mut rows = [zero; 8];
+                rows[..N].copy_from_slice(&self.codes);
+                rows[N..2 * N].copy_from_slice(&self.mins);
+                let totals = lane_totals(&rows, 2 * N);
+                codes[..N].copy_from_slice(&totals[..N]);
+                mins[..N].copy_from_slice(&totals[N..2 * N]);
+            } else {
+                let mut rows = [zero; 8];
+                rows[..N].copy_from_slice(&self.codes);
+                codes = lane_totals(&rows, N);
+                if MINS {
+                    rows[..N].copy_from_slice(&self.mins);
+                    mins = lane_totals(&rows, N);
+                }
+            }
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                let act_d = self.act_d[slot];
+                *acc = fused(d * act_d, codes[slot] as f32, *acc);
+                if MINS {
+                    *acc = fused(-(dmin * act_d), mins[slot] as f32, *acc);
+                }
+            }
+        }
+    }
+
+    /// `a·b + c` with one rounding (`vfmadd` on one lane).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn fused(a: f32, b: f32, c: f32) -> f32 {
+        _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)))
+    }
+
+    /// Element `j < n` (`n ≤ 8`) is the wrapping sum of the eight i32 lanes of `v[j]`, by a
+    /// `hadd` tree as deep as `n` needs (`v[n..]` are not read).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn lane_totals(v: &[__m256i; 8], n: usize) -> [i32; 8] {
+        let mut out = [0i32; 8];
+        let halves =
+            |x: __m256i| _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256::<1>(x));
+        if n == 1 {
+            let x = halves(v[0]);
+            let x = _mm_add_epi32(x, _mm_shuffle_epi32::<0b01_00_11_10>(x));
+            let x = _mm_add_epi32(x, _mm_shuffle_epi32::<0b10_11_00_01>(x));
+            out[0] = _mm_cvtsi128_si32(x);
+        } else if n == 2 {
+            // [Σ0,1 Σ2,3 of v0, of v1] per half, the halves added, then one more pairwise sum.
+            let x = halves(_mm256_hadd_epi32(v[0], v[1]));
+            let x = _mm_hadd_epi32(x, x);
+            _mm_storel_epi64(out.as_mut_ptr() as *mut __m128i, x);
+        } else if n <= 4 {
+            let x = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, halves(x));
+        } else {
+            // Per 128-bit half: Σ0..3 (low) and Σ4..7 (high) of rows 0-3 in u0, 4-7 in u1.
+            let u0 =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            let u1 =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+            let low = _mm256_permute2x128_si256::<0x20>(u0, u1);
+            let high = _mm256_permute2x128_si256::<0x31>(u0, u1);
+            _mm256_storeu_si256(
+                out.as_mut_ptr() as *mut __m256i,
+                _mm256_add_epi32(low, high),
+            );
+        }
+        out
+    }
+
+    /// A block's 256 codes in value order, 64 per register: the unsigned codes `u` of Q4_K
+    /// (`FIVE = false`) or Q5_K at `p`. Register `c` is the low nibbles of `qs[32c..32c + 32]`
+    /// (low half) then their high nibbles, Q5_K's fifth bits (bit `2c` | `2c + 1` of `qh`)
+    /// added as 16.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn k45_codes<const FIVE: bool>(p: *const u8) -> [__m512i; 4] {
+        let nibble_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+        let qs = p.add(if FIVE { 48 } else { 16 });
+        let qh = both_halves(_mm256_loadu_si256(p.add(16) as *const __m256i));
+        let mut q = [_mm512_setzero_si512(); 4];
+        for (c, q) in q.iter_mut().enumerate() {
+            let run = both_halves(_mm256_loadu_si256(qs.add(c * 32) as *const __m256i));
+            *q = _mm512_and_si512(_mm512_srlv_epi16(run, nibble_shift), _mm512_set1_epi8(0x0F));
+            if FIVE {
+                let fifth = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (2 * c)) as i8)),
+                    _mm256_set1_epi8((2u8 << (2 * c)) as i8),
+                );
+                let set = _mm512_test_epi8_mask(qh, fifth);
+                *q = _mm512_mask_add_epi8(*q, set, *q, _mm512_set1_epi8(16));
+            }
+        }
+        q
+    }
+
+    /// Q6_K's unsigned codes `u` (0..=63, centre 32) at `p` in value order, as [`k45_codes`]: in
+    /// half `h` of the block, register `2h` takes the low nibbles of the 64 `ql` bytes and bits
+    /// 0-1 | 2-3 of `qh`, register `2h + 1` the high nibbles and bits 4-5 | 6-7.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q6k_codes(p: *const u8) -> [__m512i; 4] {
+        let shifts = |lo: i16, hi: i16| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
+                _mm256_set1_epi16(hi),
+            )
+        };
+        let high_shifts = [shifts(0, 2), shifts(4, 6)];
+        let (m4, m3) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(3));
+        let mut q = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            let ql = _mm512_loadu_si512(p.add(h * 64) as *const _);
+            let qh = both_halves(_mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i));
+            let lows = [
+                _mm512_and_si512(ql, m4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+            ];
+            for k in 0..2 {
+                let high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shifts[k]), m3);
+                q[2 * h + k] = _mm512_or_si512(lows[k], _mm512_slli_epi16::<4>(high));
+            }
+        }
+        q
+    }
+
+    /// The 2-bit fields of a Q2_K or Q3_K block's 64 `qs` bytes at `qs` in value order: values
+    /// `128n + 32j + l` are bits `2j, 2j + 1` of `qs[32n + l]`; register `c` is `n = c / 2` and
+    /// `j = 2(c % 2)` (low half), `j + 1` (high half).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn two_bit_codes(qs: *const u8) -> [__m512i; 4] {
+        let mut q = [_mm512_setzero_si512(); 4];
+        for (c, q) in q.iter_mut().enumerate() {
+            let (n, j) = (c / 2, 2 * (c % 2));
+            let run = both_halves(_mm256_loadu_si256(qs.add(32 * n) as *const __m256i));
+            let counts = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi16(2 * j as i16)),
+                _mm256_set1_epi16(2 * j as i16 + 2),
+            );
+            *q = _mm512_and_si512(_mm512_srlv_epi16(run, counts), _mm512_set1_epi8(3));
+        }
+        q
+    }
+
+    /// Q3_K's codes at `p` offset to unsigned, `u = q + 4` (0..=7), in value order: the 2-bit
+    /// field plus 4 where bit `4n + j` of `hmask[l]` is set (register `c` as [`two_bit_codes`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q3k_codes(p: *const u8) -> [__m512i; 4] {
+        let hmask = both_halves(_mm256_loadu_si256(p as *const __m256i));
+        let mut q = two_bit_codes(p.add(32));
+        for (c, q) in q.iter_mut().enumerate() {
+            let (n, j) = (c / 2, 2 * (c % 2));
+            let bits = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (4 * n + j)) as i8)),
+                _mm256_set1_epi8((2u8 << (4 * n + j)) as i8),
+            );
+            let set = _mm512_test_epi8_mask(hmask, bits);
+            *q = _mm512_mask_add_epi8(*q, set, *q, _mm512_set1_epi8(4));
+        }
+        q
+    }
+
+    /// IQ4_XS's signed values `IQ4_TABLE[nibble]` at `p` in value order: sub-block `s` (32
+    /// values) is the low then the high nibbles of `qs[16s..16s + 16]`; register `c` holds
+    /// sub-blocks `2c`, `2c + 1`. `table` is the table in each 128-bit lane.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn iq4xs_values(p: *const u8, table: __m512i) -> [__m512i; 4] {
+        const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
+        let nibble_shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
+        let mut w = [_mm512_setzero_si512(); 4];
+        for (c, w) in w.iter_mut().enumerate() {
+            let run =
+                _mm512_castsi256_si512(_mm256_loadu_si256(p.add(8 + 32 * c) as *const __m256i));
+            // 128-bit lanes [2c, 2c, 2c + 1, 2c + 1] shifted by 0, 4, 0, 4.
+            let spread = _mm512_shuffle_i64x2::<0b01_01_00_00>(run, run);
+            let codes = _mm512_and_si512(
+                _mm512_srlv_epi16(spread, nibble_shift),
+                _mm512_set1_epi8(0x0F),
+            );
+            *w = _mm512_shuffle_epi8(table, codes);
+        }
+        w
+    }
+
+    /// IQ4_XS's eight sub-block scales at `p` (6 bits, offset 32): the low nibble from
+    /// `scales_l`, the top two bits from the `scales_h` word.
+    #[inline]
+    pub(super) unsafe fn iq4xs_scales(p: *const u8) -> [i16; 8] {
+        let high = u16::from_le_bytes([*p.add(2), *p.add(3)]);
+        let mut ls = [0i16; 8];
+        for (s, v) in ls.iter_mut().enumerate() {
+            let low = (*p.add(4 + s / 2) >> (4 * (s % 2))) & 0x0F;
+            let top = ((high >> (2 * s)) & 3) as u8;
+            *v = i16::from(low | (top << 4)) - 32;
+        }
+        ls
     }
 
     /// The other 256-value super-block types with 512-bit kernels here: the signed-code ones
@@ -772,37 +1029,15 @@ mod k512 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn iq4xs_block_codes(p: *const u8, table: __m512i, picks: &[__m512i; 4]) -> SignedBlock {
-        const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
-        let nibble_shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
-        let high = u16::from_le_bytes([*p.add(2), *p.add(3)]);
-        let mut ls = [0i16; 8];
-        for (s, v) in ls.iter_mut().enumerate() {
-            let low = (*p.add(4 + s / 2) >> (4 * (s % 2))) & 0x0F;
-            let top = ((high >> (2 * s)) & 3) as u8;
-            *v = i16::from(low | (top << 4)) - 32;
-        }
+        let ls = iq4xs_scales(p);
         let sc_all = _mm512_broadcast_i32x4(_mm_loadu_si128(ls.as_ptr() as *const __m128i));
-        let mut block = SignedBlock {
-            magnitude: [_mm512_setzero_si512(); 4],
-            negative: [0; 4],
-            scales: [_mm512_setzero_si512(); 4],
+        let w = iq4xs_values(p, table);
+        SignedBlock {
+            magnitude: w.map(|w| _mm512_abs_epi8(w)),
+            negative: w.map(|w| _mm512_movepi8_mask(w)),
+            scales: picks.map(|pick| _mm512_shuffle_epi8(sc_all, pick)),
             d: f16_at(p),
-        };
-        for (c, pick) in picks.iter().enumerate() {
-            let run =
-                _mm512_castsi256_si512(_mm256_loadu_si256(p.add(8 + 32 * c) as *const __m256i));
-            // 128-bit lanes [2c, 2c, 2c + 1, 2c + 1] shifted by 0, 4, 0, 4.
-            let spread = _mm512_shuffle_i64x2::<0b01_01_00_00>(run, run);
-            let codes = _mm512_and_si512(
-                _mm512_srlv_epi16(spread, nibble_shift),
-                _mm512_set1_epi8(0x0F),
-            );
-            let w = _mm512_shuffle_epi8(table, codes);
-            block.magnitude[c] = _mm512_abs_epi8(w);
-            block.negative[c] = _mm512_movepi8_mask(w);
-            block.scales[c] = _mm512_shuffle_epi8(sc_all, *pick);
         }
-        block
     }
 
     /// Q3_K block at `p`: values `128n + 32j + l` are bits `2j, 2j + 1` of `qs[32n + l]`, less
@@ -813,31 +1048,22 @@ mod k512 {
     unsafe fn q3k_block_codes(p: *const u8, scale_lanes: &[__m512i; 4]) -> SignedBlock {
         let sub_scales = _mm512_castsi256_si512(q3k_scales16(p.add(96)));
         let hmask = both_halves(_mm256_loadu_si256(p as *const __m256i));
-        let mut block = SignedBlock {
-            magnitude: [_mm512_setzero_si512(); 4],
-            negative: [0; 4],
-            scales: [_mm512_setzero_si512(); 4],
-            d: f16_at(p.add(108)),
-        };
-        for (c, lanes) in scale_lanes.iter().enumerate() {
+        let mut w = two_bit_codes(p.add(32));
+        for (c, w) in w.iter_mut().enumerate() {
             let (n, j) = (c / 2, 2 * (c % 2));
-            let qs = both_halves(_mm256_loadu_si256(p.add(32 + 32 * n) as *const __m256i));
-            let counts = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi16(2 * j as i16)),
-                _mm256_set1_epi16(2 * j as i16 + 2),
-            );
-            let low = _mm512_and_si512(_mm512_srlv_epi16(qs, counts), _mm512_set1_epi8(3));
             let bits = _mm512_inserti64x4::<1>(
                 _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (4 * n + j)) as i8)),
                 _mm256_set1_epi8((2u8 << (4 * n + j)) as i8),
             );
             let clear = _mm512_testn_epi8_mask(hmask, bits);
-            let w = _mm512_mask_sub_epi8(low, clear, low, _mm512_set1_epi8(4));
-            block.magnitude[c] = _mm512_abs_epi8(w);
-            block.negative[c] = _mm512_movepi8_mask(w);
-            block.scales[c] = _mm512_permutexvar_epi16(*lanes, sub_scales);
+            *w = _mm512_mask_sub_epi8(*w, clear, *w, _mm512_set1_epi8(4));
         }
-        block
+        SignedBlock {
+            magnitude: w.map(|w| _mm512_abs_epi8(w)),
+            negative: w.map(|w| _mm512_movepi8_mask(w)),
+            scales: scale_lanes.map(|lanes| _mm512_permutexvar_epi16(lanes, sub_scales)),
+            d: f16_at(p.add(108)),
+        }
     }
 
     /// `ggml::q3k_scales` of the 12 bytes at `p`, as 16 i16 lanes, in a few word operations:
@@ -846,7 +1072,7 @@ mod k512 {
     /// bytes shifted by `2(j / 4)` at once.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn q3k_scales16(p: *const u8) -> __m256i {
+    pub(super) unsafe fn q3k_scales16(p: *const u8) -> __m256i {
         const NIBBLES: u64 = 0x0F0F_0F0F_0F0F_0F0F;
         const PAIRS: u32 = 0x0303_0303;
         let low = (p as *const u64).read_unaligned();
@@ -887,7 +1113,7 @@ mod k512 {
         let scale_lanes = sub16_scale_lanes();
         for r in 0..rows.count {
             let row = rows.row(r);
-            let mut acc = [_mm512_setzero_ps(); N];
+            let mut acc = [0f32; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * block_bytes);
                 let block = if KIND == SIGNED_IQ4_XS {
@@ -895,7 +1121,8 @@ mod k512 {
                 } else {
                     q3k_block_codes(p, &scale_lanes)
                 };
-                for (slot, acc) in acc.iter_mut().enumerate() {
+                let mut sums = BlockSums::<N>::default();
+                for slot in 0..N {
                     let i = first + slot;
                     let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
                     let mut isum = _mm512_setzero_si512();
@@ -906,16 +1133,13 @@ mod k512 {
                         let pairs = _mm512_maddubs_epi16(block.magnitude[c], signed);
                         isum = _mm512_dpwssd_epi32(isum, pairs, block.scales[c]);
                     }
-                    let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
-                    *acc = _mm512_fmadd_ps(
-                        _mm512_set1_ps(block.d * act_d),
-                        _mm512_cvtepi32_ps(isum),
-                        *acc,
-                    );
+                    sums.codes[slot] = fold(isum);
+                    sums.act_d[slot] = *act.scales.as_ptr().add(i * groups + b * 8);
                 }
+                sums.finish::<false>(block.d, 0.0, &mut acc);
             }
             for (slot, acc) in acc.iter().enumerate() {
-                out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
+                out[slot * stride + r] = *acc;
             }
         }
     }
@@ -940,7 +1164,7 @@ mod k512 {
     /// = c / 2` and `j = 2(c % 2)` (low half), `j + 1` (high half), sub-blocks of 16 `4c .. 4c +
     /// 4`, one per 128-bit lane. Per pair: `maddubs(q, c)` weighted by the sub-block scales in a
     /// `vpdpwssd`; per block the minimums' term `Σ m·c` in one `vpmaddwd` of the 16 minimums
-    /// against the activations' code sums per 16 (taken once per call, as ggml's q8_K `bsums`);
+    /// against the activations' code sums per 16 (`QuantizedRows::code_sums16`, ggml's q8_K `bsums`);
     /// both block sums are exact and take `d·d_act` and `−dmin·d_act` in one FMA each.
     ///
     /// # Safety
@@ -958,26 +1182,12 @@ mod k512 {
         const BLOCK_BYTES: usize = 84;
         let groups = act.groups();
         let scale_lanes = sub16_scale_lanes();
-        let m3 = _mm512_set1_epi8(3);
         let m4 = _mm_set1_epi8(0x0F);
-        SUMS16.with(|cell| {
-            let mut fallback = Vec::new();
-            let mut guard = cell.try_borrow_mut();
-            let sums16: &mut Vec<i16> = match guard.as_deref_mut() {
-                Ok(v) => v,
-                Err(_) => &mut fallback,
-            };
-            // Each activation row's codes summed per 16 values once per call: the minimums'
-            // term of a block is then one `vpmaddwd` of its 16 minimums against them.
-            sums16.clear();
-            sums16.resize(N * cols / 16, 0);
-            for slot in 0..N {
-                let codes = act.codes.as_ptr().add((first + slot) * act.cols);
-                code_sums16(codes, cols, sums16.as_mut_ptr().add(slot * cols / 16));
-            }
+        {
+            let sums16 = &act.code_sums16;
             for r in 0..rows.count {
                 let row = rows.row(r);
-                let mut acc = [_mm512_setzero_ps(); N];
+                let mut acc = [0f32; N];
                 for b in 0..cols / 256 {
                     let p = row.add(b * BLOCK_BYTES);
                     let (d, dmin) = (f16_at(p.add(80)), f16_at(p.add(82)));
@@ -985,20 +1195,10 @@ mod k512 {
                     let sub_scales =
                         _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(packed, m4)));
                     let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
-                    let mut q = [_mm512_setzero_si512(); 4];
-                    let mut sc = [_mm512_setzero_si512(); 4];
-                    for c in 0..4 {
-                        let (n, j) = (c / 2, 2 * (c % 2));
-                        let qs =
-                            both_halves(_mm256_loadu_si256(p.add(16 + 32 * n) as *const __m256i));
-                        let counts = _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm256_set1_epi16(2 * j as i16)),
-                            _mm256_set1_epi16(2 * j as i16 + 2),
-                        );
-                        q[c] = _mm512_and_si512(_mm512_srlv_epi16(qs, counts), m3);
-                        sc[c] = _mm512_permutexvar_epi16(scale_lanes[c], sub_scales);
-                    }
-                    for (slot, acc) in acc.iter_mut().enumerate() {
+                    let q = two_bit_codes(p.add(16));
+                    let sc = scale_lanes.map(|lanes| _mm512_permutexvar_epi16(lanes, sub_scales));
+                    let mut sums = BlockSums::<N>::default();
+                    for slot in 0..N {
                         let i = first + slot;
                         let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
                         let mut isum = _mm512_setzero_si512();
@@ -1007,51 +1207,17 @@ mod k512 {
                             isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[c], x), sc[c]);
                         }
                         let bsums = _mm256_loadu_si256(
-                            sums16.as_ptr().add(slot * cols / 16 + b * 16) as *const __m256i,
+                            sums16.as_ptr().add(i * act.cols / 16 + b * 16) as *const __m256i,
                         );
-                        let msum = _mm512_zextsi256_si512(_mm256_madd_epi16(mins, bsums));
-                        let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
-                        *acc = _mm512_fmadd_ps(
-                            _mm512_set1_ps(d * act_d),
-                            _mm512_cvtepi32_ps(isum),
-                            *acc,
-                        );
-                        *acc = _mm512_fmadd_ps(
-                            _mm512_set1_ps(-dmin * act_d),
-                            _mm512_cvtepi32_ps(msum),
-                            *acc,
-                        );
+                        sums.codes[slot] = fold(isum);
+                        sums.mins[slot] = _mm256_madd_epi16(mins, bsums);
+                        sums.act_d[slot] = *act.scales.as_ptr().add(i * groups + b * 8);
                     }
+                    sums.finish::<true>(d, dmin, &mut acc);
                 }
                 for (slot, acc) in acc.iter().enumerate() {
-                    out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
+                    out[slot * stride + r] = *acc;
                 }
-            }
-        });
-    }
-
-    thread_local! {
-        /// [`q2k_rows`]' per-16 activation code sums, reused across calls.
-        static SUMS16: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-
-    /// The sums of `cols` (a multiple of 64) i8 codes at `codes`, per 16, into `out`: per 64
-    /// bytes, sign bits flipped (`c + 128`), `vpsadbw` against zero (sums of 8), adjacent sums
-    /// added and the offset `16 · 128` taken off.
-    ///
-    /// # Safety
-    /// AVX-512 F/BW; `codes` holds `cols` bytes and `out` `cols / 16` i16.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn code_sums16(codes: *const i8, cols: usize, out: *mut i16) {
-        let flip = _mm512_set1_epi8(-128);
-        for c in 0..cols / 64 {
-            let x = _mm512_xor_si512(_mm512_loadu_si512(codes.add(64 * c) as *const _), flip);
-            let eights = _mm512_sad_epu8(x, _mm512_setzero_si512());
-            let mut lanes = [0i64; 8];
-            _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, eights);
-            for k in 0..4 {
-                *out.add(4 * c + k) = (lanes[2 * k] + lanes[2 * k + 1] - 16 * 128) as i16;
             }
         }
     }
@@ -1102,17 +1268,8 @@ mod k512 {
     ) {
         const BLOCK_BYTES: usize = 210;
         let groups = act.groups();
-        let m4 = _mm512_set1_epi8(0x0F);
-        let m3 = _mm512_set1_epi8(3);
         let thirty_two = _mm512_set1_epi8(32);
         let ones = _mm512_set1_epi8(1);
-        let shifts = |lo: i16, hi: i16| {
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
-                _mm256_set1_epi16(hi),
-            )
-        };
-        let high_shifts = [shifts(0, 2), shifts(4, 6)];
         // Sub-block scales are per 16 values: pair c's lanes (4 per 16 values) read sub-block
         // 4c + lane / 4; after the pack, i16 j of 128-bit lane L comes from P (j < 4) or P'
         // at i32 lane 4L + j % 4: sub-block 4c + L of the pair it came from.
@@ -1127,7 +1284,7 @@ mod k512 {
         let controls = [control(0, 1), control(2, 3)];
         for r in 0..rows.count {
             let row = rows.row(r);
-            let mut acc = [_mm512_setzero_ps(); N];
+            let mut acc = [0f32; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * BLOCK_BYTES);
                 let d = f16_at(p.add(208));
@@ -1138,38 +1295,22 @@ mod k512 {
                     _mm512_permutexvar_epi16(controls[0], sub_scales),
                     _mm512_permutexvar_epi16(controls[1], sub_scales),
                 );
-                let mut q = [_mm512_setzero_si512(); 4];
-                let mut start = [_mm512_setzero_si512(); 4];
-                for h in 0..2 {
-                    let ql = _mm512_loadu_si512(p.add(h * 64) as *const _);
-                    let qh = both_halves(_mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i));
-                    let lows = [
-                        _mm512_and_si512(ql, m4),
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
-                    ];
-                    for k in 0..2 {
-                        let high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shifts[k]), m3);
-                        let centred = _mm512_sub_epi8(
-                            _mm512_or_si512(lows[k], _mm512_slli_epi16::<4>(high)),
-                            thirty_two,
-                        );
-                        let sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, centred);
-                        q[2 * h + k] = centred;
-                        start[2 * h + k] =
-                            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum4));
-                    }
-                }
-                for (slot, acc) in acc.iter_mut().enumerate() {
+                let q = q6k_codes(p).map(|u| _mm512_sub_epi8(u, thirty_two));
+                let start = q.map(|centred| {
+                    let sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, centred);
+                    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum4))
+                });
+                let mut sums = BlockSums::<N>::default();
+                for slot in 0..N {
                     let i = first + slot;
                     let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                    let isum = q6k_block_sum(&q, &start, scales, codes);
-                    let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
-                    *acc =
-                        _mm512_fmadd_ps(_mm512_set1_ps(d * act_d), _mm512_cvtepi32_ps(isum), *acc);
+                    sums.codes[slot] = fold(q6k_block_sum(&q, &start, scales, codes));
+                    sums.act_d[slot] = *act.scales.as_ptr().add(i * groups + b * 8);
                 }
+                sums.finish::<false>(d, 0.0, &mut acc);
             }
-            for slot in 0..N {
-                out[slot * stride + r] = _mm512_reduce_add_ps(acc[slot]);
+            for (slot, acc) in acc.iter().enumerate() {
+                out[slot * stride + r] = *acc;
             }
         }
     }
@@ -1546,8 +1687,8 @@ mod x86 {
     /// runs the same sequence of operations whatever the other rows are: batched rows keep the
     /// bits of single rows. Same value as [`super::dot_reference`] up to float summation order.
     ///
-    /// With `wide` the blocks are taken by the 512-bit kernels of [`super::k512`], which give
-    /// the same bits.
+    /// With `wide` the blocks are taken by the 512-bit kernels of [`super::k512`], which sum
+    /// the same integers and agree to float rounding.
     ///
     /// # Safety
     /// AVX2, FMA and F16C, and with `wide` AVX-512 F/BW/VL/VNNI; `data` holds rows `n0 .. n0 +

@@ -77,6 +77,10 @@ pub struct QuantizedRows {
     pub sums: Vec<f32>,
     /// `Σ codes` per group, `[rows, cols / 32]`: the VNNI q8 kernel's offset correction.
     pub code_sums: Vec<i32>,
+    /// `Σ codes` per 16 values, `[rows, cols / 16]`, filled with
+    /// [`ActivationScale::PerSuperblock`] scales only (empty otherwise): the super-block kernels'
+    /// minimums' and offset terms (ggml's q8_K `bsums`).
+    pub code_sums16: Vec<i16>,
     /// The scale blocks the rows were quantized with: with [`ActivationScale::PerSuperblock`],
     /// every whole 256-column superblock's 8 groups carry one scale.
     pub scale: ActivationScale,
@@ -102,6 +106,18 @@ impl QuantizedRows {
         self.scales.resize(rows * groups, 0.0);
         self.sums.resize(rows * groups, 0.0);
         self.code_sums.resize(rows * groups, 0);
+        self.quantize_codes(x, rows, k, scale);
+        self.code_sums16.clear();
+        if scale == ActivationScale::PerSuperblock {
+            self.code_sums16.resize(rows * cols / 16, 0);
+            fill_code_sums16(&self.codes, &mut self.code_sums16);
+        }
+    }
+
+    /// [`QuantizedRows::quantize`]'s codes, scales and per-group sums (buffers sized).
+    fn quantize_codes(&mut self, x: &[f32], rows: usize, k: usize, scale: ActivationScale) {
+        let cols = self.cols;
+        let groups = cols / GROUP;
         let x = &x[..rows * k];
         let pool = Pool::global();
         if rows < 2 || rows * k < POOLED_MIN_VALUES || pool.threads() < 2 {
@@ -144,6 +160,49 @@ impl QuantizedRows {
                 quantize_rows(&x[first * k..(first + n) * k], k, scale, chunk_out);
             }
         });
+    }
+}
+
+/// `out[j] = Σ codes[16j .. 16j + 16]`: with AVX-512 BW, per 64 codes their sign bits flipped
+/// (`c + 128`), `vpsadbw` against zero (sums of 8), adjacent sums added and `16 · 128` taken off;
+/// otherwise [`code_sums16_reference`]. The same integers either way.
+fn fill_code_sums16(codes: &[i8], out: &mut [i16]) {
+    debug_assert_eq!(codes.len(), 16 * out.len());
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::vnni_available() && codes.len().is_multiple_of(64) {
+        // SAFETY: `vnni_available` implies AVX-512 F/BW; `codes` holds 16 per `out` element in
+        // whole 64-code runs.
+        unsafe { code_sums16_avx512(codes, out) };
+        return;
+    }
+    code_sums16_reference(codes, out);
+}
+
+/// The scalar reference of [`fill_code_sums16`].
+pub fn code_sums16_reference(codes: &[i8], out: &mut [i16]) {
+    for (sum, run) in out.iter_mut().zip(codes.chunks_exact(16)) {
+        // |Σ| ≤ 16 · 128 fits i16.
+        *sum = run.iter().map(|&c| i16::from(c)).sum();
+    }
+}
+
+/// [`fill_code_sums16`] with AVX-512 BW.
+///
+/// # Safety
+/// AVX-512 F/BW; `codes.len()` is a multiple of 64 and 16 × `out.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn code_sums16_avx512(codes: &[i8], out: &mut [i16]) {
+    use std::arch::x86_64::*;
+    let flip = _mm512_set1_epi8(-128);
+    for (run, sums) in codes.chunks_exact(64).zip(out.chunks_exact_mut(4)) {
+        let x = _mm512_xor_si512(_mm512_loadu_si512(run.as_ptr() as *const _), flip);
+        let eights = _mm512_sad_epu8(x, _mm512_setzero_si512());
+        let mut lanes = [0i64; 8];
+        _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, eights);
+        for (k, sum) in sums.iter_mut().enumerate() {
+            *sum = (lanes[2 * k] + lanes[2 * k + 1] - 16 * 128) as i16;
+        }
     }
 }
 
@@ -692,6 +751,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn code_sums16_equal_the_reference() {
+        let mut q = QuantizedRows::default();
+        let x: Vec<f32> = (0..3 * 512)
+            .map(|i| ((i * 7919) % 255) as f32 - 127.0)
+            .collect();
+        q.quantize(&x, 3, 512, ActivationScale::PerSuperblock);
+        let mut want = vec![0i16; q.codes.len() / 16];
+        code_sums16_reference(&q.codes, &mut want);
+        assert_eq!(q.code_sums16, want);
+        assert!(want.iter().any(|&s| s != 0));
+        q.quantize(&x, 3, 512, ActivationScale::PerGroup);
+        assert!(q.code_sums16.is_empty());
+    }
+
+    #[test]
     fn simd_group_quantization_is_bit_identical_to_scalar() {
         let mut seed = 0x1234_5678_9abc_def0u64;
         for case in 0..2000 {
@@ -790,6 +864,7 @@ mod tests {
             scales: vec![0.0; rows * groups],
             sums: vec![0.0; rows * groups],
             code_sums: vec![0; rows * groups],
+            code_sums16: Vec::new(),
             scale,
         };
         let whole = match scale {
@@ -820,6 +895,10 @@ mod tests {
                 q.code_sums[r * groups + g] = sum;
             }
         }
+        if scale == ActivationScale::PerSuperblock {
+            q.code_sums16 = vec![0; rows * cols / 16];
+            code_sums16_reference(&q.codes, &mut q.code_sums16);
+        }
         q
     }
 
@@ -830,6 +909,10 @@ mod tests {
         assert_eq!(bits(&fast.scales), bits(&slow.scales), "{what}: scales");
         assert_eq!(bits(&fast.sums), bits(&slow.sums), "{what}: sums");
         assert_eq!(fast.code_sums, slow.code_sums, "{what}: code sums");
+        assert_eq!(
+            fast.code_sums16, slow.code_sums16,
+            "{what}: code sums per 16"
+        );
     }
 
     #[test]
