@@ -641,7 +641,7 @@ mod k512 {
         let picks = [scale_pick(0), scale_pick(1), scale_pick(2), scale_pick(3)];
         for r in 0..rows.count {
             let row = rows.row(r);
-            let mut acc = [0f32; N];
+            let mut acc = [[0f32; 2]; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * block_bytes);
                 let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
@@ -668,7 +668,7 @@ mod k512 {
                 sums.finish::<true>(d, dmin, &mut acc);
             }
             for (slot, acc) in acc.iter().enumerate() {
-                out[slot * stride + r] = *acc;
+                out[slot * stride + r] = BlockSums::<N>::output::<true>(*acc);
             }
         }
     }
@@ -698,9 +698,11 @@ mod k512 {
     }
 
     impl<const N: usize> BlockSums<N> {
-        /// `acc[slot] = fma(d·d_act, S, acc[slot])`, then with `MINS` `acc[slot] = fma(−(dmin·
-        /// d_act), M, acc[slot])`: each an f32 product and one fused multiply-add (one rounding),
-        /// `S` and `M` converted from their exact i32 totals.
+        /// `acc[slot][0] = fma(d·d_act, S, acc[slot][0])` and, with `MINS`, `acc[slot][1] =
+        /// fma(dmin·d_act, M, acc[slot][1])`: each an f32 product and one fused multiply-add (one
+        /// rounding), `S` and `M` converted from their exact i32 totals. Two accumulators, so
+        /// the block-to-block chain of a row is one multiply-add long; [`BlockSums::output`]
+        /// gives the row's result.
         ///
         /// # Safety
         /// AVX2 and FMA.
@@ -710,7 +712,7 @@ mod k512 {
             &self,
             d: f32,
             dmin: f32,
-            acc: &mut [f32; N],
+            acc: &mut [[f32; 2]; N],
         ) {
             if N == 1 {
                 // One row (decode): the totals stay in a register, through the same steps.
@@ -728,11 +730,12 @@ mod k512 {
                     (_mm_cvtepi32_ps(_mm_hadd_epi32(x, x)), _mm_setzero_ps())
                 };
                 let act_d = self.act_d[0];
-                let mut sum = _mm_fmadd_ss(_mm_set_ss(d * act_d), codes, _mm_set_ss(acc[0]));
+                let sum = _mm_fmadd_ss(_mm_set_ss(d * act_d), codes, _mm_set_ss(acc[0][0]));
+                acc[0][0] = _mm_cvtss_f32(sum);
                 if MINS {
-                    sum = _mm_fmadd_ss(_mm_set_ss(-(dmin * act_d)), mins, sum);
+                    let m = _mm_fmadd_ss(_mm_set_ss(dmin * act_d), mins, _mm_set_ss(acc[0][1]));
+                    acc[0][1] = _mm_cvtss_f32(m);
                 }
-                acc[0] = _mm_cvtss_f32(sum);
                 return;
             }
             let zero = _mm256_setzero_si256();
@@ -756,10 +759,20 @@ mod k512 {
             }
             for (slot, acc) in acc.iter_mut().enumerate() {
                 let act_d = self.act_d[slot];
-                *acc = fused(d * act_d, codes[slot] as f32, *acc);
+                acc[0] = fused(d * act_d, codes[slot] as f32, acc[0]);
                 if MINS {
-                    *acc = fused(-(dmin * act_d), mins[slot] as f32, *acc);
+                    acc[1] = fused(dmin * act_d, mins[slot] as f32, acc[1]);
                 }
+            }
+        }
+
+        /// A row's result from its two accumulators: `acc[0] − acc[1]` with `MINS`.
+        #[inline]
+        pub(super) fn output<const MINS: bool>(acc: [f32; 2]) -> f32 {
+            if MINS {
+                acc[0] - acc[1]
+            } else {
+                acc[0]
             }
         }
     }
@@ -1113,7 +1126,7 @@ mod k512 {
         let scale_lanes = sub16_scale_lanes();
         for r in 0..rows.count {
             let row = rows.row(r);
-            let mut acc = [0f32; N];
+            let mut acc = [[0f32; 2]; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * block_bytes);
                 let block = if KIND == SIGNED_IQ4_XS {
@@ -1139,7 +1152,7 @@ mod k512 {
                 sums.finish::<false>(block.d, 0.0, &mut acc);
             }
             for (slot, acc) in acc.iter().enumerate() {
-                out[slot * stride + r] = *acc;
+                out[slot * stride + r] = BlockSums::<N>::output::<false>(*acc);
             }
         }
     }
@@ -1187,7 +1200,7 @@ mod k512 {
             let sums16 = &act.code_sums16;
             for r in 0..rows.count {
                 let row = rows.row(r);
-                let mut acc = [0f32; N];
+                let mut acc = [[0f32; 2]; N];
                 for b in 0..cols / 256 {
                     let p = row.add(b * BLOCK_BYTES);
                     let (d, dmin) = (f16_at(p.add(80)), f16_at(p.add(82)));
@@ -1216,7 +1229,7 @@ mod k512 {
                     sums.finish::<true>(d, dmin, &mut acc);
                 }
                 for (slot, acc) in acc.iter().enumerate() {
-                    out[slot * stride + r] = *acc;
+                    out[slot * stride + r] = BlockSums::<N>::output::<true>(*acc);
                 }
             }
         }
@@ -1284,7 +1297,7 @@ mod k512 {
         let controls = [control(0, 1), control(2, 3)];
         for r in 0..rows.count {
             let row = rows.row(r);
-            let mut acc = [0f32; N];
+            let mut acc = [[0f32; 2]; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * BLOCK_BYTES);
                 let d = f16_at(p.add(208));
@@ -1310,7 +1323,7 @@ mod k512 {
                 sums.finish::<false>(d, 0.0, &mut acc);
             }
             for (slot, acc) in acc.iter().enumerate() {
-                out[slot * stride + r] = *acc;
+                out[slot * stride + r] = BlockSums::<N>::output::<false>(*acc);
             }
         }
     }

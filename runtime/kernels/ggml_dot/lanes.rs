@@ -13,8 +13,9 @@
 //!
 //! Each lane's block sum is the exact integer `S = Σ_s sc_s·Σ_{i∈s} q_i·c_i` the row kernels
 //! find, and for types with minimums `M = Σ_s m_s·Σ_{i∈s} c_i`; from there the lane takes the
-//! same two f32 steps as `k512::BlockSums::finish` (`fma(d·d_act, S, acc)`, `fma(−(dmin·d_act),
-//! M, acc)`), so every output has the bits of the row kernels whatever the call's row count.
+//! same f32 steps as `k512::BlockSums::finish` (`acc = fma(d·d_act, S, acc)`, `acc_m =
+//! fma(dmin·d_act, M, acc_m)`, the result `acc − acc_m`), so every output has the bits of the row
+//! kernels whatever the call's row count.
 //! Codes go in unsigned, `u = q + bias` (Q3_K bias 4, Q6_K 32, IQ4_XS 128; the others are
 //! unsigned already), and `bias·Σ_s sc_s·Σ_{i∈s} c_i` is taken off the block sum. Both that
 //! term and `M` are one `vpdpwssd` per 32 values: the lanes' two sub-block multipliers (or one
@@ -387,6 +388,7 @@ impl Tile<'_> {
         let groups = act.groups();
         let row_at = |a: usize| (self.first + a) * act.cols;
         let mut acc = [_mm512_setzero_ps(); A];
+        let mut acc_mins = [_mm512_setzero_ps(); A];
         for b in 0..self.nb {
             let gb = self.g * self.nb + b;
             let weights = s.codes.as_ptr().add(gb * POSITIONS);
@@ -425,7 +427,7 @@ impl Tile<'_> {
             };
             let d = _mm512_loadu_ps(s.d.as_ptr().add(gb * LANES));
             let dmin = _mm512_loadu_ps(s.dmin.as_ptr().add(gb * LANES));
-            for (a, acc) in acc.iter_mut().enumerate() {
+            for (a, (acc, acc_mins)) in acc.iter_mut().zip(&mut acc_mins).enumerate() {
                 let act_d = *act.scales.as_ptr().add((self.first + a) * groups + b * 8);
                 let act_d = _mm512_set1_ps(act_d);
                 let mut total = total[a];
@@ -436,13 +438,18 @@ impl Tile<'_> {
                 *acc = _mm512_fmadd_ps(_mm512_mul_ps(d, act_d), codes, *acc);
                 if MINS {
                     let mins = _mm512_cvtepi32_ps(paired(a));
-                    *acc = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, act_d), mins, *acc);
+                    *acc_mins = _mm512_fmadd_ps(_mm512_mul_ps(dmin, act_d), mins, *acc_mins);
                 }
             }
         }
         let mask = ((1u32 << self.lanes_here) - 1) as __mmask16;
-        for (a, acc) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(out.add(a * stride), mask, *acc);
+        for (a, (acc, acc_mins)) in acc.iter().zip(acc_mins).enumerate() {
+            let result = if MINS {
+                _mm512_sub_ps(*acc, acc_mins)
+            } else {
+                *acc
+            };
+            _mm512_mask_storeu_ps(out.add(a * stride), mask, result);
         }
     }
 }
