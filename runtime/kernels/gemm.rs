@@ -514,17 +514,9 @@ impl HostExecutor {
         // ggml blocks always take q8 activations (their scalar reference too, as ggml's do).
         let ggml = matches!(w.format, WeightFormat::Ggml(_));
         if (w.format.tile_bytes().is_some() && fast.is_some()) || ggml {
-            ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
-                Ok(mut act) => {
-                    act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
-                    run(Some(&act));
-                }
-                // Re-entered on this thread (not expected): use a temporary buffer.
-                Err(_) => {
-                    let mut act = QuantizedRows::default();
-                    act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
-                    run(Some(&act));
-                }
+            super::with_scratch(&ACTIVATIONS, |act| {
+                act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
+                run(Some(act));
             });
         } else {
             run(None);

@@ -280,13 +280,7 @@ pub fn block(
         );
         return;
     }
-    SCRATCH.with(|cell| {
-        let mut fallback = UnpackedRow::default();
-        let mut guard = cell.try_borrow_mut();
-        let w: &mut UnpackedRow = match guard.as_deref_mut() {
-            Ok(w) => w,
-            Err(_) => &mut fallback,
-        };
+    crate::kernels::with_scratch(&SCRATCH, |w| {
         for r in 0..out_rows {
             let row = &data[(n0 + r) * row_bytes..(n0 + r + 1) * row_bytes];
             unpack_row(path, ty, row, cols, w);
@@ -496,13 +490,7 @@ mod vnni {
         stride: usize,
     ) {
         let groups = act.groups();
-        SCRATCH.with(|cell| {
-            let mut fallback = Default::default();
-            let mut guard = cell.try_borrow_mut();
-            let (unpacked, prepared, results) = match guard.as_deref_mut() {
-                Ok(s) => s,
-                Err(_) => &mut fallback,
-            };
+        crate::kernels::with_scratch(&SCRATCH, |(unpacked, prepared, results)| {
             unpacked.resize_with(out_rows.max(unpacked.len()), UnpackedRow::default);
             for (r, w) in unpacked[..out_rows].iter_mut().enumerate() {
                 let row = &data[(n0 + r) * row_bytes..(n0 + r + 1) * row_bytes];
@@ -901,18 +889,28 @@ mod k512 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn q3k_codes(p: *const u8) -> [__m512i; 4] {
-        let hmask = both_halves(_mm256_loadu_si256(p as *const __m256i));
+        let clear = q3k_high_clear(p);
         let mut q = two_bit_codes(p.add(32));
-        for (c, q) in q.iter_mut().enumerate() {
+        for (q, clear) in q.iter_mut().zip(clear) {
+            *q = _mm512_mask_add_epi8(*q, !clear, *q, _mm512_set1_epi8(4));
+        }
+        q
+    }
+
+    /// Per register of [`two_bit_codes`], the values whose high bit is clear (bit `4n + j` of
+    /// `hmask[l]`): Q3_K's code is the 2-bit field less 4 there.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q3k_high_clear(p: *const u8) -> [__mmask64; 4] {
+        let hmask = both_halves(_mm256_loadu_si256(p as *const __m256i));
+        std::array::from_fn(|c| {
             let (n, j) = (c / 2, 2 * (c % 2));
             let bits = _mm512_inserti64x4::<1>(
                 _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (4 * n + j)) as i8)),
                 _mm256_set1_epi8((2u8 << (4 * n + j)) as i8),
             );
-            let set = _mm512_test_epi8_mask(hmask, bits);
-            *q = _mm512_mask_add_epi8(*q, set, *q, _mm512_set1_epi8(4));
-        }
-        q
+            _mm512_testn_epi8_mask(hmask, bits)
+        })
     }
 
     /// IQ4_XS's signed values `IQ4_TABLE[nibble]` at `p` in value order: sub-block `s` (32
@@ -1060,15 +1058,9 @@ mod k512 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn q3k_block_codes(p: *const u8, scale_lanes: &[__m512i; 4]) -> SignedBlock {
         let sub_scales = _mm512_castsi256_si512(q3k_scales16(p.add(96)));
-        let hmask = both_halves(_mm256_loadu_si256(p as *const __m256i));
+        let clear = q3k_high_clear(p);
         let mut w = two_bit_codes(p.add(32));
-        for (c, w) in w.iter_mut().enumerate() {
-            let (n, j) = (c / 2, 2 * (c % 2));
-            let bits = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi8((1u8 << (4 * n + j)) as i8)),
-                _mm256_set1_epi8((2u8 << (4 * n + j)) as i8),
-            );
-            let clear = _mm512_testn_epi8_mask(hmask, bits);
+        for (w, clear) in w.iter_mut().zip(clear) {
             *w = _mm512_mask_sub_epi8(*w, clear, *w, _mm512_set1_epi8(4));
         }
         SignedBlock {

@@ -65,6 +65,18 @@ pub use set::{family_needs, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNe
 
 use crate::tiles::TileError;
 
+/// Runs `f` on this thread's scratch value in `key`, or on a fresh default one when the scratch
+/// is already borrowed (a re-entered kernel on the same thread), so re-entry never panics.
+pub(crate) fn with_scratch<T: Default + 'static, R>(
+    key: &'static std::thread::LocalKey<std::cell::RefCell<T>>,
+    f: impl FnOnce(&mut T) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => f(&mut scratch),
+        Err(_) => f(&mut T::default()),
+    })
+}
+
 /// Deterministic values for the kernels' unit tests.
 #[cfg(test)]
 pub(crate) mod test_values {

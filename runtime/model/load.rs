@@ -330,13 +330,7 @@ impl Projection for StackedProjection {
                 ),
             });
         }
-        PART_OUT.with(|cell| {
-            let mut own = Vec::new();
-            let mut guard = cell.try_borrow_mut();
-            let buf: &mut Vec<f32> = match guard.as_deref_mut() {
-                Ok(b) => b,
-                Err(_) => &mut own,
-            };
+        crate::kernels::with_scratch(&PART_OUT, |buf| {
             let mut col0 = 0;
             for part in &self.parts {
                 let n = part.rows();

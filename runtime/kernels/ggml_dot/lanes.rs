@@ -240,13 +240,7 @@ pub(super) unsafe fn rows(
     out: &mut [f32],
     stride: usize,
 ) {
-    SCRATCH.with(|cell| {
-        let mut fallback = Scratch::default();
-        let mut guard = cell.try_borrow_mut();
-        let scratch = match guard.as_deref_mut() {
-            Ok(s) => s,
-            Err(_) => &mut fallback,
-        };
+    crate::kernels::with_scratch(&SCRATCH, |scratch| {
         decode_rows(kind, rows, cols, scratch);
         let nb = cols / 256;
         for g in 0..rows.count.div_ceil(LANES) {
