@@ -7,6 +7,8 @@
 //! `XDNA_LLAMA_CPP_BIN`) with the keys llama.cpp's converter writes. Without llama.cpp or the
 //! default model the tests skip loudly; under CI they fail.
 
+#[path = "support/scratch_dir.rs"]
+mod scratch_dir;
 #[path = "support/smollm2.rs"]
 mod smollm2;
 
@@ -38,7 +40,7 @@ fn gguf_py() -> Option<PathBuf> {
 /// by `random_gguf.py --arch dflash EXTRA`.
 fn random_draft(target: &Path, name: &str, extra: &[&str]) -> Option<PathBuf> {
     let gguf_py = gguf_py()?;
-    let out = std::env::temp_dir().join(format!("xdna-dflash-{}-{name}.gguf", std::process::id()));
+    let out = scratch_dir::scratch_path("dflash", &format!("{name}.gguf"));
     let run = Command::new("python3")
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -547,14 +549,16 @@ fn compare_draft_with_llama_cpp(
         "{} holds no llama-speculative-simple (tools/llama-cpp/build.sh builds it)",
         bin.display()
     );
-    let json_path = std::env::temp_dir().join(format!(
-        "xdna-dflash-{}-{}-rounds.json",
-        std::process::id(),
-        draft_path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default()
-    ));
+    let json_path = scratch_dir::scratch_path(
+        "dflash",
+        &format!(
+            "{}-rounds.json",
+            draft_path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        ),
+    );
     let run = Command::new("python3")
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),

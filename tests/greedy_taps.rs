@@ -4,6 +4,8 @@
 //! to one tapped prefill over the same tokens, up to the f16 the file stores); bad prompt files
 //! are refused naming the file and line.
 
+#[path = "support/scratch_dir.rs"]
+mod scratch_dir;
 #[path = "support/smollm2.rs"]
 mod smollm2;
 
@@ -58,7 +60,7 @@ fn greedy_taps_writes_plain_greedy_continuations_and_the_prefills_hidden_states(
     let Some(gguf) = smollm2::smollm2_gguf() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("xdna-greedy-taps-{}", std::process::id()));
+    let dir = scratch_dir::scratch_path("greedy_taps", "run");
     std::fs::create_dir_all(&dir).expect("dir");
     let opts = LoadOptions {
         backend: Backend::Host,

@@ -5,6 +5,8 @@
 
 #[path = "support/gguf_writer.rs"]
 mod gguf_writer;
+#[path = "support/scratch_dir.rs"]
+mod scratch_dir;
 #[path = "support/smollm2.rs"]
 mod smollm2;
 
@@ -27,7 +29,7 @@ fn fixture(version: &str, name: &str) -> ModelConfig {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("xdna-config-{}-{name}", std::process::id()));
+    let d = scratch_dir::scratch_path("config", name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("scratch dir");
     d

@@ -13,8 +13,11 @@ use xdna::weights::safetensors::{Declared, Dtype, Writer};
 use xdna::weights::tokenizer::{PreTokenizer, Tokenizer};
 use xdna::weights::{ChatMessage, MappedBytes, Package, WeightsError};
 
+#[path = "support/scratch_dir.rs"]
+mod scratch_dir;
+
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("xdna-pkg-{}-{name}", std::process::id()));
+    let d = scratch_dir::scratch_path("pkg", name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -229,6 +232,17 @@ fn gguf_path_is_imported_once_into_the_cache() {
             .unwrap(),
         mtime,
         "reused, not rewritten"
+    );
+    // The import records where it came from, so the cache can drop it once the file is gone.
+    let record = dir.with_file_name(format!(
+        "{}.sources",
+        dir.file_name().unwrap().to_string_lossy()
+    ));
+    let sources = std::fs::read_to_string(&record).unwrap();
+    let canonical = std::fs::canonicalize(&g).unwrap();
+    assert_eq!(
+        sources.lines().collect::<Vec<_>>(),
+        [canonical.to_str().unwrap()]
     );
     // No temporary directories are left behind.
     let leftovers: Vec<_> = std::fs::read_dir(dir.parent().unwrap())
@@ -463,4 +477,65 @@ fn flm_style_package_loads_unfused() {
     let err = pkg.render_chat(&chat).unwrap_err().to_string();
     assert!(err.contains("no chat template"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_import_cache_keeps_what_live_files_reach() {
+    use xdna::weights::import::{cache_key, prune_import_cache, IMPORT_REVISION};
+    let root = scratch("prune");
+    let packages = root.join("packages");
+    std::fs::create_dir_all(&packages).unwrap();
+    let live = root.join("live.gguf");
+    std::fs::write(&live, b"GGUF live").unwrap();
+    let changed = root.join("changed.gguf");
+    std::fs::write(&changed, b"GGUF before").unwrap();
+    let changed_key = cache_key(&changed).unwrap();
+    std::fs::write(&changed, b"GGUF after, longer").unwrap();
+    let entry = |name: &str, sources: Option<&[&Path]>| {
+        std::fs::create_dir_all(packages.join(name)).unwrap();
+        std::fs::write(packages.join(name).join("model.q4nx"), b"x").unwrap();
+        if let Some(sources) = sources {
+            let text: String = sources
+                .iter()
+                .map(|p| format!("{}\n", p.display()))
+                .collect();
+            std::fs::write(packages.join(format!("{name}.sources")), text).unwrap();
+        }
+    };
+    let live_key = cache_key(&live).unwrap();
+    let gone = root.join("gone.gguf");
+    entry(&live_key, Some(&[gone.as_path(), live.as_path()]));
+    entry("gone-9-9-r2", Some(&[gone.as_path()]));
+    entry(&changed_key, Some(&[changed.as_path()]));
+    entry("older-1-1-r0", None);
+    let unrecorded = format!("unrecorded-1-1-r{IMPORT_REVISION}");
+    entry(&unrecorded, None);
+    std::fs::create_dir_all(packages.join(".in-progress.tmp.1.0")).unwrap();
+
+    let mut removed: Vec<String> = prune_import_cache(&packages)
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    removed.sort();
+    let mut expected = vec![
+        changed_key.clone(),
+        "gone-9-9-r2".into(),
+        "older-1-1-r0".into(),
+    ];
+    expected.sort();
+    assert_eq!(removed, expected);
+    let mut left: Vec<String> = std::fs::read_dir(&packages)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    let mut kept = vec![
+        ".in-progress.tmp.1.0".to_string(),
+        live_key.clone(),
+        format!("{live_key}.sources"),
+        unrecorded,
+    ];
+    kept.sort();
+    assert_eq!(left, kept);
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -251,6 +251,14 @@ fn writer_round_trip_and_recorded_shape() {
     let w = Writer::create(&t2.0, &decl, &meta).unwrap();
     let m = w.finish().unwrap_err().to_string();
     assert!(m.contains("\"norm\"") && m.contains("0 of 8"), "{m}");
+    // The failed write leaves neither the file nor its temporary beside it.
+    let stem = t2.0.file_name().unwrap().to_string_lossy().into_owned();
+    let leftovers: Vec<_> = std::fs::read_dir(t2.0.parent().unwrap())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().contains(&stem))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
 fn flm_file(name: &str, tensors: &[(&str, Vec<u8>, usize)]) -> Tmp {

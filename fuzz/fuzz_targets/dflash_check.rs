@@ -20,6 +20,7 @@ fuzz_target!(|data: &[u8]| {
         if std::fs::write(&path, data).is_ok() {
             let _ = xdna::weights::dflash_check::check(&path);
         }
+        let _ = std::fs::remove_dir_all(&dir);
         return;
     }
     let (config, container) = match data.iter().position(|&b| b == 0) {
@@ -33,4 +34,6 @@ fuzz_target!(|data: &[u8]| {
     {
         let _ = xdna::weights::dflash_check::check(&pkg);
     }
+    // Nothing outlives the run: the fuzzer may stop this process at any input.
+    let _ = std::fs::remove_dir_all(&dir);
 });

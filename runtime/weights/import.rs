@@ -1254,10 +1254,14 @@ pub fn import_once(
 /// it whenever the package written for the same file changes.
 pub const IMPORT_REVISION: u32 = 2;
 
-/// Import a GGUF into the cache (keyed by file name, size, mtime and [`IMPORT_REVISION`]) and
-/// return the package dir.
-pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
+/// The cache's name for the import of `gguf`: its file name, size, mtime and
+/// [`IMPORT_REVISION`], so a rewritten file or a newer import is never served from an old entry.
+pub fn cache_key(gguf: &Path) -> Result<String, WeightsError> {
     let meta = std::fs::metadata(gguf).map_err(|e| WeightsError::io(gguf, e))?;
+    Ok(key_of(gguf, &meta))
+}
+
+fn key_of(gguf: &Path, meta: &std::fs::Metadata) -> String {
     let mtime = meta
         .modified()
         .ok()
@@ -1268,11 +1272,95 @@ pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    let dir = cache_dir()?.join("packages").join(format!(
-        "{stem}-{:x}-{mtime:x}-r{IMPORT_REVISION}",
-        meta.len()
-    ));
+    format!("{stem}-{:x}-{mtime:x}-r{IMPORT_REVISION}", meta.len())
+}
+
+/// Beside each cached import, the GGUF paths it was imported from, one per line.
+const SOURCES_SUFFIX: &str = ".sources";
+
+/// Add `gguf` to the source record of the import `key` in `packages` (atomically replaced).
+fn record_source(packages: &Path, key: &str, gguf: &Path) -> Result<(), WeightsError> {
+    let gguf = std::fs::canonicalize(gguf).map_err(|e| WeightsError::io(gguf, e))?;
+    let record = packages.join(format!("{key}{SOURCES_SUFFIX}"));
+    let mut text = std::fs::read_to_string(&record).unwrap_or_default();
+    let line = gguf.to_string_lossy();
+    if text.lines().any(|l| l == line) {
+        return Ok(());
+    }
+    text.push_str(&line);
+    text.push('\n');
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".sources")
+        .tempfile_in(packages)
+        .map_err(|e| WeightsError::io(packages, e))?;
+    std::io::Write::write_all(&mut tmp, text.as_bytes())
+        .map_err(|e| WeightsError::io(&record, e))?;
+    tmp.persist(&record)
+        .map_err(|e| WeightsError::io(&record, e.error))?;
+    Ok(())
+}
+
+/// Remove the cached imports no live file can reach: those whose every recorded source is gone or
+/// has changed since (its key is no longer the entry's), and those written by an older
+/// [`IMPORT_REVISION`]. Entries without a record are kept, and so are temporaries of imports in
+/// progress. Returns the entries removed.
+pub fn prune_import_cache(packages: &Path) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(entries) = std::fs::read_dir(packages) else {
+        return removed;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        let stale = if let Some(key) = name.strip_suffix(SOURCES_SUFFIX) {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let live = text.lines().any(|line| {
+                let source = Path::new(line);
+                cache_key(source).is_ok_and(|k| k == key)
+            });
+            (!live).then(|| key.to_string())
+        } else {
+            let revision = name
+                .rsplit_once("-r")
+                .and_then(|(_, r)| r.parse::<u32>().ok());
+            let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+            (is_dir && revision.is_some_and(|r| r < IMPORT_REVISION)).then(|| name.clone())
+        };
+        let Some(key) = stale else { continue };
+        let dir = packages.join(&key);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => removed.push(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!("{}: stale import not removed: {e}", dir.display());
+                continue;
+            }
+        }
+        let _ = std::fs::remove_file(packages.join(format!("{key}{SOURCES_SUFFIX}")));
+    }
+    removed
+}
+
+/// Import a GGUF into the cache (keyed by [`cache_key`]) and return the package dir. The cache
+/// holds what live files can use: each import records its source, and imports whose sources are
+/// gone or changed are removed first ([`prune_import_cache`]).
+pub fn cached_import(gguf: &Path) -> Result<PathBuf, WeightsError> {
+    let key = cache_key(gguf)?;
+    let packages = cache_dir()?.join("packages");
+    for dir in prune_import_cache(&packages) {
+        tracing::info!(
+            "removed the cached import {} (its GGUF is gone or changed)",
+            dir.display()
+        );
+    }
+    let dir = packages.join(&key);
     let dir = import_once(gguf, &dir, ImportOptions::default())?;
+    if let Err(e) = record_source(&packages, &key, gguf) {
+        // Without a record the import is only kept longer, never reused wrongly.
+        tracing::warn!("{}: source not recorded: {e}", dir.display());
+    }
     if super::Package::open_dir(&dir).is_ok_and(|p| {
         p.config().is_hybrid() || p.host_only_matrix().is_some() || p.config().dflash.is_some()
     }) {

@@ -566,11 +566,12 @@ pub struct Declared {
 
 /// Streaming safetensors writer: declare every tensor, then write their bytes in declared
 /// order (in as many pieces as convenient). Memory stays bounded by what the caller holds.
-/// Writes `<path>.tmp` and renames it into place on [`Writer::finish`].
+/// Writes a temporary file beside `path` and renames it into place on [`Writer::finish`]; a
+/// writer dropped unfinished (an error, a missing tensor) removes its temporary file.
 pub struct Writer {
     path: PathBuf,
     tmp: PathBuf,
-    out: std::io::BufWriter<std::fs::File>,
+    out: std::io::BufWriter<tempfile::NamedTempFile>,
     sizes: Vec<(String, usize)>,
     current: usize,
     written_in_current: usize,
@@ -625,10 +626,25 @@ impl Writer {
         while json.len() % 8 != 0 {
             json.push(b' ');
         }
-        let mut tmp = path.clone().into_os_string();
-        tmp.push(".tmp");
-        let tmp = PathBuf::from(tmp);
-        let file = std::fs::File::create(&tmp).map_err(|e| WeightsError::io(&tmp, e))?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let prefix = path.file_name().map_or_else(
+            || std::ffi::OsString::from("."),
+            |n| {
+                let mut p = std::ffi::OsString::from(".");
+                p.push(n);
+                p.push(".");
+                p
+            },
+        );
+        let file = tempfile::Builder::new()
+            .prefix(&prefix)
+            .suffix(".tmp")
+            .tempfile_in(dir)
+            .map_err(|e| WeightsError::io(&path, e))?;
+        let tmp = file.path().to_path_buf();
         let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
         out.write_all(&(json.len() as u64).to_le_bytes())
             .and_then(|_| out.write_all(&json))
@@ -705,10 +721,11 @@ impl Writer {
             .out
             .into_inner()
             .map_err(|e| WeightsError::io(&self.tmp, e.into_error()))?;
-        file.sync_all()
+        file.as_file()
+            .sync_all()
             .map_err(|e| WeightsError::io(&self.tmp, e))?;
-        drop(file);
-        std::fs::rename(&self.tmp, &self.path).map_err(|e| WeightsError::io(&self.path, e))?;
+        file.persist(&self.path)
+            .map_err(|e| WeightsError::io(&self.path, e.error))?;
         Ok(self.path)
     }
 }
