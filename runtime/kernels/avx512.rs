@@ -859,4 +859,211 @@ mod imp {
         });
         sums
     }
+
+    /// Is `vdpbf16ps` (AVX-512 BF16, Zen 4 and Sapphire Rapids on) usable beside
+    /// [`crate::kernels::avx2::vnni_available`]? Detected once; `XDNA_NO_BF16_DOT` (any value)
+    /// turns it off, for A/B runs against the f32 register tiles.
+    pub fn bf16_dot_available() -> bool {
+        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            crate::kernels::avx2::vnni_available()
+                && std::env::var_os("XDNA_NO_BF16_DOT").is_none()
+                && is_x86_feature_detected!("avx512dq")
+                && is_x86_feature_detected!("avx512bf16")
+        })
+    }
+
+    /// Rows `rows` of `x` (`k` floats each) rounded to bf16 (nearest, ties to even), `k` per row
+    /// into `out`: the activations [`bf16_rows`] takes.
+    ///
+    /// # Safety
+    /// AVX-512 F and BF16 ([`bf16_dot_available`]); `x` holds `rows · k` floats and `out` as many
+    /// elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn round_to_bf16(x: &[f32], out: &mut [u16]) {
+        let n = x.len().min(out.len());
+        let mut i = 0;
+        while i < n {
+            let live: __mmask16 = if n - i >= 16 {
+                !0
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let v = _mm512_maskz_loadu_ps(live, x.as_ptr().add(i));
+            let b: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(out.as_mut_ptr().add(i) as *mut i16, live, b);
+            i += 16;
+        }
+    }
+
+    /// Weight rows of one register tile of [`bf16_rows`].
+    const BF16_TILE_ROWS: usize = 4;
+    /// Most activation rows of one register tile of [`bf16_rows`].
+    const BF16_TILE_ACTS: usize = 3;
+
+    /// Bf16 weight rows `0 .. rows` of `w` (`k` elements each) against bf16 activation rows
+    /// `act_rows` of `x` (`k` each, [`round_to_bf16`]): `out[slot · stride + r]`. One
+    /// `vdpbf16ps` takes 32 products (both factors bf16, so each product is exact in f32) into
+    /// 16 f32 lanes, twice the multiply-adds of an f32 FMA, and the weights need no conversion.
+    /// Tiles of 4 weight rows × 3 activation rows keep 12 accumulators in registers; the last
+    /// `k mod 32` elements take one masked step (zeros beyond add nothing), and each sum is the
+    /// 16 lanes added in one fixed order, so a row's result does not depend on the tile it ran
+    /// in: batched rows have the bits of single rows. Same value as [`bf16_dot_reference`] up
+    /// to float summation order.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and BF16 ([`bf16_dot_available`]); `w` holds `rows` rows of `k` bf16; `x`
+    /// holds `k` elements for every row of `act_rows`; `out` holds `(act_rows.len() - 1) ·
+    /// stride + rows` floats.
+    #[allow(clippy::too_many_arguments)] // one work item's context
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn bf16_rows(
+        w: &[u8],
+        rows: usize,
+        k: usize,
+        x: &[u16],
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let row_bytes = 2 * k;
+        for a0 in act_rows.clone().step_by(BF16_TILE_ACTS) {
+            let acts = (act_rows.end - a0).min(BF16_TILE_ACTS);
+            for r0 in (0..rows).step_by(BF16_TILE_ROWS) {
+                let wrows = (rows - r0).min(BF16_TILE_ROWS);
+                let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
+                let sums = match acts {
+                    1 => bf16_tile::<1>(wp, row_bytes, wrows, xp, k),
+                    2 => bf16_tile::<2>(wp, row_bytes, wrows, xp, k),
+                    _ => bf16_tile::<3>(wp, row_bytes, wrows, xp, k),
+                };
+                for (a, sums) in sums.iter().enumerate().take(acts) {
+                    for (r, &sum) in sums.iter().enumerate().take(wrows) {
+                        out[(a0 + a - act_rows.start) * stride + r0 + r] = sum;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One bf16 weight row against one bf16 activation row (`k` elements each): the sum
+    /// [`bf16_rows`] gives the pair, in the same per-lane operations and order, so its bits. A
+    /// tile's 512-bit accumulator is two independent 256-bit halves (elements 0-15 and 16-31
+    /// of each 32), so here they are two 256-bit chains fed by 32-byte loads, joined before the
+    /// masked last step and the 16-lane sum: streaming one row from memory, 64-byte loads ran
+    /// 12 % slower on Zen 4 (and a single activation row streams best one weight row after the
+    /// other, not a tile's four at once).
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VL, DQ and BF16 ([`bf16_dot_available`]); `w` holds `2 · k` bytes, `x`
+    /// `k` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
+    pub unsafe fn bf16_dot(w: &[u8], x: &[u16], k: usize) -> f32 {
+        let (wp, xp) = (w.as_ptr(), x.as_ptr() as *const u8);
+        let load = |p: *const u8| -> __m256bh {
+            std::mem::transmute::<__m256i, __m256bh>(_mm256_loadu_si256(p as *const __m256i))
+        };
+        let (mut low, mut high) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut c = 0;
+        while c + 32 <= k {
+            low = _mm256_dpbf16_ps(low, load(wp.add(2 * c)), load(xp.add(2 * c)));
+            high = _mm256_dpbf16_ps(high, load(wp.add(2 * c + 32)), load(xp.add(2 * c + 32)));
+            c += 32;
+        }
+        let mut acc = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(low), high);
+        if c < k {
+            let live: __mmask32 = (1u32 << (k - c)) - 1;
+            let masked = |p: *const u8| -> __m512bh {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
+                    live,
+                    p as *const i16,
+                ))
+            };
+            acc = _mm512_dpbf16_ps(acc, masked(wp.add(2 * c)), masked(xp.add(2 * c)));
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    /// One tile of [`bf16_rows`]: the sums of weight rows `0 .. wrows` (`row_bytes` apart from
+    /// `w`) against activation rows `0 .. ACTS` (`k` elements apart from `x`),
+    /// `[activation][weight]`; entries past `ACTS` / `wrows` are zero.
+    ///
+    /// # Safety
+    /// As [`bf16_rows`], for the rows of this tile.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn bf16_tile<const ACTS: usize>(
+        w: *const u8,
+        row_bytes: usize,
+        wrows: usize,
+        x: *const u16,
+        k: usize,
+    ) -> [[f32; BF16_TILE_ROWS]; BF16_TILE_ACTS] {
+        // Weight rows past the tile's real ones repeat its first row (their sums are dropped).
+        let wp: [*const u8; BF16_TILE_ROWS] =
+            std::array::from_fn(|r| w.add(if r < wrows { r } else { 0 } * row_bytes));
+        let xp: [*const u16; BF16_TILE_ACTS] =
+            std::array::from_fn(|a| x.add(if a < ACTS { a } else { 0 } * k));
+        let mut acc = [[_mm512_setzero_ps(); BF16_TILE_ROWS]; BF16_TILE_ACTS];
+        // Written out per activation row with constant indices, which keeps the accumulators in
+        // registers.
+        macro_rules! per_act {
+            (|$a:ident| $body:expr) => {{
+                {
+                    let $a = 0;
+                    $body
+                }
+                if ACTS > 1 {
+                    let $a = 1;
+                    $body
+                }
+                if ACTS > 2 {
+                    let $a = 2;
+                    $body
+                }
+            }};
+        }
+        macro_rules! step {
+            ($live:expr, $c:expr) => {{
+                let (live, c): (__mmask32, usize) = ($live, $c);
+                macro_rules! load {
+                    ($p:expr) => {
+                        std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
+                            live,
+                            $p as *const i16,
+                        ))
+                    };
+                }
+                let w0 = load!(wp[0].add(2 * c));
+                let w1 = load!(wp[1].add(2 * c));
+                let w2 = load!(wp[2].add(2 * c));
+                let w3 = load!(wp[3].add(2 * c));
+                per_act!(|a| {
+                    let xv = load!(xp[a].add(c));
+                    acc[a][0] = _mm512_dpbf16_ps(acc[a][0], w0, xv);
+                    acc[a][1] = _mm512_dpbf16_ps(acc[a][1], w1, xv);
+                    acc[a][2] = _mm512_dpbf16_ps(acc[a][2], w2, xv);
+                    acc[a][3] = _mm512_dpbf16_ps(acc[a][3], w3, xv);
+                });
+            }};
+        }
+        let mut c = 0;
+        while c + 32 <= k {
+            step!(!0, c);
+            c += 32;
+        }
+        if c < k {
+            step!((1u32 << (k - c)) - 1, c);
+        }
+        let mut sums = [[0f32; BF16_TILE_ROWS]; BF16_TILE_ACTS];
+        per_act!(|a| {
+            sums[a] = [
+                _mm512_reduce_add_ps(acc[a][0]),
+                _mm512_reduce_add_ps(acc[a][1]),
+                _mm512_reduce_add_ps(acc[a][2]),
+                _mm512_reduce_add_ps(acc[a][3]),
+            ];
+        });
+        sums
+    }
 }

@@ -257,6 +257,8 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
 thread_local! {
     /// The calling thread's quantized activations (reused across calls: no steady-state allocation).
     static ACTIVATIONS: RefCell<QuantizedRows> = RefCell::new(QuantizedRows::default());
+    /// The calling thread's activations rounded to bf16, for bf16 weights on `vdpbf16ps`.
+    static BF16_ACTIVATIONS: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
     /// Each thread's block output / accumulator scratch, and the scalar path's tile scratch.
     static BLOCK_SCRATCH: RefCell<(Vec<f32>, ScalarScratch)> = const {
         RefCell::new((Vec::new(), ScalarScratch { decoded: Vec::new(), tile: Vec::new() }))
@@ -380,6 +382,20 @@ impl HostExecutor {
         self.int_dot() == Some(avx2::IntDot::Vnni)
     }
 
+    /// Does this executor take bf16 matrices with `vdpbf16ps` against activations rounded to
+    /// bf16 (AVX-512 BF16 beside VNNI), as llama.cpp does, rather than with f32 FMAs against
+    /// f32 activations?
+    pub fn rounds_bf16_activations(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.uses_vnni() && super::avx512::bf16_dot_available()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
     /// Which kernel this executor runs a matrix of `format` with on this CPU, in words (`xdna
     /// pack info`): the kernel family and the instruction set chosen at run time.
     pub fn kernel_for(&self, format: WeightFormat) -> String {
@@ -392,6 +408,9 @@ impl HostExecutor {
         match fast_kernel(format, Packing::Tiles) {
             FastKernel::Q4(_) => format!("q4 tile dot on q8 activations ({int_dot})"),
             FastKernel::Q8(_) => format!("q8 tile dot on q8 activations ({int_dot})"),
+            FastKernel::Plain(avx2::PlainKind::Bf16) if self.rounds_bf16_activations() => {
+                "bf16 row dots in 4 x 3 register tiles on bf16 activations (AVX-512 BF16)".into()
+            }
             FastKernel::Plain(_) if self.uses_vnni() => format!(
                 "{} row dots in 4 x 3 register tiles on f32 activations (AVX-512)",
                 format.name()
@@ -485,7 +504,7 @@ impl HostExecutor {
         // Each row block's columns of every row are written by the one thread that claimed the block.
         let out = SharedMut::new(y);
         let blocks = w.rows.div_ceil(TILE_ROWS);
-        let run = |act: Option<&QuantizedRows>| {
+        let run = |act: Option<&QuantizedRows>, x_bf16: &[u16]| {
             let pool = Pool::global();
             let schedule = if m == 1 {
                 Schedule::Guided(ChunkCounter::guided(
@@ -504,7 +523,8 @@ impl HostExecutor {
                     while let Some(range) = schedule.claim(thread) {
                         for block in range {
                             run_block(
-                                w, kernel, fast, act, x, m, block, block_out, scalar, out, y_stride,
+                                w, kernel, fast, act, x, x_bf16, m, block, block_out, scalar, out,
+                                y_stride,
                             );
                         }
                     }
@@ -516,10 +536,30 @@ impl HostExecutor {
         if (w.format.tile_bytes().is_some() && fast.is_some()) || ggml {
             super::with_scratch(&ACTIVATIONS, |act| {
                 act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
-                run(Some(act));
+                run(Some(act), &[]);
+            });
+        } else if matches!(kernel, FastKernel::Plain(avx2::PlainKind::Bf16))
+            && self.rounds_bf16_activations()
+        {
+            super::with_scratch(&BF16_ACTIVATIONS, |buf| {
+                // Rows start on a cache line (the kernel's 64-byte loads never straddle two):
+                // reserved in full, then the buffer's aligned part.
+                const LINE_ELEMS: usize = 32;
+                buf.clear();
+                buf.reserve(x.len() + LINE_ELEMS - 1);
+                let start = buf.as_ptr().align_offset(64).min(LINE_ELEMS - 1);
+                buf.resize(start + x.len(), 0);
+                let x_bf16 = &mut buf[start..];
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `rounds_bf16_activations` means AVX-512 F, BW and BF16 are available;
+                // `x_bf16` was just sized to `x`.
+                unsafe {
+                    super::avx512::round_to_bf16(x, x_bf16)
+                };
+                run(None, x_bf16);
             });
         } else {
-            run(None);
+            run(None, &[]);
         }
         Ok(())
     }
@@ -546,6 +586,7 @@ fn run_block(
     fast: Option<avx2::IntDot>,
     act: Option<&QuantizedRows>,
     x: &[f32],
+    x_bf16: &[u16],
     m: usize,
     block: usize,
     block_out: &mut [f32],
@@ -566,6 +607,7 @@ fn run_block(
             fast,
             act,
             x,
+            x_bf16,
             row0..row0 + pass,
             block,
             out,
@@ -643,6 +685,7 @@ fn compute_block(
     fast: Option<avx2::IntDot>,
     act: Option<&QuantizedRows>,
     x: &[f32],
+    x_bf16: &[u16],
     rows: std::ops::Range<usize>,
     block: usize,
     out: &mut [f32],
@@ -697,6 +740,28 @@ fn compute_block(
     let elem = w.format.plain_elem_bytes().unwrap_or(4);
     let n0 = block * TILE_ROWS;
     let rows_here = (w.rows - n0).min(TILE_ROWS);
+    #[cfg(target_arch = "x86_64")]
+    if !x_bf16.is_empty() {
+        let data = &w.data[n0 * k * elem..(n0 + rows_here) * k * elem];
+        // SAFETY: activations come rounded only when `rounds_bf16_activations` (AVX-512 F, BW
+        // and BF16) chose this path for a bf16 matrix; `data` holds rows_here rows of k bf16,
+        // `x_bf16` k elements per activation row (rows ⊂ 0..m), and `out` TILE_ROWS floats per
+        // row of `rows`.
+        if rows.len() >= PLAIN_TILE_MIN_ROWS {
+            // SAFETY: as above.
+            unsafe { super::avx512::bf16_rows(data, rows_here, k, x_bf16, rows, out, TILE_ROWS) };
+            return;
+        }
+        for r in 0..rows_here {
+            let wrow = &data[r * k * 2..(r + 1) * k * 2];
+            for (slot, i) in rows.clone().enumerate() {
+                // SAFETY: as above; wrow holds k bf16 and the slice k elements.
+                out[slot * TILE_ROWS + r] =
+                    unsafe { super::avx512::bf16_dot(wrow, &x_bf16[i * k..(i + 1) * k], k) };
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     // Register tiles from a few activation rows on: alone, a row streams best one weight row
     // after the other (the tiles read four rows at once); both give the same bits.

@@ -1334,7 +1334,6 @@ mod k512 {
 #[cfg(target_arch = "x86_64")]
 mod g512 {
     use super::k512::WeightRows;
-    use super::x86::f16_at;
     use crate::ggml::{GgmlType, IQ4_TABLE};
     use crate::kernels::quant::QuantizedRows;
     use std::arch::x86_64::*;
@@ -1421,9 +1420,7 @@ mod g512 {
                 let fifth: __mmask64 = (u64::from(bits_b) << 32) | u64::from(u32_at(a.add(qh)));
                 u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
             }
-            Small::Iq4Nl => {
-                u = _mm512_xor_si512(_mm512_shuffle_epi8(table, u), _mm512_set1_epi8(-128));
-            }
+            Small::Iq4Nl => u = _mm512_shuffle_epi8(table, u),
         }
         u
     }
@@ -1478,7 +1475,14 @@ mod g512 {
         let blocks = cols / 32;
         let consts = Consts {
             kind,
-            table: _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i)),
+            table: _mm512_xor_si512(
+                _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i)),
+                _mm512_set1_epi8(-128),
+            ),
+            block_starts: _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(kind.bytes() as i32),
+            ),
             bias_shift: _mm_cvtsi32_si128(kind.bias().trailing_zeros() as i32),
         };
         for r in 0..rows.count {
@@ -1500,8 +1504,10 @@ mod g512 {
     /// What every span of a call uses.
     struct Consts {
         kind: Small,
-        /// `IQ4_TABLE` in each 128-bit lane.
+        /// `IQ4_TABLE` in each 128-bit lane, as unsigned codes (`+ 128`).
         table: __m512i,
+        /// Byte offsets of a span's 16 blocks from its first.
+        block_starts: __m512i,
         /// `log2 bias` (the biases are 0, 16 and 128): `−bias·Σc` is `−(Σc << shift)`.
         bias_shift: __m128i,
     }
@@ -1526,20 +1532,24 @@ mod g512 {
         let live: __mmask16 = if FULL { !0 } else { (1u16 << count) - 1 };
         let pairs = count.div_ceil(2);
         let mut codes = [_mm512_setzero_si512(); 8];
-        let (mut d, mut m) = ([0f32; SPAN], [0f32; SPAN]);
         for (p, codes) in codes.iter_mut().enumerate().take(pairs) {
             let a = row.add((g0 + 2 * p) * block_bytes);
             *codes = decode_pair(kind, a, FULL || 2 * p + 1 < count, consts.table);
         }
-        for g in 0..count {
-            let a = row.add((g0 + g) * block_bytes);
-            d[g] = f16_at(a);
-            if kind == Small::Q5_1 {
-                m[g] = f16_at(a.add(2));
-            }
-        }
-        let d = _mm512_loadu_ps(d.as_ptr());
-        let m = _mm512_loadu_ps(m.as_ptr());
+        // The first four bytes of each live block in one gather: `d` in the low half, Q5_1's `m`
+        // in the high half (absent blocks read nothing and give zeros).
+        let heads = _mm512_mask_i32gather_epi32::<1>(
+            _mm512_setzero_si512(),
+            live,
+            consts.block_starts,
+            row.add(g0 * block_bytes) as *const i32,
+        );
+        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads));
+        let m = if kind == Small::Q5_1 {
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(heads)))
+        } else {
+            _mm512_setzero_ps()
+        };
         for (slot, acc) in acc.iter_mut().enumerate() {
             let i = first + slot;
             let g = i * groups + g0;

@@ -98,6 +98,21 @@ pub fn gemm_reference_quantized(
     gemm_reference(w, &dequantized, m, y)
 }
 
+/// The product with the activations first rounded to bf16 (nearest, ties to even), as the fast
+/// path takes them for a bf16 matrix where [`super::HostExecutor::rounds_bf16_activations`].
+pub fn gemm_reference_bf16_activations(
+    w: &WeightMatrix,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    let rounded: Vec<f32> = x
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    gemm_reference(w, &rounded, m, y)
+}
+
 /// Check `x` is `m × K` and `y` is `m × N`.
 pub(crate) fn check_shapes(
     w: &WeightMatrix,

@@ -60,10 +60,28 @@ impl Default for LoadOptions {
 }
 
 /// Stored bytes of one matrix: read in place from the package mapping, or owned (fused or
-/// re-laid at load).
+/// re-laid at load): `buf[start..]`, where a fused copy starts on a cache line (a kernel's
+/// 64-byte loads then never straddle two lines).
 enum Bytes {
     Mapped(MappedBytes),
-    Owned(Vec<u8>),
+    Owned { buf: Vec<u8>, start: usize },
+}
+
+impl Bytes {
+    /// `len` bytes written by `fill` into a buffer whose first byte starts a cache line.
+    fn owned_aligned(len: usize, fill: impl FnOnce(&mut Vec<u8>)) -> Bytes {
+        const LINE: usize = 64;
+        // Reserved in full first, so the buffer never moves and the offset stays valid.
+        let mut buf: Vec<u8> = Vec::with_capacity(len + LINE - 1);
+        let start = buf.as_ptr().align_offset(LINE).min(LINE - 1);
+        buf.resize(start, 0);
+        fill(&mut buf);
+        Bytes::Owned { buf, start }
+    }
+
+    fn owned(buf: Vec<u8>) -> Bytes {
+        Bytes::Owned { buf, start: 0 }
+    }
 }
 
 /// Where a projection's matrix lives.
@@ -92,7 +110,7 @@ impl KernelProjection {
         let data: &[u8] =
             match &self.store {
                 Store::Host(Bytes::Mapped(b)) => &b[..],
-                Store::Host(Bytes::Owned(v)) => v,
+                Store::Host(Bytes::Owned { buf, start }) => &buf[*start..],
                 Store::Device(_) => return Err(ModelError::State {
                     what:
                         "the projection's weights were handed to the device; no host copy is kept"
@@ -120,7 +138,7 @@ impl KernelProjection {
         }
         let (data, mapped): (&[u8], Option<&MappedBytes>) = match bytes {
             Bytes::Mapped(b) => (&b[..], Some(b)),
-            Bytes::Owned(v) => (v, None),
+            Bytes::Owned { buf, start } => (&buf[*start..], None),
         };
         let Some(record) = host_layout::record_bytes(self.format) else {
             return Ok(());
@@ -149,7 +167,7 @@ impl KernelProjection {
             }
             row += rows;
         }
-        self.store = Store::Host(Bytes::Owned(records));
+        self.store = Store::Host(Bytes::owned(records));
         self.packing = Packing::GroupRecords;
         Ok(())
     }
@@ -220,8 +238,6 @@ pub(super) fn projection(
     let bytes = if views.len() == 1 {
         Bytes::Mapped(MappedBytes::new(pkg, views[0].1.data)?)
     } else {
-        // Row blocks of 32 concatenate: tile grids are raster order by row block.
-        let mut v = Vec::new();
         for (n, view) in &views {
             if view.format != format {
                 return Err(ModelError::Shape {
@@ -233,14 +249,20 @@ pub(super) fn projection(
                     ),
                 });
             }
-            v.extend_from_slice(view.data);
         }
+        // Row blocks of 32 concatenate: tile grids are raster order by row block.
+        let total = views.iter().map(|(_, view)| view.data.len()).sum();
+        let fused = Bytes::owned_aligned(total, |buf| {
+            for (_, view) in &views {
+                buf.extend_from_slice(view.data);
+            }
+        });
         // The copy is what runs from now on: the pages the copy read are released, so the
         // parts are not resident twice (they stay in the page cache).
         for (_, view) in &views {
             MappedBytes::new(pkg, view.data)?.release_pages(0..view.data.len());
         }
-        Bytes::Owned(v)
+        fused
     };
     let mut p = KernelProjection {
         store: Store::Host(bytes),
