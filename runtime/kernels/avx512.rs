@@ -680,6 +680,25 @@ mod imp {
         }
     }
 
+    /// `body` once per activation row `a` of a register tile (`0 .. acts`, at most 3), written
+    /// out with constant indices: a loop over them left the accumulators on the stack.
+    macro_rules! per_act {
+        ($acts:expr, |$a:ident| $body:expr) => {{
+            {
+                let $a = 0;
+                $body
+            }
+            if $acts > 1 {
+                let $a = 1;
+                $body
+            }
+            if $acts > 2 {
+                let $a = 2;
+                $body
+            }
+        }};
+    }
+
     /// Weight rows of one register tile of [`plain_rows`].
     const PLAIN_TILE_ROWS: usize = 4;
     /// Most activation rows of one register tile of [`plain_rows`].
@@ -797,31 +816,13 @@ mod imp {
         let xp: [*const f32; PLAIN_TILE_ACTS] =
             std::array::from_fn(|a| x.add(if a < ACTS { a } else { 0 } * k));
         let mut acc = [[_mm512_setzero_ps(); PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
-        // Written out per activation row with constant indices (a loop over them left the
-        // accumulators on the stack).
-        macro_rules! per_act {
-            (|$a:ident| $body:expr) => {{
-                {
-                    let $a = 0;
-                    $body
-                }
-                if ACTS > 1 {
-                    let $a = 1;
-                    $body
-                }
-                if ACTS > 2 {
-                    let $a = 2;
-                    $body
-                }
-            }};
-        }
         let mut c = 0;
         while c + 16 <= k {
             let w0 = plain16::<KIND, false>(wp[0].add(c * elem));
             let w1 = plain16::<KIND, false>(wp[1].add(c * elem));
             let w2 = plain16::<KIND, false>(wp[2].add(c * elem));
             let w3 = plain16::<KIND, false>(wp[3].add(c * elem));
-            per_act!(|a| {
+            per_act!(ACTS, |a| {
                 let xv = _mm512_loadu_ps(xp[a].add(c));
                 acc[a][0] = _mm512_fmadd_ps(w0, xv, acc[a][0]);
                 acc[a][1] = _mm512_fmadd_ps(w1, xv, acc[a][1]);
@@ -836,7 +837,7 @@ mod imp {
             let w1 = plain16::<KIND, true>(wp[1].add(c * elem));
             let w2 = plain16::<KIND, true>(wp[2].add(c * elem));
             let w3 = plain16::<KIND, true>(wp[3].add(c * elem));
-            per_act!(|a| {
+            per_act!(ACTS, |a| {
                 let xv = _mm512_maskz_loadu_ps(LOW, xp[a].add(c));
                 acc[a][0] = _mm512_mask3_fmadd_ps(w0, xv, acc[a][0], LOW);
                 acc[a][1] = _mm512_mask3_fmadd_ps(w1, xv, acc[a][1], LOW);
@@ -849,7 +850,7 @@ mod imp {
             hsum_float_8(_mm256_add_ps(_mm512_castps512_ps256(v), high))
         };
         let mut sums = [[0f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
-        per_act!(|a| {
+        per_act!(ACTS, |a| {
             sums[a] = [
                 total(acc[a][0]),
                 total(acc[a][1]),
@@ -1005,24 +1006,6 @@ mod imp {
         let xp: [*const u16; BF16_TILE_ACTS] =
             std::array::from_fn(|a| x.add(if a < ACTS { a } else { 0 } * k));
         let mut acc = [[_mm512_setzero_ps(); BF16_TILE_ROWS]; BF16_TILE_ACTS];
-        // Written out per activation row with constant indices, which keeps the accumulators in
-        // registers.
-        macro_rules! per_act {
-            (|$a:ident| $body:expr) => {{
-                {
-                    let $a = 0;
-                    $body
-                }
-                if ACTS > 1 {
-                    let $a = 1;
-                    $body
-                }
-                if ACTS > 2 {
-                    let $a = 2;
-                    $body
-                }
-            }};
-        }
         macro_rules! step {
             ($live:expr, $c:expr) => {{
                 let (live, c): (__mmask32, usize) = ($live, $c);
@@ -1038,7 +1021,7 @@ mod imp {
                 let w1 = load!(wp[1].add(2 * c));
                 let w2 = load!(wp[2].add(2 * c));
                 let w3 = load!(wp[3].add(2 * c));
-                per_act!(|a| {
+                per_act!(ACTS, |a| {
                     let xv = load!(xp[a].add(c));
                     acc[a][0] = _mm512_dpbf16_ps(acc[a][0], w0, xv);
                     acc[a][1] = _mm512_dpbf16_ps(acc[a][1], w1, xv);
@@ -1056,7 +1039,7 @@ mod imp {
             step!((1u32 << (k - c)) - 1, c);
         }
         let mut sums = [[0f32; BF16_TILE_ROWS]; BF16_TILE_ACTS];
-        per_act!(|a| {
+        per_act!(ACTS, |a| {
             sums[a] = [
                 _mm512_reduce_add_ps(acc[a][0]),
                 _mm512_reduce_add_ps(acc[a][1]),
