@@ -1,8 +1,10 @@
 //! Host GEMM over GGUF block rows (`WeightFormat::Ggml`): every block type on the AVX2 and the
 //! scalar path against the decode-then-f64 reference with the same q8 activations, batched rows
-//! bit-identical to single rows, and the matrix checks of a hand-built `WeightMatrix`.
+//! bit-identical to single rows, and the matrix checks of a hand-built `WeightMatrix`; the same
+//! for the host executor's interleaved rows (IQ4_NL).
 
 use xdna::ggml::GgmlType;
+use xdna::kernels::host_layout::{self, append_interleaved_rows, deinterleave_rows};
 use xdna::kernels::reference::gemm_reference_quantized;
 use xdna::kernels::{HostExecutor, WeightMatrix};
 use xdna::tiles::WeightFormat;
@@ -41,6 +43,22 @@ fn random_rows(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8>
     data
 }
 
+/// `w` in its GGUF rows and, where the format has them, in the host executor's interleaved rows
+/// (`packed` holds those bytes).
+fn layouts<'a>(
+    w: WeightMatrix<'a>,
+    packed: &'a mut Vec<u8>,
+) -> Vec<(&'static str, WeightMatrix<'a>)> {
+    packed.clear();
+    let interleaved = append_interleaved_rows(&w, packed).expect("interleave");
+    let mut all = vec![("GGUF rows", w)];
+    if interleaved {
+        let wi = WeightMatrix::interleaved_rows(w.format, w.rows, w.cols, packed).expect("matrix");
+        all.push(("interleaved rows", wi));
+    }
+    all
+}
+
 fn formats() -> impl Iterator<Item = (WeightFormat, GgmlType)> {
     WeightFormat::ALL.into_iter().filter_map(|f| match f {
         WeightFormat::Ggml(ty) => Some((f, ty)),
@@ -73,23 +91,26 @@ fn every_block_type_matches_the_reference_on_both_paths() {
             let n = 70; // two full row blocks and a partial one
             let data = random_rows(ty, n, k, &mut rng);
             let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
+            let mut packed = Vec::new();
             for m in [1usize, 3, 16] {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
                 let mut want = vec![0f32; m * n];
                 gemm_reference_quantized(&w, &x, m, &mut want).expect("reference");
-                for (name, exec) in [
-                    ("default", HostExecutor::new()),
-                    ("AVX2", HostExecutor::without_vnni()),
-                    ("scalar", HostExecutor::scalar()),
-                ] {
-                    let mut got = vec![0f32; m * n];
-                    exec.gemm(&w, &x, m, &mut got).expect("gemm");
-                    let e = rel_err(&got, &want);
-                    assert!(
-                        e < 2e-5,
-                        "{} {name} k={k} m={m}: relative error {e}",
-                        format.name()
-                    );
+                for (layout, w) in layouts(w, &mut packed) {
+                    for (name, exec) in [
+                        ("default", HostExecutor::new()),
+                        ("AVX2", HostExecutor::without_vnni()),
+                        ("scalar", HostExecutor::scalar()),
+                    ] {
+                        let mut got = vec![0f32; m * n];
+                        exec.gemm(&w, &x, m, &mut got).expect("gemm");
+                        let e = rel_err(&got, &want);
+                        assert!(
+                            e < 2e-5,
+                            "{} {layout} {name} k={k} m={m}: relative error {e}",
+                            format.name()
+                        );
+                    }
                 }
             }
         }
@@ -106,17 +127,22 @@ fn a_row_of_a_batch_equals_the_same_row_alone() {
     for (format, ty) in formats() {
         let data = random_rows(ty, n, k, &mut rng);
         let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
-        for m in [16, 37] {
+        let mut packed = Vec::new();
+        let all = layouts(w, &mut packed);
+        for (m, (layout, w)) in [16, 37]
+            .into_iter()
+            .flat_map(|m| all.iter().map(move |l| (m, l)))
+        {
             let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
             for (name, exec) in [
                 ("default", HostExecutor::new()),
                 ("AVX2", HostExecutor::without_vnni()),
             ] {
                 let mut batch = vec![0f32; m * n];
-                exec.gemm(&w, &x, m, &mut batch).expect("gemm");
+                exec.gemm(w, &x, m, &mut batch).expect("gemm");
                 for i in 0..m {
                     let mut one = vec![0f32; n];
-                    exec.gemm(&w, &x[i * k..(i + 1) * k], 1, &mut one)
+                    exec.gemm(w, &x[i * k..(i + 1) * k], 1, &mut one)
                         .expect("gemm");
                     let same = one
                         .iter()
@@ -124,7 +150,7 @@ fn a_row_of_a_batch_equals_the_same_row_alone() {
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(
                         same,
-                        "{} {name} m={m}: row {i} differs from its batch",
+                        "{} {layout} {name} m={m}: row {i} differs from its batch",
                         format.name()
                     );
                 }
@@ -175,4 +201,64 @@ fn the_512_bit_k_quant_kernels_agree_with_the_avx2_ones() {
             assert!(e < 1e-6, "{} m={m}: relative difference {e}", format.name());
         }
     }
+}
+
+/// Interleaved rows are the file's bytes moved: taken back they are the GGUF rows exactly, and
+/// every path that reads rows (AVX2, scalar) gives the bits it gives over the file's layout. A
+/// matrix of 45 rows leaves a part-filled last group of 8; the wrong length is refused, and so is
+/// handing the layout to what takes the stored one, or asking it of a type without it.
+#[test]
+fn interleaved_rows_are_the_file_rows_moved() {
+    let mut rng = Rng(0x1a7e);
+    let n = 45;
+    for (ty, k) in [
+        (GgmlType::IQ4_NL, 608),
+        (GgmlType::Q5_0, 608),
+        (GgmlType::Q5_1, 608),
+    ] {
+        let format = WeightFormat::Ggml(ty);
+        let data = random_rows(ty, n, k, &mut rng);
+        let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
+        let mut packed = Vec::new();
+        assert!(append_interleaved_rows(&w, &mut packed).expect("interleave"));
+        assert_eq!(packed.len(), 48 * data.len() / n, "six groups of 8 rows");
+        let mut back = vec![0u8; data.len()];
+        deinterleave_rows(format, &packed, k, 0..n, &mut back);
+        assert!(
+            back == data,
+            "{ty:?}: the rows taken back differ from the file's"
+        );
+        let wi = WeightMatrix::interleaved_rows(format, n, k, &packed).expect("matrix");
+        let paths = [
+            ("AVX2", HostExecutor::without_vnni()),
+            ("scalar", HostExecutor::scalar()),
+        ];
+        for m in [1usize, 5, 8, 15, 16, 19] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
+            for (name, exec) in &paths {
+                let (mut file, mut moved) = (vec![0f32; m * n], vec![0f32; m * n]);
+                exec.gemm(&w, &x, m, &mut file).expect("gemm");
+                exec.gemm(&wi, &x, m, &mut moved).expect("gemm");
+                let same = file
+                    .iter()
+                    .zip(&moved)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{ty:?} {name} m={m}: interleaved rows give other bits"
+                );
+            }
+        }
+        assert!(WeightMatrix::interleaved_rows(format, n, k, &packed[1..]).is_err());
+        assert!(WeightMatrix::interleaved_rows(format, n, k, &data).is_err());
+        let err = wi
+            .require_tiles("the reference")
+            .expect_err("not the stored layout");
+        assert!(err.to_string().contains("interleaved-row"), "{err}");
+    }
+    let q6 = WeightFormat::Ggml(GgmlType::Q6_K);
+    assert!(host_layout::interleaved_block_bytes(q6).is_none());
+    let q6_data = vec![0u8; 8 * 210];
+    let q6_matrix = WeightMatrix::new(q6, 8, 256, &q6_data).expect("matrix");
+    assert!(!append_interleaved_rows(&q6_matrix, &mut Vec::new()).expect("no layout"));
 }

@@ -64,6 +64,17 @@ impl<'a> WeightMatrix<'a> {
         Self::checked(format, rows, cols, data, Packing::GroupRecords)
     }
 
+    /// A matrix in the host executor's interleaved rows (from
+    /// [`host_layout::append_interleaved_rows`]), its length checked against format and shape.
+    pub fn interleaved_rows(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        Self::checked(format, rows, cols, data, Packing::InterleavedRows)
+    }
+
     fn checked(
         format: WeightFormat,
         rows: usize,
@@ -102,6 +113,9 @@ impl<'a> WeightMatrix<'a> {
             Packing::GroupRecords => {
                 host_layout::records_matrix_bytes(self.format, self.rows, self.cols)
             }
+            Packing::InterleavedRows => {
+                host_layout::interleaved_matrix_bytes(self.format, self.rows, self.cols)
+            }
         }
     }
 
@@ -109,12 +123,19 @@ impl<'a> WeightMatrix<'a> {
     pub fn require_tiles(&self, consumer: &'static str) -> Result<(), KernelError> {
         match self.packing {
             Packing::Tiles => Ok(()),
-            Packing::GroupRecords => Err(KernelError::Unsupported(format!(
-                "{consumer} takes {} tiles; this {}×{} matrix is in the host executor's group-record layout",
-                self.format.name(),
-                self.rows,
-                self.cols
-            ))),
+            Packing::GroupRecords | Packing::InterleavedRows => {
+                Err(KernelError::Unsupported(format!(
+                    "{consumer} takes {} tiles; this {}×{} matrix is in the host executor's {} layout",
+                    self.format.name(),
+                    self.rows,
+                    self.cols,
+                    if self.packing == Packing::GroupRecords {
+                        "group-record"
+                    } else {
+                        "interleaved-row"
+                    }
+                )))
+            }
         }
     }
 
@@ -166,7 +187,8 @@ impl<'a> WeightMatrix<'a> {
             (Packing::Tiles, Some(tile)) => {
                 self.format.padded_cols(self.cols) / self.format.tile_cols() * tile
             }
-            (Packing::Tiles, None) => 0,
+            // Interleaved rows exist only for ggml blocks, which have no row blocks of tiles.
+            (Packing::Tiles, None) | (Packing::InterleavedRows, _) => 0,
         }
     }
 }
@@ -396,6 +418,13 @@ impl HostExecutor {
         }
     }
 
+    /// Whether this executor runs `format` from interleaved rows (`host_layout`,
+    /// [`Packing::InterleavedRows`]): IQ4_NL, Q5_0 and Q5_1 on the AVX-512 VNNI path. The loader lays such
+    /// matrices out so; every path runs either layout.
+    pub fn interleaves_rows(&self, format: WeightFormat) -> bool {
+        self.uses_vnni() && host_layout::interleaved_block_bytes(format).is_some()
+    }
+
     /// Which kernel this executor runs a matrix of `format` with on this CPU, in words (`xdna
     /// pack info`): the kernel family and the instruction set chosen at run time.
     pub fn kernel_for(&self, format: WeightFormat) -> String {
@@ -418,27 +447,40 @@ impl HostExecutor {
             FastKernel::Plain(_) => {
                 format!("{} row dot on f32 activations ({simd})", format.name())
             }
-            FastKernel::Ggml => match format {
-                WeightFormat::Ggml(GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
-                    if self.uses_avx2() =>
-                {
-                    format!(
-                        "{} blocks dotted in place on q8_K activations ({})",
-                        format.name(),
-                        match self.int_dot() {
-                            Some(avx2::IntDot::Vnni) => "AVX-512 VNNI",
-                            _ => "AVX2",
-                        }
-                    )
-                }
-                _ => format!(
-                    "ggml block rows unpacked to i8, dot on q8 activations ({})",
-                    match self.int_dot() {
-                        Some(avx2::IntDot::Vnni) => "AVX2 unpack, AVX-512 VNNI dot",
-                        _ => simd,
+            FastKernel::Ggml => {
+                let vnni = self.int_dot() == Some(avx2::IntDot::Vnni);
+                match format {
+                    _ if self.interleaves_rows(format) => format!(
+                        "{} rows interleaved 8 at a time at load, dotted on q8 activations \
+                         (AVX-512 VNNI)",
+                        format.name()
+                    ),
+                    WeightFormat::Ggml(GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
+                        if self.uses_avx2() =>
+                    {
+                        format!(
+                            "{} blocks dotted in place on q8_K activations ({int_dot})",
+                            format.name()
+                        )
                     }
-                ),
-            },
+                    WeightFormat::Ggml(GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_XS)
+                        if vnni =>
+                    {
+                        format!(
+                            "{} blocks dotted in place on q8_K activations (AVX-512 VNNI)",
+                            format.name()
+                        )
+                    }
+                    _ => format!(
+                        "ggml block rows unpacked to i8, dot on q8 activations ({})",
+                        if vnni {
+                            "AVX2 unpack, AVX-512 VNNI dot"
+                        } else {
+                            simd
+                        }
+                    ),
+                }
+            }
         }
     }
 
@@ -699,12 +741,18 @@ fn compute_block(
             Some(avx2::IntDot::Maddubs) => ggml_dot::Path::Avx2,
             None => ggml_dot::Path::Scalar,
         };
-        // The length was validated against the shape, so each row is data.len() / rows bytes.
-        let row_bytes = w.data.len() / w.rows.max(1);
         let out_rows = (w.rows - n0).min(TILE_ROWS);
-        ggml_dot::block(
-            path, ty, w.data, row_bytes, k, n0, out_rows, act, rows, out, TILE_ROWS,
-        );
+        if w.packing == Packing::InterleavedRows {
+            ggml_dot::interleaved_block(
+                path, ty, w.data, k, n0, out_rows, act, rows, out, TILE_ROWS,
+            );
+        } else {
+            // The length was validated against the shape, so each row is data.len() / rows bytes.
+            let row_bytes = w.data.len() / w.rows.max(1);
+            ggml_dot::block(
+                path, ty, w.data, row_bytes, k, n0, out_rows, act, rows, out, TILE_ROWS,
+            );
+        }
         let _ = (kernel, x, scalar);
         return;
     }
@@ -844,7 +892,10 @@ fn scalar_tiled_block(
     }
     for t in 0..w.format.padded_cols(k) / tile_cols {
         let tile = match w.packing {
-            Packing::Tiles => &data[t * tile_bytes..(t + 1) * tile_bytes],
+            // Interleaved rows exist only for ggml blocks (`check_bytes` refuses them for tiles).
+            Packing::Tiles | Packing::InterleavedRows => {
+                &data[t * tile_bytes..(t + 1) * tile_bytes]
+            }
             Packing::GroupRecords => {
                 host_layout::tile_from_records(w.format, data, t, rebuilt);
                 &rebuilt[..]

@@ -21,11 +21,14 @@
 //! per 256-value block (ggml's `q8_K`, `quant::ActivationScale::PerSuperblock`), so the `madd`
 //! that widens the pair sums also applies the sub-block scales and a block sums in integers, with
 //! one float multiply-add per block (`x86::k_block`). CPUs with AVX-512 VNNI take 512-bit
-//! kernels for every block type (`k512` for the 256-value super-blocks, two groups per register;
-//! `g512` for Q5_0, Q5_1 and IQ4_NL), and from 16 activation rows the super-block types run with
-//! weight rows across the lanes of a register, one `vpdpbusd` per four values of 16 rows
-//! (`lanes`): decode is 2.5–3.3× that of unpack-then-dot on Zen 3 and Zen 4, and the lanes take
-//! prefill 1.4–2.1× (docs/performance.md).
+//! kernels for the 256-value super-blocks (`k512`, two groups per register), and from 16
+//! activation rows run them with weight rows across the lanes of a register, one `vpdpbusd` per
+//! four values of 16 rows (`lanes`): decode is 2.5–3.3× that of unpack-then-dot on Zen 3 and Zen
+//! 4, and the lanes take prefill 1.4–2.1× (docs/performance.md). IQ4_NL, Q5_0 and Q5_1 rows are
+//! interleaved eight at a time at load on those CPUs (`kernels::host_layout`) and run
+//! `interleaved`'s kernels: one `vpdpbusd` per four values of eight weight rows against broadcast
+//! activations, no horizontal sums ([`interleaved_block`]); in the file's layout (a matrix built
+//! by hand) they are unpacked to i8 and dotted by `vnni`.
 
 // Unsafe is needed for the AVX2 intrinsics.
 #![allow(unsafe_code)]
@@ -178,6 +181,79 @@ macro_rules! by_act_chunks {
 
 thread_local! {
     static SCRATCH: RefCell<UnpackedRow> = RefCell::new(UnpackedRow::default());
+    /// GGUF rows taken back out of an interleaved matrix for the paths that read rows.
+    static GGUF_ROWS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// As [`block`], for a matrix of `ty` in the host executor's interleaved rows
+/// (`host_layout::Packing::InterleavedRows`; `n0` a multiple of 8). AVX-512 VNNI runs
+/// `interleaved`'s kernel on it; the other paths take the rows back in their GGUF layout
+/// (`host_layout::deinterleave_rows`) and run as over the file's bytes.
+#[allow(clippy::too_many_arguments)] // one work item's context
+pub fn interleaved_block(
+    path: Path,
+    ty: GgmlType,
+    data: &[u8],
+    cols: usize,
+    n0: usize,
+    out_rows: usize,
+    act: &super::quant::QuantizedRows,
+    act_rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let format = crate::tiles::WeightFormat::Ggml(ty);
+    #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx512Vnni
+        && act.scale == ActivationScale::PerGroup
+        && n0.is_multiple_of(super::host_layout::INTERLEAVED_ROWS)
+    {
+        // Each arm's kernel needs what holds here: `Path::Avx512Vnni` is only chosen when AVX2,
+        // FMA, F16C and AVX-512 F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` is
+        // the whole interleaved matrix of `ty` (its length validated against rows and cols), so
+        // it holds the groups of rows n0 .. n0 + out_rows; `act` holds `cols` codes per
+        // group-scaled row of `act_rows`, `out` `stride` per row.
+        match ty {
+            GgmlType::IQ4_NL => {
+                // SAFETY: as above.
+                unsafe {
+                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::iq4nl_rows(
+                        data, cols, n0, out_rows, act, first, out, stride
+                    ));
+                }
+                return;
+            }
+            GgmlType::Q5_0 => {
+                // SAFETY: as above.
+                unsafe {
+                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::q5_0_rows(
+                        data, cols, n0, out_rows, act, first, out, stride
+                    ));
+                }
+                return;
+            }
+            GgmlType::Q5_1 => {
+                // SAFETY: as above.
+                unsafe {
+                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::q5_1_rows(
+                        data, cols, n0, out_rows, act, first, out, stride
+                    ));
+                }
+                return;
+            }
+            _ => {}
+        }
+    }
+    let Ok(row_bytes) = crate::tiles::ggml_row_bytes(ty, cols) else {
+        return;
+    };
+    crate::kernels::with_scratch(&GGUF_ROWS, |rows| {
+        rows.resize(out_rows * row_bytes, 0);
+        super::host_layout::deinterleave_rows(format, data, cols, n0..n0 + out_rows, rows);
+        block(
+            path, ty, rows, row_bytes, cols, 0, out_rows, act, act_rows, out, stride,
+        );
+    });
 }
 
 /// Output rows `n0 .. n0 + out_rows` of a `WeightMatrix::Ggml` matrix (`data`: its rows of
@@ -256,22 +332,6 @@ pub fn block(
             ));
         }
         return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx512Vnni && act.scale == ActivationScale::PerGroup {
-        if let Some(kind) = g512::Small::of(ty) {
-            // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
-            // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
-            // out_rows of `row_bytes` (cols / 32 whole blocks: validated with the matrix), `act`
-            // holds `cols` codes per group-scaled row of `act_rows`, `out` `stride` per row.
-            unsafe {
-                let rows = k512::WeightRows::new(data, row_bytes, n0, out_rows);
-                by_act_chunks!(act_rows, out, stride, |first, out| g512::rows(
-                    kind, rows, cols, act, first, out, stride
-                ));
-            }
-            return;
-        }
     }
     #[cfg(target_arch = "x86_64")]
     if path == Path::Avx512Vnni {
@@ -535,6 +595,9 @@ mod vnni {
 /// speeds).
 #[cfg(target_arch = "x86_64")]
 mod lanes;
+
+#[cfg(target_arch = "x86_64")]
+mod interleaved;
 
 #[cfg(target_arch = "x86_64")]
 mod k512 {
@@ -1316,263 +1379,6 @@ mod k512 {
             }
             for (slot, acc) in acc.iter().enumerate() {
                 out[slot * stride + r] = BlockSums::<N>::output::<false>(*acc);
-            }
-        }
-    }
-}
-
-/// Q5_0, Q5_1 and IQ4_NL rows dotted straight from their 32-value blocks on CPUs with AVX-512
-/// VNNI, without the unpacked scratch row: two blocks fill a 512-bit register (nibbles split by
-/// one variable shift, Q5's fifth bits added under a mask made from the two `qh` words, IQ4_NL's
-/// codes looked up with one byte shuffle), once per weight row and chunk of activation rows.
-/// The codes go into `vpdpbusd` unsigned (`u = w + bias`: Q5_0's raw 5-bit code, bias 16;
-/// IQ4_NL's table value with its sign bit flipped, bias 128; Q5_1's code, bias 0), and the
-/// first lane of each group starts at `−bias · Σc` of the group (`QuantizedRows::code_sums`),
-/// so each group's lanes sum to `Σ w·c` exactly. Each lane then takes its group's weight scale
-/// times activation scale in one FMA (Q5_1 adds `m · d·Σc` per group). Every activation row
-/// runs the same operations whatever the other rows are.
-#[cfg(target_arch = "x86_64")]
-mod g512 {
-    use super::k512::WeightRows;
-    use crate::ggml::{GgmlType, IQ4_TABLE};
-    use crate::kernels::quant::QuantizedRows;
-    use std::arch::x86_64::*;
-
-    /// Which 32-value block type a kernel reads.
-    #[derive(Clone, Copy, PartialEq, Eq)]
-    pub enum Small {
-        /// 22 bytes: f16 d, u32 fifth bits, 16 bytes of nibbles; `w = d·(u − 16)`.
-        Q5_0,
-        /// 24 bytes: f16 d, f16 m, u32 fifth bits, 16 bytes of nibbles; `w = d·u + m`.
-        Q5_1,
-        /// 18 bytes: f16 d, 16 bytes of nibbles indexing `IQ4_TABLE`; `w = d·table[u]`.
-        Iq4Nl,
-    }
-
-    impl Small {
-        /// The kernel for `ty`, if there is one.
-        pub fn of(ty: GgmlType) -> Option<Self> {
-            match ty {
-                GgmlType::Q5_0 => Some(Self::Q5_0),
-                GgmlType::Q5_1 => Some(Self::Q5_1),
-                GgmlType::IQ4_NL => Some(Self::Iq4Nl),
-                _ => None,
-            }
-        }
-
-        fn bytes(self) -> usize {
-            match self {
-                Self::Q5_0 => 22,
-                Self::Q5_1 => 24,
-                Self::Iq4Nl => 18,
-            }
-        }
-
-        /// Offset of the 16 nibble bytes in a block.
-        fn nibbles_at(self) -> usize {
-            match self {
-                Self::Q5_0 => 6,
-                Self::Q5_1 => 8,
-                Self::Iq4Nl => 2,
-            }
-        }
-
-        /// `u − w`: what the unsigned code adds to the weight code.
-        fn bias(self) -> i32 {
-            match self {
-                Self::Q5_0 => 16,
-                Self::Q5_1 => 0,
-                Self::Iq4Nl => 128,
-            }
-        }
-    }
-
-    /// The little-endian u32 at `p`.
-    #[inline]
-    unsafe fn u32_at(p: *const u8) -> u32 {
-        u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
-    }
-
-    /// Blocks `2c` and `2c + 1` of a row at `a` (the second absent when `two` is false: zero
-    /// codes): the 64 unsigned codes (block `2c` in the low 256 bits, values 0-15 and 16-31 in
-    /// its two 128-bit lanes; block `2c + 1` in the high 256).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn decode_pair(kind: Small, a: *const u8, two: bool, table: __m512i) -> __m512i {
-        let b = a.add(kind.bytes());
-        let at = kind.nibbles_at();
-        let nib_a = _mm_loadu_si128(a.add(at) as *const __m128i);
-        let nib_b = if two {
-            _mm_loadu_si128(b.add(at) as *const __m128i)
-        } else {
-            _mm_setzero_si128()
-        };
-        // 128-bit lanes [A, A, B, B], shifted by 0, 4, 0, 4: values 0-15 and 16-31 of each block.
-        let ab = _mm512_castsi256_si512(_mm256_set_m128i(nib_b, nib_a));
-        let spread = _mm512_shuffle_i64x2::<0b01_01_00_00>(ab, ab);
-        const BY_4: i64 = 0x0004_0004_0004_0004; // four i16 shift counts of 4
-        let shift = _mm512_set_epi64(BY_4, BY_4, 0, 0, BY_4, BY_4, 0, 0);
-        let mut u = _mm512_and_si512(_mm512_srlv_epi16(spread, shift), _mm512_set1_epi8(0x0F));
-        match kind {
-            Small::Q5_0 | Small::Q5_1 => {
-                let qh = if kind == Small::Q5_0 { 2 } else { 4 };
-                let bits_b = if two { u32_at(b.add(qh)) } else { 0 };
-                let fifth: __mmask64 = (u64::from(bits_b) << 32) | u64::from(u32_at(a.add(qh)));
-                u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
-            }
-            Small::Iq4Nl => u = _mm512_shuffle_epi8(table, u),
-        }
-        u
-    }
-
-    /// Groups per span: each span of a row sums its groups' lanes into one lane per group.
-    const SPAN: usize = 16;
-
-    /// The 8 lanes of each of 16 groups summed into one lane per group: `v[p]` holds group `2p`
-    /// in lanes 0-7 and `2p + 1` in lanes 8-15; the result holds group `g` in lane `g`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn group_sums(v: &[__m512i; 8]) -> __m512i {
-        // Per 128-bit lane: interleave and add twice, so lane q of 128-bit lane L of `u[m]`
-        // holds the 4-lane sum of `v[4m + q]`'s 128-bit lane L.
-        let t: [__m512i; 4] = std::array::from_fn(|k| {
-            let (a, b) = (v[2 * k], v[2 * k + 1]);
-            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-        });
-        let u: [__m512i; 2] = std::array::from_fn(|m| {
-            let (a, b) = (t[2 * m], t[2 * m + 1]);
-            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-        });
-        // 128-bit lanes 0 + 1 (the even group of each pair) and 2 + 3 (the odd one).
-        let even = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[0], u[1]);
-        let odd = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[0], u[1]);
-        // Lanes now hold groups 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15.
-        let order = _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
-        _mm512_permutexvar_epi32(order, _mm512_add_epi32(even, odd))
-    }
-
-    /// Rows of `rows` against activation rows `first .. first + N` (`act` quantized per 32
-    /// values): `out[slot · stride + r]`. Per span of 16 groups, each pair of groups takes one
-    /// `vpdpbusd` of its unsigned codes against the activations; the 16 groups' lanes are then
-    /// summed into one lane per group (`group_sums`), corrected by `−bias·Σc` (the activations'
-    /// code sums), and take their scales `d·d_act` in one FMA per 16 groups (Q5_1: and its
-    /// minimums `m·d_act·Σc` in another), so the float work is per 512 values, not per 32.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `rows` holds `cols / 32` blocks of `kind` per
-    /// row; `act` holds rows `first .. first + N` of `cols` codes, scales, sums and code sums
-    /// per 32 values; `out` holds `(N - 1) · stride + rows.count` floats.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn rows<const N: usize>(
-        kind: Small,
-        rows: WeightRows,
-        cols: usize,
-        act: &QuantizedRows,
-        first: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
-        let blocks = cols / 32;
-        let consts = Consts {
-            kind,
-            table: _mm512_xor_si512(
-                _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i)),
-                _mm512_set1_epi8(-128),
-            ),
-            block_starts: _mm512_mullo_epi32(
-                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                _mm512_set1_epi32(kind.bytes() as i32),
-            ),
-            bias_shift: _mm_cvtsi32_si128(kind.bias().trailing_zeros() as i32),
-        };
-        for r in 0..rows.count {
-            let row = rows.row(r);
-            let mut acc = [_mm512_setzero_ps(); N];
-            let full = blocks / SPAN * SPAN;
-            for g0 in (0..full).step_by(SPAN) {
-                span::<N, true>(&consts, row, g0, SPAN, act, first, &mut acc);
-            }
-            if full < blocks {
-                span::<N, false>(&consts, row, full, blocks - full, act, first, &mut acc);
-            }
-            for (slot, acc) in acc.iter().enumerate() {
-                out[slot * stride + r] = _mm512_reduce_add_ps(*acc);
-            }
-        }
-    }
-
-    /// What every span of a call uses.
-    struct Consts {
-        kind: Small,
-        /// `IQ4_TABLE` in each 128-bit lane, as unsigned codes (`+ 128`).
-        table: __m512i,
-        /// Byte offsets of a span's 16 blocks from its first.
-        block_starts: __m512i,
-        /// `log2 bias` (the biases are 0, 16 and 128): `−bias·Σc` is `−(Σc << shift)`.
-        bias_shift: __m128i,
-    }
-
-    /// Groups `g0 .. g0 + count` of `row` (`count` = 16 with `FULL`, fewer at a row's end)
-    /// into `acc[slot]` for activation rows `first + slot`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn span<const N: usize, const FULL: bool>(
-        consts: &Consts,
-        row: *const u8,
-        g0: usize,
-        count: usize,
-        act: &QuantizedRows,
-        first: usize,
-        acc: &mut [__m512; N],
-    ) {
-        let kind = consts.kind;
-        let count = if FULL { SPAN } else { count };
-        let groups = act.groups();
-        let block_bytes = kind.bytes();
-        let live: __mmask16 = if FULL { !0 } else { (1u16 << count) - 1 };
-        let pairs = count.div_ceil(2);
-        let mut codes = [_mm512_setzero_si512(); 8];
-        for (p, codes) in codes.iter_mut().enumerate().take(pairs) {
-            let a = row.add((g0 + 2 * p) * block_bytes);
-            *codes = decode_pair(kind, a, FULL || 2 * p + 1 < count, consts.table);
-        }
-        // The first four bytes of each live block in one gather: `d` in the low half, Q5_1's `m`
-        // in the high half (absent blocks read nothing and give zeros).
-        let heads = _mm512_mask_i32gather_epi32::<1>(
-            _mm512_setzero_si512(),
-            live,
-            consts.block_starts,
-            row.add(g0 * block_bytes) as *const i32,
-        );
-        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads));
-        let m = if kind == Small::Q5_1 {
-            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(heads)))
-        } else {
-            _mm512_setzero_ps()
-        };
-        for (slot, acc) in acc.iter_mut().enumerate() {
-            let i = first + slot;
-            let g = i * groups + g0;
-            let x = act.codes.as_ptr().add(i * act.cols + 32 * g0);
-            let mut sums = [_mm512_setzero_si512(); 8];
-            for (p, sum) in sums.iter_mut().enumerate().take(pairs) {
-                let xs = if FULL || 2 * p + 1 < count {
-                    _mm512_loadu_si512(x.add(64 * p) as *const _)
-                } else {
-                    _mm512_zextsi256_si512(_mm256_loadu_si256(x.add(64 * p) as *const _))
-                };
-                *sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[p], xs);
-            }
-            let mut isum = group_sums(&sums);
-            if kind.bias() != 0 {
-                let code_sums = _mm512_maskz_loadu_epi32(live, act.code_sums.as_ptr().add(g));
-                isum = _mm512_sub_epi32(isum, _mm512_sll_epi32(code_sums, consts.bias_shift));
-            }
-            let act_d = _mm512_maskz_loadu_ps(live, act.scales.as_ptr().add(g));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, act_d), *acc);
-            if kind == Small::Q5_1 {
-                let act_sums = _mm512_maskz_loadu_ps(live, act.sums.as_ptr().add(g));
-                *acc = _mm512_fmadd_ps(m, act_sums, *acc);
             }
         }
     }

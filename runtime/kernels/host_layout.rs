@@ -16,9 +16,26 @@
 //! one group and the AVX2 kernels read it through the same code with `groups_per_tile = 1`. Every
 //! row's arithmetic is the tile kernels' (same groups, same order): results are bit-identical.
 //! Devices never see this layout; it is built only for matrices the host executor runs.
+//!
+//! IQ4_NL, Q5_0 and Q5_1 matrices (GGUF rows of 32-value blocks: f16 scales, Q5's fifth bits,
+//! 16 bytes of nibbles) get a layout of their own on CPUs with AVX-512 VNNI, *interleaved rows*:
+//! a single activation row then takes one `vpdpbusd` per four values of eight weight rows, its
+//! activations broadcast, instead of a horizontal sum per weight row (`ggml_dot::interleaved`).
+//! Per group of 8 weight rows (rows past the matrix's last are zero) and per 32-value block
+//! column, eight blocks' bytes, each field for the 8 rows together:
+//!
+//! - the rows' f16 `d` (16 B) and, Q5_1, their f16 `m` (16 B);
+//! - Q5_0, Q5_1: the fifth bits, byte `β` of every row's `qh` together (`8β + r`, 32 B), so eight
+//!   bytes are the fifth bits of one register of codes;
+//! - nibble bytes 0-7 of each row, row after row (`8r + k`, 64 B), then nibble bytes 8-15 (64 B).
+//!
+//! A column is 144 (IQ4_NL), 176 (Q5_0) or 192 bytes (Q5_1). Groups follow each other, a group's
+//! block columns in order. Bytes are the file's, moved: [`deinterleave_rows`] gives back the GGUF
+//! rows exactly.
 
 use super::gemm::WeightMatrix;
 use super::KernelError;
+use crate::ggml::GgmlType;
 use crate::tiles::{self, TileOrder, WeightFormat, GROUP, GROUPS, TILE_ROWS};
 
 /// How a tiled matrix's bytes are arranged.
@@ -29,6 +46,168 @@ pub enum Packing {
     Tiles,
     /// Per-group records without tile padding (q4_1 and Q8 only); see the module docs.
     GroupRecords,
+    /// GGUF blocks with 8 weight rows interleaved (IQ4_NL only); see the module docs.
+    InterleavedRows,
+}
+
+/// Weight rows interleaved in [`Packing::InterleavedRows`].
+pub const INTERLEAVED_ROWS: usize = 8;
+
+/// One run of bytes of a GGUF block in [`Packing::InterleavedRows`]: block bytes `src .. src +
+/// len` of row `r` of a group go to `dst + r · len` of the group's block column.
+#[derive(Clone, Copy)]
+struct Field {
+    src: usize,
+    len: usize,
+    dst: usize,
+}
+
+const fn field(src: usize, len: usize, dst: usize) -> Field {
+    Field { src, len, dst }
+}
+
+/// IQ4_NL: `d`, then nibble bytes 0-7 and 8-15 (module docs).
+const IQ4_NL_FIELDS: [Field; 3] = [field(0, 2, 0), field(2, 8, 16), field(10, 8, 80)];
+
+/// Q5_0: `d`, the four bytes of `qh` one by one (byte `β` of row `r` at `16 + 8β + r`), then
+/// nibble bytes 0-7 and 8-15 (module docs).
+const Q5_0_FIELDS: [Field; 7] = [
+    field(0, 2, 0),
+    field(2, 1, 16),
+    field(3, 1, 24),
+    field(4, 1, 32),
+    field(5, 1, 40),
+    field(6, 8, 48),
+    field(14, 8, 112),
+];
+
+/// Q5_1: `d`, `m`, the four bytes of `qh` one by one (at `32 + 8β + r`), then nibble bytes 0-7
+/// and 8-15 (module docs).
+const Q5_1_FIELDS: [Field; 8] = [
+    field(0, 2, 0),
+    field(2, 2, 16),
+    field(4, 1, 32),
+    field(5, 1, 40),
+    field(6, 1, 48),
+    field(7, 1, 56),
+    field(8, 8, 64),
+    field(16, 8, 128),
+];
+
+/// The fields of a GGUF block of `format` in [`Packing::InterleavedRows`], or `None` if the
+/// format has no interleaved layout.
+fn interleaved_fields(format: WeightFormat) -> Option<&'static [Field]> {
+    match format {
+        WeightFormat::Ggml(GgmlType::IQ4_NL) => Some(&IQ4_NL_FIELDS),
+        WeightFormat::Ggml(GgmlType::Q5_0) => Some(&Q5_0_FIELDS),
+        WeightFormat::Ggml(GgmlType::Q5_1) => Some(&Q5_1_FIELDS),
+        _ => None,
+    }
+}
+
+/// Bytes of one block column of an 8-row group of `format` in [`Packing::InterleavedRows`]
+/// (eight GGUF blocks), or `None` if the format has no interleaved layout.
+pub fn interleaved_block_bytes(format: WeightFormat) -> Option<usize> {
+    let fields = interleaved_fields(format)?;
+    Some(INTERLEAVED_ROWS * fields.iter().map(|f| f.len).sum::<usize>())
+}
+
+/// Bytes of a `[rows, cols]` matrix with interleaved rows (rows rounded up to a whole group).
+pub fn interleaved_matrix_bytes(
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+) -> Result<usize, tiles::TileError> {
+    interleaved_fields(format).ok_or_else(|| {
+        tiles::TileError::UnknownFormat(format!("{} interleaved rows", format.name()))
+    })?;
+    // Whole blocks per row (the GGUF layout's check); a group holds 8 rows' bytes.
+    let row_bytes = format.matrix_bytes(1, cols)?;
+    Ok(rows.div_ceil(INTERLEAVED_ROWS) * INTERLEAVED_ROWS * row_bytes)
+}
+
+/// [`Packing::InterleavedRows`] bytes of `w`, a matrix in its GGUF row layout, appended to
+/// `out`. Returns false, appending nothing, when the format has no interleaved layout. A
+/// matrix can be packed a stripe of rows at a time into one buffer when every stripe but the
+/// last holds whole groups of 8 rows.
+pub fn append_interleaved_rows(
+    w: &WeightMatrix<'_>,
+    out: &mut Vec<u8>,
+) -> Result<bool, KernelError> {
+    let (format, rows, cols) = (w.format, w.rows, w.cols);
+    let (Some(fields), Some(block)) = (interleaved_fields(format), interleaved_block_bytes(format))
+    else {
+        return Ok(false);
+    };
+    w.require_tiles("interleaving rows")?;
+    w.check_bytes()?;
+    let added =
+        interleaved_matrix_bytes(format, rows, cols).map_err(|source| KernelError::Weight {
+            format: format.name(),
+            rows,
+            cols,
+            source,
+        })?;
+    let row_block = block / INTERLEAVED_ROWS;
+    let row_bytes = w.data.len() / rows.max(1);
+    let group_bytes = row_bytes * INTERLEAVED_ROWS;
+    if group_bytes == 0 {
+        return Ok(true);
+    }
+    let start = out.len();
+    out.resize(start + added, 0);
+    for (g, dst_group) in out[start..].chunks_exact_mut(group_bytes).enumerate() {
+        let first = g * INTERLEAVED_ROWS;
+        for r in 0..INTERLEAVED_ROWS.min(rows - first) {
+            let src = &w.data[(first + r) * row_bytes..(first + r + 1) * row_bytes];
+            for (dst, b) in dst_group
+                .chunks_exact_mut(block)
+                .zip(src.chunks_exact(row_block))
+            {
+                for f in fields {
+                    let to = f.dst + r * f.len;
+                    dst[to..to + f.len].copy_from_slice(&b[f.src..f.src + f.len]);
+                }
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// The GGUF bytes of rows `rows` (whole rows of `cols` values of `format`) of a matrix in
+/// [`Packing::InterleavedRows`] (`data`), into `out` (`rows.len()` rows): the inverse of
+/// [`append_interleaved_rows`], for the paths that read GGUF rows.
+pub fn deinterleave_rows(
+    format: WeightFormat,
+    data: &[u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [u8],
+) {
+    let (Some(fields), Some(block), Ok(row_bytes)) = (
+        interleaved_fields(format),
+        interleaved_block_bytes(format),
+        format.matrix_bytes(1, cols),
+    ) else {
+        return;
+    };
+    let (row_block, group_bytes) = (block / INTERLEAVED_ROWS, row_bytes * INTERLEAVED_ROWS);
+    if row_bytes == 0 {
+        return;
+    }
+    for (row, dst_row) in rows.zip(out.chunks_exact_mut(row_bytes)) {
+        let (g, r) = (row / INTERLEAVED_ROWS, row % INTERLEAVED_ROWS);
+        let group = &data[g * group_bytes..(g + 1) * group_bytes];
+        for (src, dst) in group
+            .chunks_exact(block)
+            .zip(dst_row.chunks_exact_mut(row_block))
+        {
+            for f in fields {
+                let from = f.dst + r * f.len;
+                dst[f.src..f.src + f.len].copy_from_slice(&src[from..from + f.len]);
+            }
+        }
+    }
 }
 
 /// Offset of the min area in a q4_1 record.

@@ -122,14 +122,20 @@ impl KernelProjection {
             Packing::GroupRecords => {
                 WeightMatrix::group_records(self.format, self.rows, self.cols, data)?
             }
+            Packing::InterleavedRows => {
+                WeightMatrix::interleaved_rows(self.format, self.rows, self.cols, data)?
+            }
         })
     }
 
-    /// Re-lay a q4_1 / Q8 matrix as the host executor's group records (no tile padding, one
-    /// stream per row block: `kernels::host_layout`), replacing the tile bytes; mapped pages are
-    /// released. Other formats keep their tiles. Results are bit-identical either way; decode
-    /// streams ~20 % fewer bytes for SmolLM2 (K = 576 pads to 768 in tiles).
-    fn use_host_layout(&mut self) -> Result<(), ModelError> {
+    /// Re-lay the matrix in the host executor's own layout, where its format has one
+    /// (`kernels::host_layout`), replacing the stored bytes; mapped pages are released. q4_1 /
+    /// Q8 tiles become group records (no tile padding, one stream per row block: decode streams
+    /// ~20 % fewer bytes for SmolLM2, whose K = 576 pads to 768 in tiles), and IQ4_NL, Q5_0 and Q5_1
+    /// rows are interleaved 8 at a time where `exec` runs them so (AVX-512 VNNI). Other formats keep their
+    /// bytes. Results are bit-identical to the stored layout's for the records, and for the
+    /// interleaved rows on every path but the one they are interleaved for.
+    fn use_host_layout(&mut self, exec: &HostExecutor) -> Result<(), ModelError> {
         let Store::Host(bytes) = &self.store else {
             return Ok(());
         };
@@ -140,26 +146,40 @@ impl KernelProjection {
             Bytes::Mapped(b) => (&b[..], Some(b)),
             Bytes::Owned { buf, start } => (&buf[*start..], None),
         };
-        let Some(record) = host_layout::record_bytes(self.format) else {
+        let packing = if host_layout::record_bytes(self.format).is_some() {
+            Packing::GroupRecords
+        } else if exec.interleaves_rows(self.format) {
+            Packing::InterleavedRows
+        } else {
             return Ok(());
         };
-        // A stripe of row blocks at a time, its mapped pages released as soon as it is packed:
-        // the tiles of a large matrix (the 38 MiB lm_head) are never all resident next to the
-        // records. Tiles and records are both row-block major, so stripes simply concatenate.
+        let packed_bytes = match packing {
+            Packing::GroupRecords => {
+                host_layout::records_matrix_bytes(self.format, self.rows, self.cols)
+            }
+            _ => host_layout::interleaved_matrix_bytes(self.format, self.rows, self.cols),
+        };
+        // Reserved in full, so the buffer never moves (and is never resident twice) as it fills.
+        let mut packed = Vec::with_capacity(packed_bytes.unwrap_or(0));
+        // A stripe of rows at a time, its mapped pages released as soon as it is packed: the
+        // stored bytes of a large matrix (the 38 MiB lm_head) are never all resident next to
+        // the packed ones. Both layouts are row-block (8-row group) major, so stripes of whole
+        // 32-row blocks simply concatenate; `data` holds rows / 32 tile row blocks or rows GGUF
+        // rows (checked by `matrix()` when the projection was built), so row `r` starts at byte
+        // `len · r / rows` for such `r`.
         const STRIPE_ROWS: usize = 1024;
-        // `data` holds exactly rows / 32 row blocks (checked by `matrix()` when the projection was built).
-        let tile_row_bytes = data.len() / (self.rows / tiles::TILE_ROWS).max(1);
-        let mut records = Vec::with_capacity(
-            self.rows / tiles::TILE_ROWS * self.cols.div_ceil(tiles::GROUP) * record,
-        );
+        let byte_of_row = |row: usize| data.len() * row / self.rows.max(1);
         let mut row = 0;
         while row < self.rows {
             let rows = STRIPE_ROWS.min(self.rows - row);
-            let stripe_bytes = row / tiles::TILE_ROWS * tile_row_bytes
-                ..(row + rows) / tiles::TILE_ROWS * tile_row_bytes;
+            let stripe_bytes = byte_of_row(row)..byte_of_row(row + rows);
             let stripe = &data[stripe_bytes.clone()];
-            let tiles = WeightMatrix::new(self.format, rows, self.cols, stripe)?;
-            if !append_group_records(&tiles, &mut records)? {
+            let stored = WeightMatrix::new(self.format, rows, self.cols, stripe)?;
+            let appended = match packing {
+                Packing::GroupRecords => append_group_records(&stored, &mut packed)?,
+                _ => host_layout::append_interleaved_rows(&stored, &mut packed)?,
+            };
+            if !appended {
                 return Ok(());
             }
             if let Some(mapped) = mapped {
@@ -167,8 +187,8 @@ impl KernelProjection {
             }
             row += rows;
         }
-        self.store = Store::Host(Bytes::owned(records));
-        self.packing = Packing::GroupRecords;
+        self.store = Store::Host(Bytes::owned(packed));
+        self.packing = packing;
         Ok(())
     }
 
@@ -276,8 +296,8 @@ pub(super) fn projection(
     };
     p.streamed = p.matrix()?.streamed_bytes();
     // The exact reference reads tiles; a device gets tiles at upload (see `place` in `load`).
-    if matches!(**exec, Executor::Host(_)) && !opts.exact {
-        p.use_host_layout()?;
+    if let (Executor::Host(host), false) = (&**exec, opts.exact) {
+        p.use_host_layout(host)?;
     }
     Ok(p)
 }

@@ -1,0 +1,202 @@
+//! IQ4_NL rows interleaved eight at a time (`host_layout`, `Packing::InterleavedRows`) on CPUs
+//! with AVX-512 VNNI: each 64-bit lane of a register holds eight code bytes of one weight
+//! row, so one `vpdpbusd` against eight activation codes broadcast to every lane adds four
+//! products into each of two i32 lanes per weight row, and no horizontal sum is needed until a
+//! row's end.
+//!
+//! A block column of 8 weight rows is 128 bytes of nibbles in two
+//! 512-bit registers; a lane's low nibbles are eight consecutive values of its row, its high
+//! nibbles the eight 16 places later. The table lookup (`vpshufb`) turns them into unsigned codes
+//! (`u = w + 128`). Each lane starts at `−64·Σc` of the block (half of `−128·Σc` per lane of the
+//! pair), so a row's two lanes sum to `Σ w·c` exactly. Per block: the lanes converted to f32 and
+//! one FMA with `d·d_act` (each row's `d` in its two lanes) into one of two accumulators, even
+//! and odd blocks (the block-to-block chain is one FMA every other block); a row's result is its
+//! pair of lanes summed at the end.
+//!
+//! Every activation row runs the same operations whatever the other rows of the call, so batched
+//! rows keep single rows' bits.
+
+use crate::ggml::IQ4_TABLE;
+use crate::kernels::host_layout::INTERLEAVED_ROWS;
+use crate::kernels::quant::QuantizedRows;
+use std::arch::x86_64::*;
+
+/// Which 32-value block type [`small_rows`] reads: IQ4_NL.
+pub const IQ4_NL: u8 = 0;
+/// Q5_0 for [`small_rows`].
+pub const Q5_0: u8 = 1;
+/// Q5_1 for [`small_rows`].
+pub const Q5_1: u8 = 2;
+
+/// Where the fields of an 8-row block column of `KIND` start (`host_layout`'s layout): the
+/// rows' `d`, their `m` (Q5_1), the fifth bits transposed (Q5_0, Q5_1: byte `β` of every row's
+/// `qh` together, so eight bytes are the fifth bits of one register of codes), the two registers
+/// of nibbles; and the column's bytes.
+struct Fields {
+    m: usize,
+    fifth: usize,
+    nibbles: usize,
+    bytes: usize,
+}
+
+const fn fields(kind: u8) -> Fields {
+    match kind {
+        IQ4_NL => Fields {
+            m: 0,
+            fifth: 0,
+            nibbles: 16,
+            bytes: 144,
+        },
+        Q5_0 => Fields {
+            m: 0,
+            fifth: 16,
+            nibbles: 48,
+            bytes: 176,
+        },
+        _ => Fields {
+            m: 16,
+            fifth: 32,
+            nibbles: 64,
+            bytes: 192,
+        },
+    }
+}
+
+/// Output rows `n0 .. n0 + out_rows` of an interleaved IQ4_NL, Q5_0 or Q5_1 matrix `data`
+/// (`KIND`; `cols` values per row; `n0` a multiple of 8) for activation rows `first .. first +
+/// N` (quantized per 32 values): `out[slot · stride + r]` for weight row `n0 + r`. The codes go
+/// into `vpdpbusd` unsigned (`u = w + bias`: IQ4_NL's table value + 128, Q5_0's 5-bit code, bias
+/// 16; Q5_1's code, bias 0), each lane starting at `−bias·Σc / 2` of the block; Q5_1 adds its
+/// minimums' term `m·d_act·Σc` (the activations' `sums`) in a second FMA on one lane per row.
+///
+/// # Safety
+/// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; `data` holds the 8-row groups of rows `n0 .. n0 +
+/// out_rows` (`cols / 32` block columns each); `act` holds rows `first .. first + N` of `cols`
+/// codes with scales, sums and code sums per 32 values; `out` holds `(N - 1) · stride +
+/// out_rows` floats.
+#[allow(clippy::too_many_arguments)] // one work item's context, as `ggml_dot::block`
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn small_rows<const N: usize, const KIND: u8>(
+    data: &[u8],
+    cols: usize,
+    n0: usize,
+    out_rows: usize,
+    act: &QuantizedRows,
+    first: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let at = fields(KIND);
+    let blocks = cols / 32;
+    let groups = act.groups();
+    let table = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i)),
+        _mm512_set1_epi8(-128),
+    );
+    let (low_nibbles, sixteen) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(16));
+    // −bias·Σc over a row's two lanes: −(bias / 2)·Σc in each.
+    let half_bias = match KIND {
+        IQ4_NL => 64,
+        Q5_0 => 8,
+        _ => 0,
+    };
+    // Row r's scale into lanes 2r and 2r + 1.
+    let pair_lanes = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    let even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+    let odd = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1);
+    let rows8 = |p: *const u8| {
+        _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)))
+    };
+    for g in 0..out_rows.div_ceil(INTERLEAVED_ROWS) {
+        let group = data
+            .as_ptr()
+            .add((n0 / INTERLEAVED_ROWS + g) * blocks * at.bytes);
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let p = group.add(b * at.bytes);
+            let (w0, w1) = (
+                _mm512_loadu_si512(p.add(at.nibbles) as *const _),
+                _mm512_loadu_si512(p.add(at.nibbles + 64) as *const _),
+            );
+            // Values 0-7, 8-15, 16-23 and 24-31 of each row.
+            let mut codes = [
+                _mm512_and_si512(w0, low_nibbles),
+                _mm512_and_si512(w1, low_nibbles),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(w0), low_nibbles),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(w1), low_nibbles),
+            ];
+            for (e, u) in codes.iter_mut().enumerate() {
+                if KIND == IQ4_NL {
+                    *u = _mm512_shuffle_epi8(table, *u);
+                } else {
+                    // Bit 8r + k: the fifth bit of value 8e + k of row r.
+                    let fifth = (p.add(at.fifth + 8 * e) as *const u64).read_unaligned();
+                    *u = _mm512_mask_add_epi8(*u, fifth, *u, sixteen);
+                }
+            }
+            let d = _mm512_permutexvar_ps(pair_lanes, rows8(p));
+            // Q5_1: each row's m in its first lane only.
+            let m = if KIND == Q5_1 {
+                _mm512_maskz_permutexvar_ps(0x5555, pair_lanes, rows8(p.add(at.m)))
+            } else {
+                _mm512_setzero_ps()
+            };
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                let i = first + slot;
+                let x = act.codes.as_ptr().add(i * act.cols + 32 * b) as *const i64;
+                let at = i * groups + b;
+                let start = -half_bias * *act.code_sums.get_unchecked(at);
+                let mut isum = _mm512_set1_epi32(start);
+                for (e, codes) in codes.iter().enumerate() {
+                    let xs = _mm512_set1_epi64(x.add(e).read_unaligned());
+                    isum = _mm512_dpbusd_epi32(isum, *codes, xs);
+                }
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(*act.scales.get_unchecked(at)));
+                let a = &mut acc[b & 1];
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *a);
+                if KIND == Q5_1 {
+                    *a = _mm512_fmadd_ps(m, _mm512_set1_ps(*act.sums.get_unchecked(at)), *a);
+                }
+            }
+        }
+        let r0 = g * INTERLEAVED_ROWS;
+        let live = ((1u32 << (out_rows - r0).min(INTERLEAVED_ROWS)) - 1) as __mmask8;
+        for (slot, acc) in acc.iter().enumerate() {
+            let lanes = _mm512_add_ps(acc[0], acc[1]);
+            let rows = _mm512_add_ps(
+                _mm512_permutexvar_ps(even, lanes),
+                _mm512_permutexvar_ps(odd, lanes),
+            );
+            let dst = out.as_mut_ptr().add(slot * stride + r0);
+            _mm256_mask_storeu_ps(dst, live, _mm512_castps512_ps256(rows));
+        }
+    }
+}
+
+/// The kernel of [`small_rows`] for each block type, as `ggml_dot`'s chunk dispatch calls them.
+macro_rules! small_kernel {
+    ($name:ident, $kind:ident) => {
+        #[doc = concat!("[`small_rows`] for ", stringify!($kind), " rows.")]
+        ///
+        /// # Safety
+        /// As [`small_rows`].
+        #[allow(clippy::too_many_arguments)] // one work item's context
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub unsafe fn $name<const N: usize>(
+            data: &[u8],
+            cols: usize,
+            n0: usize,
+            out_rows: usize,
+            act: &QuantizedRows,
+            first: usize,
+            out: &mut [f32],
+            stride: usize,
+        ) {
+            small_rows::<N, $kind>(data, cols, n0, out_rows, act, first, out, stride)
+        }
+    };
+}
+
+small_kernel!(iq4nl_rows, IQ4_NL);
+small_kernel!(q5_0_rows, Q5_0);
+small_kernel!(q5_1_rows, Q5_1);
