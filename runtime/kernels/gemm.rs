@@ -419,8 +419,8 @@ impl HostExecutor {
     }
 
     /// Whether this executor runs `format` from interleaved rows (`host_layout`,
-    /// [`Packing::InterleavedRows`]): IQ4_NL, Q5_0 and Q5_1 on the AVX-512 VNNI path. The loader lays such
-    /// matrices out so; every path runs either layout.
+    /// [`Packing::InterleavedRows`]): IQ4_NL, Q5_0 and Q5_1 on the AVX-512 VNNI path. The loader
+    /// lays such matrices out so; every path runs either layout.
     pub fn interleaves_rows(&self, format: WeightFormat) -> bool {
         self.uses_vnni() && host_layout::interleaved_block_bytes(format).is_some()
     }

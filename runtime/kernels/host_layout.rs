@@ -46,7 +46,7 @@ pub enum Packing {
     Tiles,
     /// Per-group records without tile padding (q4_1 and Q8 only); see the module docs.
     GroupRecords,
-    /// GGUF blocks with 8 weight rows interleaved (IQ4_NL only); see the module docs.
+    /// GGUF blocks with 8 weight rows interleaved (IQ4_NL, Q5_0, Q5_1); see the module docs.
     InterleavedRows,
 }
 

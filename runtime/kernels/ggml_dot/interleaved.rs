@@ -1,17 +1,17 @@
-//! IQ4_NL rows interleaved eight at a time (`host_layout`, `Packing::InterleavedRows`) on CPUs
-//! with AVX-512 VNNI: each 64-bit lane of a register holds eight code bytes of one weight
-//! row, so one `vpdpbusd` against eight activation codes broadcast to every lane adds four
-//! products into each of two i32 lanes per weight row, and no horizontal sum is needed until a
-//! row's end.
+//! IQ4_NL, Q5_0 and Q5_1 rows interleaved eight at a time (`host_layout`,
+//! `Packing::InterleavedRows`) on CPUs with AVX-512 VNNI: each 64-bit lane of a register holds
+//! eight code bytes of one weight row, so one `vpdpbusd` against eight activation codes broadcast
+//! to every lane adds four products into each of two i32 lanes per weight row, and no horizontal
+//! sum is needed until a row's end.
 //!
-//! A block column of 8 weight rows is 128 bytes of nibbles in two
-//! 512-bit registers; a lane's low nibbles are eight consecutive values of its row, its high
-//! nibbles the eight 16 places later. The table lookup (`vpshufb`) turns them into unsigned codes
-//! (`u = w + 128`). Each lane starts at `−64·Σc` of the block (half of `−128·Σc` per lane of the
-//! pair), so a row's two lanes sum to `Σ w·c` exactly. Per block: the lanes converted to f32 and
-//! one FMA with `d·d_act` (each row's `d` in its two lanes) into one of two accumulators, even
-//! and odd blocks (the block-to-block chain is one FMA every other block); a row's result is its
-//! pair of lanes summed at the end.
+//! A block column of 8 weight rows is 128 bytes of nibbles in two 512-bit registers; a lane's
+//! low nibbles are eight consecutive values of its row, its high nibbles the eight 16 places
+//! later. IQ4_NL's table lookup (`vpshufb`) or Q5's fifth bits (a masked add of 16, the mask
+//! read straight from the layout) make them unsigned codes `u = w + bias`. Each lane starts at
+//! `−bias·Σc / 2` of the block, so a row's two lanes sum to `Σ w·c` exactly. Per block: the
+//! lanes converted to f32 and one FMA with `d·d_act` (each row's `d` in its two lanes) into one
+//! of two accumulators, even and odd blocks (the block-to-block chain is one FMA every other
+//! block); a row's result is its pair of lanes summed at the end.
 //!
 //! Every activation row runs the same operations whatever the other rows of the call, so batched
 //! rows keep single rows' bits.
