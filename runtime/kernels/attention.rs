@@ -155,9 +155,10 @@ pub struct AttentionRow<'a, T> {
 /// the caller alone).
 ///
 /// Every (row, KV head) group is independent, so all of them go over the kernels' worker pool in
-/// ONE dispatch (a per-row dispatch would cost `rows` pool handoffs per layer); a batch with fewer
-/// groups than twice the threads (a decode row) is split finer, by positions and columns
-/// (`attend_rows_split`); a larger batch on the AVX2 path claims whole rows, so a row's keys are
+/// ONE dispatch (a per-row dispatch would cost `rows` pool handoffs per layer), a group per claim
+/// (a decode row's groups are shared by the threads); a batch with fewer groups than threads is
+/// split finer, by positions and columns (`attend_rows_split`); a batch of
+/// [`WHOLE_ROW_CLAIMS_MIN_ROWS`] or more on the AVX2 path claims whole rows, so a row's keys are
 /// read in cache-row order (`attend_rows_whole`); tiny totals run on the caller. Every head's
 /// arithmetic is the same whichever path, thread or batch computes it, so a row's result does not
 /// depend on its batch.
@@ -197,12 +198,12 @@ pub fn attend_rows<'a, T: KvValue>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if fast && hd % 8 == 0 && heads % kv_heads == 0 && rows * kv_heads < 2 * pool.threads() {
+    if fast && hd % 8 == 0 && heads % kv_heads == 0 && rows * kv_heads < pool.threads() {
         attend_rows_split(geometry, rows, row, out, pool);
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if fast && hd % 8 == 0 && heads % kv_heads == 0 {
+    if fast && hd % 8 == 0 && heads % kv_heads == 0 && rows >= WHOLE_ROW_CLAIMS_MIN_ROWS {
         attend_rows_whole(geometry, rows, row, out, pool);
         return;
     }
@@ -251,8 +252,15 @@ pub fn attend_rows<'a, T: KvValue>(
     });
 }
 
-/// [`attend_rows`] for a batch with fewer KV groups than twice the threads (a decode row has
-/// `kv_heads`): two pool jobs — scores split by positions, then softmax and values by columns —
+/// Rows from which [`attend_rows`] claims whole rows rather than (row, KV head) groups. Below it
+/// (a decode row, a short verify pass) groups keep every thread on the row's keys at once, which
+/// a whole-row claim cannot and the position split does at the cost of a second pool job
+/// (`docs/performance.md`, "Attention by KV group"); a larger batch has rows enough for every
+/// thread.
+const WHOLE_ROW_CLAIMS_MIN_ROWS: usize = 8;
+
+/// [`attend_rows`] for a batch with fewer KV groups than threads (a decode row of a model with
+/// one KV head): two pool jobs — scores split by positions, then softmax and values by columns —
 /// so the threads share every group's keys and values (each byte read once per token) instead of
 /// one thread reading a whole group while the other idles. The bits are those of [`attend_heads`]
 /// (see [`avx2`]).
@@ -888,9 +896,11 @@ mod tests {
     fn batched_rows_of_different_sequences_equal_each_row_alone() {
         // Rows over two "sequences" of different lengths (one shorter than an 8-position
         // block, one not a multiple of 8), head dims 64 and 80 (a 64-wide and an 8-wide chunk):
-        // the batch is bit-identical to each row alone and close to the scalar reference.
-        for hd in [64usize, 80] {
-            let (heads, kv_heads) = (6, 2);
+        // the batch is bit-identical to each row alone and close to the scalar reference. Eight
+        // rows claim whole rows, three claim (row, KV head) groups, and a row alone of one KV
+        // head (on a pool of 2 or more) is split by positions: every parallel path.
+        for (hd, kv_heads, batch_rows) in [(64usize, 2, 8), (80, 2, 8), (64, 2, 3), (64, 1, 8)] {
+            let heads = 6;
             let kvd = kv_heads * hd;
             let mut next = uniform_values(0x2545_f491_4f6c_dd1d);
             let caches: Vec<(Vec<f16>, Vec<f16>)> = [3usize, 203]
@@ -913,6 +923,7 @@ mod tests {
                 (1, 100),
                 (0, 1),
             ];
+            let rows = &rows[..batch_rows];
             let qs: Vec<Vec<f32>> = rows
                 .iter()
                 .map(|_| (0..heads * hd).map(|_| 3.0 * next()).collect())
@@ -951,8 +962,8 @@ mod tests {
                     &mut alone,
                 );
                 let got = &batch[i * heads * hd..(i + 1) * heads * hd];
-                assert_eq!(got, &alone[..], "hd {hd} row {i}: batch differs from alone");
-                let what = format!("hd {hd} row {i}");
+                let what = format!("hd {hd}, {kv_heads} KV heads, {batch_rows} rows: row {i}");
+                assert_eq!(got, &alone[..], "{what}: batch differs from alone");
                 assert_heads_match_reference(got, &qs[i], k, v, heads, kv_heads, hd, last, &what);
             }
         }
