@@ -94,6 +94,68 @@ const Q5_1_FIELDS: [Field; 8] = [
     field(16, 8, 128),
 ];
 
+/// Where the fields of an 8-row block column start, as the interleaved kernels read them: the
+/// rows' `m` (Q5_1; 0 where the type has none), their fifth bits (Q5_0, Q5_1; byte `β` of every
+/// row's `qh` together), the two registers of nibbles; and the column's bytes. Derived from the
+/// field tables above, so the kernels and the packing share one layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InterleavedColumn {
+    /// Offset of the eight rows' `m` (f16 each).
+    pub m: usize,
+    /// Offset of the transposed fifth bits (eight bytes per `qh` byte).
+    pub fifth: usize,
+    /// Offset of the 128 bytes of nibbles.
+    pub nibbles: usize,
+    /// Bytes of the column.
+    pub bytes: usize,
+}
+
+/// Where the run taken from block byte `src` lands in a column of `fields` (0 if none does).
+const fn column_offset(fields: &[Field], src: usize) -> usize {
+    let mut i = 0;
+    while i < fields.len() {
+        if fields[i].src == src {
+            return fields[i].dst;
+        }
+        i += 1;
+    }
+    0
+}
+
+/// Bytes of a column of `fields`: every field once per row of the group.
+const fn column_bytes(fields: &[Field]) -> usize {
+    let (mut i, mut bytes) = (0, 0);
+    while i < fields.len() {
+        bytes += INTERLEAVED_ROWS * fields[i].len;
+        i += 1;
+    }
+    bytes
+}
+
+/// IQ4_NL's column: `d` at block byte 0, nibbles from byte 2.
+pub const IQ4_NL_COLUMN: InterleavedColumn = InterleavedColumn {
+    m: 0,
+    fifth: 0,
+    nibbles: column_offset(&IQ4_NL_FIELDS, 2),
+    bytes: column_bytes(&IQ4_NL_FIELDS),
+};
+
+/// Q5_0's column: `d` at block byte 0, `qh` from byte 2, nibbles from byte 6.
+pub const Q5_0_COLUMN: InterleavedColumn = InterleavedColumn {
+    m: 0,
+    fifth: column_offset(&Q5_0_FIELDS, 2),
+    nibbles: column_offset(&Q5_0_FIELDS, 6),
+    bytes: column_bytes(&Q5_0_FIELDS),
+};
+
+/// Q5_1's column: `d` at block byte 0, `m` at 2, `qh` from byte 4, nibbles from byte 8.
+pub const Q5_1_COLUMN: InterleavedColumn = InterleavedColumn {
+    m: column_offset(&Q5_1_FIELDS, 2),
+    fifth: column_offset(&Q5_1_FIELDS, 4),
+    nibbles: column_offset(&Q5_1_FIELDS, 8),
+    bytes: column_bytes(&Q5_1_FIELDS),
+};
+
 /// The fields of a GGUF block of `format` in [`Packing::InterleavedRows`], or `None` if the
 /// format has no interleaved layout.
 fn interleaved_fields(format: WeightFormat) -> Option<&'static [Field]> {
@@ -108,8 +170,7 @@ fn interleaved_fields(format: WeightFormat) -> Option<&'static [Field]> {
 /// Bytes of one block column of an 8-row group of `format` in [`Packing::InterleavedRows`]
 /// (eight GGUF blocks), or `None` if the format has no interleaved layout.
 pub fn interleaved_block_bytes(format: WeightFormat) -> Option<usize> {
-    let fields = interleaved_fields(format)?;
-    Some(INTERLEAVED_ROWS * fields.iter().map(|f| f.len).sum::<usize>())
+    interleaved_fields(format).map(column_bytes)
 }
 
 /// Bytes of a `[rows, cols]` matrix with interleaved rows (rows rounded up to a whole group).
@@ -376,6 +437,43 @@ pub(super) fn tile_from_records(format: WeightFormat, records: &[u8], t: usize, 
                 }
             }
             _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every byte of a column is written by exactly one field of one row.
+    fn assert_fields_tile_the_column(fields: &[Field], what: &str) {
+        let mut written = vec![0u8; column_bytes(fields)];
+        for f in fields {
+            for byte in &mut written[f.dst..f.dst + INTERLEAVED_ROWS * f.len] {
+                *byte += 1;
+            }
+        }
+        assert!(written.iter().all(|&n| n == 1), "{what}: {written:?}");
+    }
+
+    #[test]
+    fn interleaved_columns_are_the_documented_layout() {
+        // docs/formats.md, "Host interleaved rows": eight `d` (16 bytes), Q5_1's eight `m`, the
+        // four `qh` bytes of every row transposed (32 bytes), 128 bytes of nibbles.
+        let expected = [
+            (IQ4_NL_COLUMN, (0, 0, 16, 144), &IQ4_NL_FIELDS[..], "iq4_nl"),
+            (Q5_0_COLUMN, (0, 16, 48, 176), &Q5_0_FIELDS[..], "q5_0"),
+            (Q5_1_COLUMN, (16, 32, 64, 192), &Q5_1_FIELDS[..], "q5_1"),
+        ];
+        for (column, (m, fifth, nibbles, bytes), fields, what) in expected {
+            let want = InterleavedColumn {
+                m,
+                fifth,
+                nibbles,
+                bytes,
+            };
+            assert_eq!(column, want, "{what}");
+            assert_fields_tile_the_column(fields, what);
         }
     }
 }

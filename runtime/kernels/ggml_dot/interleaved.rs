@@ -17,7 +17,9 @@
 //! rows keep single rows' bits.
 
 use crate::ggml::IQ4_TABLE;
-use crate::kernels::host_layout::INTERLEAVED_ROWS;
+use crate::kernels::host_layout::{
+    InterleavedColumn, INTERLEAVED_ROWS, IQ4_NL_COLUMN, Q5_0_COLUMN, Q5_1_COLUMN,
+};
 use crate::kernels::quant::QuantizedRows;
 use std::arch::x86_64::*;
 
@@ -28,37 +30,13 @@ pub const Q5_0: u8 = 1;
 /// Q5_1 for [`small_rows`].
 pub const Q5_1: u8 = 2;
 
-/// Where the fields of an 8-row block column of `KIND` start (`host_layout`'s layout): the
-/// rows' `d`, their `m` (Q5_1), the fifth bits transposed (Q5_0, Q5_1: byte `β` of every row's
-/// `qh` together, so eight bytes are the fifth bits of one register of codes), the two registers
-/// of nibbles; and the column's bytes.
-struct Fields {
-    m: usize,
-    fifth: usize,
-    nibbles: usize,
-    bytes: usize,
-}
-
-const fn fields(kind: u8) -> Fields {
+/// The layout of an 8-row block column of `KIND` (`host_layout`'s, the one the rows were
+/// packed in).
+const fn column(kind: u8) -> InterleavedColumn {
     match kind {
-        IQ4_NL => Fields {
-            m: 0,
-            fifth: 0,
-            nibbles: 16,
-            bytes: 144,
-        },
-        Q5_0 => Fields {
-            m: 0,
-            fifth: 16,
-            nibbles: 48,
-            bytes: 176,
-        },
-        _ => Fields {
-            m: 16,
-            fifth: 32,
-            nibbles: 64,
-            bytes: 192,
-        },
+        IQ4_NL => IQ4_NL_COLUMN,
+        Q5_0 => Q5_0_COLUMN,
+        _ => Q5_1_COLUMN,
     }
 }
 
@@ -86,7 +64,7 @@ pub unsafe fn small_rows<const N: usize, const KIND: u8>(
     out: &mut [f32],
     stride: usize,
 ) {
-    let at = fields(KIND);
+    let at = const { column(KIND) };
     let blocks = cols / 32;
     let groups = act.groups();
     let table = _mm512_xor_si512(
