@@ -162,18 +162,24 @@ pub fn dot(path: Path, w: &UnpackedRow, codes: &[i8], scales: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_act_chunks {
     ($act_rows:expr, $out:expr, $stride:expr, |$first:ident, $chunk_out:ident|
-        $($kernel:ident)::+ ($($arg:expr),* $(,)?)) => {{
+        $($kernel:ident)::+ ($($arg:expr),* $(,)?)) => {
+        by_act_chunks!($act_rows, $out, $stride, |$first, $chunk_out|
+            $($kernel)::+ [] ($($arg),*))
+    };
+    // `[G, …]`: const arguments the kernel takes after the row count.
+    ($act_rows:expr, $out:expr, $stride:expr, |$first:ident, $chunk_out:ident|
+        $($kernel:ident)::+ [$($generic:tt)*] ($($arg:expr),* $(,)?)) => {{
         for $first in $act_rows.clone().step_by(8) {
             let $chunk_out = &mut $out[($first - $act_rows.start) * $stride..];
             match ($act_rows.end - $first).min(8) {
-                1 => $($kernel)::+::<1>($($arg),*),
-                2 => $($kernel)::+::<2>($($arg),*),
-                3 => $($kernel)::+::<3>($($arg),*),
-                4 => $($kernel)::+::<4>($($arg),*),
-                5 => $($kernel)::+::<5>($($arg),*),
-                6 => $($kernel)::+::<6>($($arg),*),
-                7 => $($kernel)::+::<7>($($arg),*),
-                _ => $($kernel)::+::<8>($($arg),*),
+                1 => $($kernel)::+::<1, $($generic)*>($($arg),*),
+                2 => $($kernel)::+::<2, $($generic)*>($($arg),*),
+                3 => $($kernel)::+::<3, $($generic)*>($($arg),*),
+                4 => $($kernel)::+::<4, $($generic)*>($($arg),*),
+                5 => $($kernel)::+::<5, $($generic)*>($($arg),*),
+                6 => $($kernel)::+::<6, $($generic)*>($($arg),*),
+                7 => $($kernel)::+::<7, $($generic)*>($($arg),*),
+                _ => $($kernel)::+::<8, $($generic)*>($($arg),*),
             }
         }
     }};
@@ -213,40 +219,27 @@ pub fn interleaved_block(
         // the whole interleaved matrix of `ty` (its length validated against rows and cols), so
         // it holds the groups of rows n0 .. n0 + out_rows; `act` holds `cols` codes per
         // group-scaled row of `act_rows`, `out` `stride` per row.
+        macro_rules! interleaved {
+            ($kind:ident) => {
+                // SAFETY: as above.
+                unsafe {
+                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::small_rows
+                        [{ interleaved::$kind }](
+                        data, cols, n0, out_rows, act, first, out, stride
+                    ))
+                }
+            };
+        }
         match ty {
-            GgmlType::IQ4_NL => {
-                // SAFETY: as above.
-                unsafe {
-                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::iq4nl_rows(
-                        data, cols, n0, out_rows, act, first, out, stride
-                    ));
-                }
-                return;
-            }
-            GgmlType::Q5_0 => {
-                // SAFETY: as above.
-                unsafe {
-                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::q5_0_rows(
-                        data, cols, n0, out_rows, act, first, out, stride
-                    ));
-                }
-                return;
-            }
-            GgmlType::Q5_1 => {
-                // SAFETY: as above.
-                unsafe {
-                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::q5_1_rows(
-                        data, cols, n0, out_rows, act, first, out, stride
-                    ));
-                }
-                return;
-            }
+            GgmlType::IQ4_NL => return interleaved!(IQ4_NL),
+            GgmlType::Q5_0 => return interleaved!(Q5_0),
+            GgmlType::Q5_1 => return interleaved!(Q5_1),
             _ => {}
         }
     }
-    let Ok(row_bytes) = crate::tiles::ggml_row_bytes(ty, cols) else {
-        return;
-    };
+    // Whole blocks per row: the matrix's length was validated against its shape.
+    let (values, bytes) = ty.block();
+    let row_bytes = cols / values * bytes;
     crate::kernels::with_scratch(&GGUF_ROWS, |rows| {
         rows.resize(out_rows * row_bytes, 0);
         super::host_layout::deinterleave_rows(format, data, cols, n0..n0 + out_rows, rows);

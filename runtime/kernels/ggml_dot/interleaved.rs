@@ -150,31 +150,3 @@ pub unsafe fn small_rows<const N: usize, const KIND: u8>(
         }
     }
 }
-
-/// The kernel of [`small_rows`] for each block type, as `ggml_dot`'s chunk dispatch calls them.
-macro_rules! small_kernel {
-    ($name:ident, $kind:ident) => {
-        #[doc = concat!("[`small_rows`] for ", stringify!($kind), " rows.")]
-        ///
-        /// # Safety
-        /// As [`small_rows`].
-        #[allow(clippy::too_many_arguments)] // one work item's context
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        pub unsafe fn $name<const N: usize>(
-            data: &[u8],
-            cols: usize,
-            n0: usize,
-            out_rows: usize,
-            act: &QuantizedRows,
-            first: usize,
-            out: &mut [f32],
-            stride: usize,
-        ) {
-            small_rows::<N, $kind>(data, cols, n0, out_rows, act, first, out, stride)
-        }
-    };
-}
-
-small_kernel!(iq4nl_rows, IQ4_NL);
-small_kernel!(q5_0_rows, Q5_0);
-small_kernel!(q5_1_rows, Q5_1);
