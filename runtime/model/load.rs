@@ -159,8 +159,14 @@ impl KernelProjection {
             }
             _ => host_layout::interleaved_matrix_bytes(self.format, self.rows, self.cols),
         };
+        let packed_bytes = packed_bytes.map_err(|source| kernels::KernelError::Weight {
+            format: self.format.name(),
+            rows: self.rows,
+            cols: self.cols,
+            source,
+        })?;
         // Reserved in full, so the buffer never moves (and is never resident twice) as it fills.
-        let mut packed = Vec::with_capacity(packed_bytes.unwrap_or(0));
+        let mut packed = Vec::with_capacity(packed_bytes);
         // A stripe of rows at a time, its mapped pages released as soon as it is packed: the
         // stored bytes of a large matrix (the 38 MiB lm_head) are never all resident next to
         // the packed ones. Both layouts are row-block (8-row group) major, so stripes of whole
