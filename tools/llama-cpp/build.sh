@@ -9,7 +9,12 @@
 # of them is rebuilt whole.
 set -euo pipefail
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
+# Built without AMX: on an Emerald Rapids KVM host that exposes AMX, this version's AMX matrix
+# kernels die with SIGILL (`tilezero` in `tinygemm_kernel_amx`, every thread count), so the
+# reference keeps its AVX-512 VNNI kernels there, as on every CPU without AMX. GCC lets explicit
+# -mno-* flags win over -march=native whatever their order. The key's "noamx" marks such builds.
+no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)-noamx
 root="${XDG_CACHE_HOME:-$HOME/.cache}/xdna/llama.cpp"
 dir="$root/$version-$cpu"
 targets=(llama-perplexity llama-quantize llama-tokenize llama-bench llama-speculative-simple)
@@ -45,6 +50,7 @@ sed -i 's|^\([[:space:]]*\)common_speculative_draft(spec);|&\n\1{ std::string xd
   "$src/examples/speculative-simple/speculative-simple.cpp"
 grep -q 'xdna: drafted at pos0' "$src/examples/speculative-simple/speculative-simple.cpp"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF \
   -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$work/build" -j"$(nproc)" --target "${targets[@]}" >&2
