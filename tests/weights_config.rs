@@ -159,6 +159,14 @@ fn errors_name_the_file_and_the_field() {
         "{e}"
     );
     assert!(e.contains("missing"), "{e}");
+    // Found by the config_json fuzz target: heads × head_dim overflowed in the shapes.
+    let mut wide = v.clone();
+    wide["head_dim"] = serde_json::json!(6555555555555555554u64);
+    let e = err(&wide);
+    assert!(
+        e.contains("head_dim") && e.contains("at most 1048576"),
+        "{e}"
+    );
     // Found by the config_json fuzz target: the layer list was allocated from any count.
     for absurd in [
         serde_json::json!(11111111111111111112u64),

@@ -449,6 +449,19 @@ impl ModelConfig {
                 return Err((field, "a positive integer"));
             }
         }
+        // Every size at most 2^20: real models stay far below it, and the products the shapes are
+        // built from (up to three sizes, doubled) then fit a 64-bit usize.
+        const MAX_SIZE: usize = 1 << 20;
+        let sizes = [ShapeField::Heads, ShapeField::KvHeads, ShapeField::HeadDim];
+        for field in counts
+            .into_iter()
+            .chain(sizes)
+            .chain(linear.into_iter().flatten())
+        {
+            if self.value_of(field) > MAX_SIZE {
+                return Err((field, "at most 1048576"));
+            }
+        }
         if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             return Err((ShapeField::KvHeads, "a divisor of num_attention_heads"));
         }
@@ -490,6 +503,7 @@ impl ModelConfig {
             ShapeField::Vocab => self.vocab,
             ShapeField::KvHeads => self.kv_heads,
             ShapeField::HeadDim => self.head_dim,
+            ShapeField::Heads => self.heads,
             ShapeField::RotaryDim => self.rotary_dim,
             ShapeField::LinearKeyHeads => linear(|l| l.key_heads),
             ShapeField::LinearValueHeads => linear(|l| l.value_heads),
@@ -821,6 +835,7 @@ fn parse_rope_scaling(f: &Fields<'_>) -> Result<RopeScaling, WeightsError> {
 /// The shape rules' fields, named per source.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ShapeField {
+    Heads,
     Hidden,
     Intermediate,
     Layers,
@@ -839,6 +854,7 @@ impl ShapeField {
     /// The `config.json` field.
     fn json_name(self) -> &'static str {
         match self {
+            ShapeField::Heads => "num_attention_heads",
             ShapeField::Hidden => "hidden_size",
             ShapeField::Intermediate => "intermediate_size",
             ShapeField::Layers => "num_hidden_layers",
@@ -861,6 +877,7 @@ impl ShapeField {
             ShapeField::Hidden => "embedding_length",
             ShapeField::Intermediate => "feed_forward_length",
             ShapeField::Layers => "block_count",
+            ShapeField::Heads => "attention.head_count",
             ShapeField::KvHeads => "attention.head_count_kv",
             ShapeField::HeadDim => "attention.key_length",
             ShapeField::RotaryDim => "rope.dimension_count",
