@@ -45,7 +45,7 @@ mod imp {
         hsum_float_8, plain_tail, prefetch_q4_group, prefetch_q8_group, q4_group_scales,
         q8_group_scales, tile_and_group, PlainKind, Q4Layout, Q8Layout,
     };
-    use crate::kernels::quant::QuantizedRows;
+    use crate::kernels::quant::{GroupMajor, QuantizedRows};
     use crate::tiles::{GROUP, TILE_ROWS};
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
@@ -251,10 +251,8 @@ mod imp {
         debug_assert!(
             block.len() >= groups_total.div_ceil(layout.groups_per_tile) * layout.tile_bytes
         );
-        if groups_total == 0 {
-            // K = 0: nothing overwrites the accumulators below.
-            out[..m * TILE_ROWS].fill(0.0);
-        }
+        // Every group adds to the accumulators (the first to zeros, as the single-row kernel's).
+        out[..m * TILE_ROWS].fill(0.0);
         for gg in 0..groups_total {
             let (t, g) = tile_and_group(gg, layout.groups_per_tile);
             // SAFETY: AVX2 available.
@@ -269,13 +267,7 @@ mod imp {
                 )
             };
             // SAFETY: rows inside `act`, gg < groups, `out` holds m × 32 floats (caller contract).
-            unsafe {
-                if gg == 0 {
-                    group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, false, out)
-                } else {
-                    group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, false, out)
-                }
-            }
+            unsafe { group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, out) };
         }
         // SAFETY: `out` holds m × 32 floats (caller contract), even/odd-ordered per row; after
         // the interleave, natural-ordered, as `add_min_terms` takes them.
@@ -303,9 +295,7 @@ mod imp {
         let m = rows.len();
         debug_assert!(rows.end <= act.rows && out.len() >= m * TILE_ROWS);
         debug_assert!(block.len() >= groups_total.div_ceil(groups_per_tile) * layout.tile_bytes);
-        if groups_total == 0 {
-            out[..m * TILE_ROWS].fill(0.0);
-        }
+        out[..m * TILE_ROWS].fill(0.0);
         for gg in 0..groups_total {
             let (t, g) = tile_and_group(gg, groups_per_tile);
             // SAFETY: AVX2 available.
@@ -319,113 +309,75 @@ mod imp {
                 )
             };
             // SAFETY: as in `q4_rows`.
-            unsafe {
-                if gg == 0 {
-                    group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, true, out)
-                } else {
-                    group_rows::<false>(&unpacked, &d, act, rows.clone(), gg, true, out)
-                }
-            }
+            unsafe { group_rows::<true>(&unpacked, &d, act, rows.clone(), gg, out) };
         }
     }
 
-    /// One unpacked group times every row in `rows`, accumulated into `out` (32 floats per row, in
-    /// the row order of `unpacked` and `d`): eight rows at a time in [`quads_8_rows`], the rest one
-    /// by one in [`quads_one_row`].
-    /// With `q8_offset` the codes are Q8 codes + 128 and each row's sums start at `−128 · Σx`.
-    /// `FIRST` (group 0) overwrites the accumulators instead of adding to them.
+    /// One unpacked group times every row in `rows`, added into `out` (32 floats per row, in the
+    /// row order of `unpacked` and `d`): eight rows at a time in [`group_8_rows`], from the
+    /// group-major activations, the rest one by one in [`quads_one_row`]. With `Q8` the codes
+    /// are Q8 codes + 128 and each row's sums start at `−128 · Σx`.
     ///
     /// # Safety
     /// AVX-512 F, VL and VNNI available; `rows` inside `act`; `gg < act.groups()`;
     /// `out.len() ≥ rows.len() × 32`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn group_rows<const FIRST: bool>(
+    unsafe fn group_rows<const Q8: bool>(
         unpacked: &Unpacked,
         d: &[__m512; 2],
         act: &QuantizedRows,
         rows: std::ops::Range<usize>,
         gg: usize,
-        q8_offset: bool,
         out: &mut [f32],
     ) {
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
-        let groups_total = act.groups();
-        let cell = |row: usize| row * groups_total + gg;
-        let start = |row: usize| {
-            // |Σx| ≤ 32 · 127, so the product fits easily.
-            let s = if q8_offset {
-                -128 * act.code_sums[cell(row)]
-            } else {
-                0
-            };
-            _mm512_set1_epi32(s)
-        };
-        // SAFETY: the closure gets only rows of `rows` (⊆ 0..act.rows, caller contract), and
-        // gg < groups: the offset is that of the row's 32 codes of group gg, inside `act.codes`.
-        let codes = |row: usize| unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
+        let by_group = &act.by_group;
         let m = rows.len();
         let mut i = 0;
         while i + 8 <= m {
-            let row0 = rows.start + i;
-            let mut sums = [[_mm512_setzero_si512(); 2]; 8];
-            let mut pointers = [std::ptr::null::<i8>(); 8];
-            for r in 0..8 {
-                sums[r] = [start(row0 + r); 2];
-                pointers[r] = codes(row0 + r);
-            }
-            // SAFETY: the 8 rows are inside `act`, so each pointer has its group's 32 codes.
-            unsafe { quads_8_rows(unpacked, pointers, &mut sums) };
-            for (r, row_sums) in sums.iter().enumerate() {
-                // SAFETY: i + r < rows.len(), so that row's 32 floats are inside `out`.
-                unsafe {
-                    accumulate::<FIRST>(
-                        &mut out[(i + r) * TILE_ROWS..],
-                        *row_sums,
-                        d,
-                        act.scales[cell(row0 + r)],
-                    )
-                };
-            }
+            let first = GroupMajor::cell(act.rows, gg, rows.start + i);
+            // Bounds-checked once per eight rows: the kernel's pointers come from these slices.
+            let codes = &by_group.codes[first * GROUP..(first + 8) * GROUP];
+            let scales = &by_group.scales[first..first + 8];
+            let starts = &by_group.q8_starts[first..first + 8];
+            let acc = &mut out[i * TILE_ROWS..(i + 8) * TILE_ROWS];
+            // SAFETY: the slices hold eight rows' codes, scales, starts and accumulators.
+            unsafe { group_8_rows::<Q8>(unpacked, codes, scales, starts, d, acc) };
             i += 8;
         }
+        let groups_total = act.groups();
         while i < m {
             let row = rows.start + i;
-            // SAFETY: the row is inside `act`, so it has its group's 32 codes.
-            let sums = unsafe { quads_one_row(unpacked, codes(row), start(row)) };
-            // SAFETY: i < rows.len(), so row i's 32 floats are inside `out`.
-            unsafe {
-                accumulate::<FIRST>(&mut out[i * TILE_ROWS..], sums, d, act.scales[cell(row)])
+            let cell = row * groups_total + gg;
+            let start = if Q8 { -128 * act.code_sums[cell] } else { 0 };
+            // SAFETY: the row is inside `act`, so it has group gg's 32 codes at this offset.
+            let sums = unsafe {
+                let codes = act.codes.as_ptr().add(row * act.cols + gg * GROUP);
+                quads_one_row(unpacked, codes, _mm512_set1_epi32(start))
             };
+            // SAFETY: i < rows.len(), so row i's 32 floats are inside `out`.
+            unsafe { accumulate(&mut out[i * TILE_ROWS..], sums, d, act.scales[cell]) };
             i += 1;
         }
     }
 
     /// `acc = fma(dot, d · d_x, acc)` for one row's 32 accumulators in `acc_mem`, in the order of
-    /// `d` (from zero when `FIRST`): the single-row kernel's per-group update, 16 lanes at a time.
+    /// `d`: the single-row kernel's per-group update, 16 lanes at a time.
     ///
     /// # Safety
     /// AVX-512 F available; `acc_mem.len() ≥ 32`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    unsafe fn accumulate<const FIRST: bool>(
-        acc_mem: &mut [f32],
-        sums: [__m512i; 2],
-        d: &[__m512; 2],
-        scale_x: f32,
-    ) {
+    unsafe fn accumulate(acc_mem: &mut [f32], sums: [__m512i; 2], d: &[__m512; 2], scale_x: f32) {
         debug_assert!(acc_mem.len() >= TILE_ROWS);
         let scale_x = _mm512_set1_ps(scale_x);
         for (half, sum) in sums.into_iter().enumerate() {
             // SAFETY: acc_mem holds ≥ 32 floats; 16 are read and written at 16·half (half < 2).
             unsafe {
                 let p = acc_mem.as_mut_ptr().add(half * 16);
-                let acc = if FIRST {
-                    _mm512_setzero_ps()
-                } else {
-                    _mm512_loadu_ps(p)
-                };
                 let scale = _mm512_mul_ps(d[half], scale_x);
+                let acc = _mm512_loadu_ps(p);
                 _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc));
             }
         }
@@ -457,40 +409,41 @@ mod imp {
         ]
     }
 
-    /// One quad of [`quads_8_rows`]: its two weight vectors loaded once, each row's activation
-    /// quad (4 bytes at `offset`) broadcast once, then 16 `vpdpbusd`.
+    /// One quad of [`group_8_rows`]: its two weight vectors loaded once (at `$w`, `$w + 64` in the
+    /// unpacked group), each row's 4 codes (row `r` at `32·r + $x`) broadcast once, then 16
+    /// `vpdpbusd`.
     macro_rules! quad_8_rows {
-        ($offset:literal, $w0:literal, $w1:literal) => {
+        ($w:literal, $x:literal) => {
             concat!(
                 "vmovdqu64 {w0:z}, zmmword ptr [{w} + ",
-                $w0,
+                $w,
                 "]\n",
                 "vmovdqu64 {w1:z}, zmmword ptr [{w} + ",
-                $w1,
+                $w,
+                " + 64]\n",
+                "vpbroadcastd {x0:z}, dword ptr [{a} + ",
+                $x,
                 "]\n",
-                "vpbroadcastd {x0:z}, dword ptr [{a0} + ",
-                $offset,
+                "vpbroadcastd {x1:z}, dword ptr [{a} + 32 + ",
+                $x,
                 "]\n",
-                "vpbroadcastd {x1:z}, dword ptr [{a1} + ",
-                $offset,
+                "vpbroadcastd {x2:z}, dword ptr [{a} + 64 + ",
+                $x,
                 "]\n",
-                "vpbroadcastd {x2:z}, dword ptr [{a2} + ",
-                $offset,
+                "vpbroadcastd {x3:z}, dword ptr [{a} + 96 + ",
+                $x,
                 "]\n",
-                "vpbroadcastd {x3:z}, dword ptr [{a3} + ",
-                $offset,
+                "vpbroadcastd {x4:z}, dword ptr [{a} + 128 + ",
+                $x,
                 "]\n",
-                "vpbroadcastd {x4:z}, dword ptr [{a4} + ",
-                $offset,
+                "vpbroadcastd {x5:z}, dword ptr [{a} + 160 + ",
+                $x,
                 "]\n",
-                "vpbroadcastd {x5:z}, dword ptr [{a5} + ",
-                $offset,
+                "vpbroadcastd {x6:z}, dword ptr [{a} + 192 + ",
+                $x,
                 "]\n",
-                "vpbroadcastd {x6:z}, dword ptr [{a6} + ",
-                $offset,
-                "]\n",
-                "vpbroadcastd {x7:z}, dword ptr [{a7} + ",
-                $offset,
+                "vpbroadcastd {x7:z}, dword ptr [{a} + 224 + ",
+                $x,
                 "]\n",
                 "vpdpbusd {s00:z}, {w0:z}, {x0:z}\n",
                 "vpdpbusd {s01:z}, {w1:z}, {x0:z}\n",
@@ -512,75 +465,191 @@ mod imp {
         };
     }
 
-    /// The 8 quads × 2 halves × 8 rows of `vpdpbusd` of one group, in assembly and unrolled (fixed
-    /// offsets, no pointer updates): each quad's two weight vectors are loaded once for the 8 rows,
-    /// and the 16 sums, 8 broadcasts and 2 weights take 26 of the 32 vector registers. Compiled from
-    /// intrinsics, loops like this came out reordered row by row with the weights hoisted and
-    /// spilled (as the AVX2 loops did), so the schedule is written out.
+    /// Where row `$r`'s two sums of [`group_8_rows`] start: zero (q4), or its `−128 · Σx` (q8,
+    /// at `{st} + 4·$r`) in both halves.
+    macro_rules! start_row {
+        (zero, $r:literal, $s0:literal, $s1:literal) => {
+            concat!(
+                "vpxord {", $s0, ":z}, {", $s0, ":z}, {", $s0, ":z}\n", "vpxord {", $s1, ":z}, {",
+                $s1, ":z}, {", $s1, ":z}\n",
+            )
+        };
+        (q8, $r:literal, $s0:literal, $s1:literal) => {
+            concat!(
+                "vpbroadcastd {",
+                $s0,
+                ":z}, dword ptr [{st} + 4 * ",
+                $r,
+                "]\n",
+                "vmovdqa64 {",
+                $s1,
+                ":z}, {",
+                $s0,
+                ":z}\n",
+            )
+        };
+    }
+
+    /// Row `$r`'s update of [`group_8_rows`]: `acc = fma(dot, d · d_x, acc)` per half, with `d_x`
+    /// at `{sx} + 4·$r` and the row's 32 accumulators at `{acc} + 128·$r` ([`accumulate`]'s
+    /// operations, in its order).
+    macro_rules! accumulate_row {
+        ($r:literal, $s0:literal, $s1:literal) => {
+            concat!(
+                "vcvtdq2ps {",
+                $s0,
+                ":z}, {",
+                $s0,
+                ":z}\n",
+                "vcvtdq2ps {",
+                $s1,
+                ":z}, {",
+                $s1,
+                ":z}\n",
+                "vbroadcastss {t0:z}, dword ptr [{sx} + 4 * ",
+                $r,
+                "]\n",
+                "vmulps {t1:z}, {d0:z}, {t0:z}\n",
+                "vfmadd213ps {",
+                $s0,
+                ":z}, {t1:z}, zmmword ptr [{acc} + 128 * ",
+                $r,
+                "]\n",
+                "vmovups zmmword ptr [{acc} + 128 * ",
+                $r,
+                "], {",
+                $s0,
+                ":z}\n",
+                "vmulps {t1:z}, {d1:z}, {t0:z}\n",
+                "vfmadd213ps {",
+                $s1,
+                ":z}, {t1:z}, zmmword ptr [{acc} + 128 * ",
+                $r,
+                " + 64]\n",
+                "vmovups zmmword ptr [{acc} + 128 * ",
+                $r,
+                " + 64], {",
+                $s1,
+                ":z}\n",
+            )
+        };
+    }
+
+    /// The whole of [`group_8_rows`] for one way of starting the sums (`zero` or `q8`).
+    macro_rules! group_8_rows_asm {
+        ($start:ident) => {
+            concat!(
+                start_row!($start, "0", "s00", "s01"),
+                start_row!($start, "1", "s10", "s11"),
+                start_row!($start, "2", "s20", "s21"),
+                start_row!($start, "3", "s30", "s31"),
+                start_row!($start, "4", "s40", "s41"),
+                start_row!($start, "5", "s50", "s51"),
+                start_row!($start, "6", "s60", "s61"),
+                start_row!($start, "7", "s70", "s71"),
+                quad_8_rows!("0", "0"),
+                quad_8_rows!("128", "4"),
+                quad_8_rows!("256", "8"),
+                quad_8_rows!("384", "12"),
+                quad_8_rows!("512", "16"),
+                quad_8_rows!("640", "20"),
+                quad_8_rows!("768", "24"),
+                quad_8_rows!("896", "28"),
+                accumulate_row!("0", "s00", "s01"),
+                accumulate_row!("1", "s10", "s11"),
+                accumulate_row!("2", "s20", "s21"),
+                accumulate_row!("3", "s30", "s31"),
+                accumulate_row!("4", "s40", "s41"),
+                accumulate_row!("5", "s50", "s51"),
+                accumulate_row!("6", "s60", "s61"),
+                accumulate_row!("7", "s70", "s71"),
+            )
+        };
+    }
+
+    /// Eight activation rows of one group, in one block of assembly: the sums (from zero, or with
+    /// `Q8` from `starts`), the 8 quads × 2 halves × 8 rows of `vpdpbusd`, then each row's
+    /// `acc = fma(dot, d · d_x, acc)` into `acc` (8 rows × 32 floats). Each quad's two weight
+    /// vectors are loaded once for the 8 rows; the 16 sums, 8 broadcasts, 2 weights, 2 scales and 2
+    /// temporaries take 30 of the 32 vector registers. The rows' codes (8 × 32), scales and starts
+    /// lie side by side (group-major activations), so three pointers and fixed offsets reach them
+    /// all. Compiled from intrinsics, loops like this came out reordered row by row with the
+    /// weights hoisted and spilled, so the schedule is written out.
     ///
     /// # Safety
-    /// AVX-512 F and VNNI available; `rows[r]` points at 32 readable activation codes.
+    /// AVX-512 F and VNNI available.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn quads_8_rows(
+    unsafe fn group_8_rows<const Q8: bool>(
         unpacked: &Unpacked,
-        rows: [*const i8; 8],
-        sums: &mut [[__m512i; 2]; 8],
+        codes: &[i8],
+        scales: &[f32],
+        starts: &[i32],
+        d: &[__m512; 2],
+        acc: &mut [f32],
     ) {
-        let [s0, s1, s2, s3, s4, s5, s6, s7] = sums;
+        assert!(codes.len() >= 8 * GROUP && scales.len() >= 8 && starts.len() >= 8);
+        assert!(acc.len() >= 8 * TILE_ROWS);
         // Scratch registers, typed: an untyped `out(zmm_reg) _` is not formatted as a zmm name.
-        let (_w0, _w1): (__m512i, __m512i);
+        let (_w0, _w1, _t0, _t1): (__m512i, __m512i, __m512, __m512);
         let (_x0, _x1, _x2, _x3): (__m512i, __m512i, __m512i, __m512i);
         let (_x4, _x5, _x6, _x7): (__m512i, __m512i, __m512i, __m512i);
-        // SAFETY: the code reads the 1 KiB of `unpacked` and 32 bytes at each row pointer (caller
-        // contract); it writes only the named registers.
-        unsafe {
-            std::arch::asm!(
-                quad_8_rows!("0", "0", "64"),
-                quad_8_rows!("4", "128", "192"),
-                quad_8_rows!("8", "256", "320"),
-                quad_8_rows!("12", "384", "448"),
-                quad_8_rows!("16", "512", "576"),
-                quad_8_rows!("20", "640", "704"),
-                quad_8_rows!("24", "768", "832"),
-                quad_8_rows!("28", "896", "960"),
-                w = in(reg) unpacked.as_ptr(),
-                a0 = in(reg) rows[0],
-                a1 = in(reg) rows[1],
-                a2 = in(reg) rows[2],
-                a3 = in(reg) rows[3],
-                a4 = in(reg) rows[4],
-                a5 = in(reg) rows[5],
-                a6 = in(reg) rows[6],
-                a7 = in(reg) rows[7],
-                w0 = out(zmm_reg) _w0,
-                w1 = out(zmm_reg) _w1,
-                x0 = out(zmm_reg) _x0,
-                x1 = out(zmm_reg) _x1,
-                x2 = out(zmm_reg) _x2,
-                x3 = out(zmm_reg) _x3,
-                x4 = out(zmm_reg) _x4,
-                x5 = out(zmm_reg) _x5,
-                x6 = out(zmm_reg) _x6,
-                x7 = out(zmm_reg) _x7,
-                s00 = inout(zmm_reg) s0[0],
-                s01 = inout(zmm_reg) s0[1],
-                s10 = inout(zmm_reg) s1[0],
-                s11 = inout(zmm_reg) s1[1],
-                s20 = inout(zmm_reg) s2[0],
-                s21 = inout(zmm_reg) s2[1],
-                s30 = inout(zmm_reg) s3[0],
-                s31 = inout(zmm_reg) s3[1],
-                s40 = inout(zmm_reg) s4[0],
-                s41 = inout(zmm_reg) s4[1],
-                s50 = inout(zmm_reg) s5[0],
-                s51 = inout(zmm_reg) s5[1],
-                s60 = inout(zmm_reg) s6[0],
-                s61 = inout(zmm_reg) s6[1],
-                s70 = inout(zmm_reg) s7[0],
-                s71 = inout(zmm_reg) s7[1],
-                options(nostack, readonly, pure),
-            );
+        let (_s00, _s01, _s10, _s11): (__m512i, __m512i, __m512i, __m512i);
+        let (_s20, _s21, _s30, _s31): (__m512i, __m512i, __m512i, __m512i);
+        let (_s40, _s41, _s50, _s51): (__m512i, __m512i, __m512i, __m512i);
+        let (_s60, _s61, _s70, _s71): (__m512i, __m512i, __m512i, __m512i);
+        macro_rules! run {
+            ($start:ident, $($starts:tt)*) => {
+                // SAFETY: the code reads the 1 KiB of `unpacked`, 256 bytes of `codes`, 8 scales
+                // and (q8) 8 starts, and reads and writes 256 floats of `acc` (all asserted
+                // above); it writes only the named registers.
+                unsafe {
+                    std::arch::asm!(
+                        group_8_rows_asm!($start),
+                        w = in(reg) unpacked.as_ptr(),
+                        a = in(reg) codes.as_ptr(),
+                        sx = in(reg) scales.as_ptr(),
+                        $($starts)*
+                        acc = in(reg) acc.as_mut_ptr(),
+                        d0 = in(zmm_reg) d[0],
+                        d1 = in(zmm_reg) d[1],
+                        w0 = out(zmm_reg) _w0,
+                        w1 = out(zmm_reg) _w1,
+                        t0 = out(zmm_reg) _t0,
+                        t1 = out(zmm_reg) _t1,
+                        x0 = out(zmm_reg) _x0,
+                        x1 = out(zmm_reg) _x1,
+                        x2 = out(zmm_reg) _x2,
+                        x3 = out(zmm_reg) _x3,
+                        x4 = out(zmm_reg) _x4,
+                        x5 = out(zmm_reg) _x5,
+                        x6 = out(zmm_reg) _x6,
+                        x7 = out(zmm_reg) _x7,
+                        s00 = out(zmm_reg) _s00,
+                        s01 = out(zmm_reg) _s01,
+                        s10 = out(zmm_reg) _s10,
+                        s11 = out(zmm_reg) _s11,
+                        s20 = out(zmm_reg) _s20,
+                        s21 = out(zmm_reg) _s21,
+                        s30 = out(zmm_reg) _s30,
+                        s31 = out(zmm_reg) _s31,
+                        s40 = out(zmm_reg) _s40,
+                        s41 = out(zmm_reg) _s41,
+                        s50 = out(zmm_reg) _s50,
+                        s51 = out(zmm_reg) _s51,
+                        s60 = out(zmm_reg) _s60,
+                        s61 = out(zmm_reg) _s61,
+                        s70 = out(zmm_reg) _s70,
+                        s71 = out(zmm_reg) _s71,
+                        options(nostack),
+                    )
+                }
+            };
+        }
+        if Q8 {
+            run!(q8, st = in(reg) starts.as_ptr(),)
+        } else {
+            run!(zero,)
         }
     }
 

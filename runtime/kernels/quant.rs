@@ -84,6 +84,97 @@ pub struct QuantizedRows {
     /// The scale blocks the rows were quantized with: with [`ActivationScale::PerSuperblock`],
     /// every whole 256-column superblock's 8 groups carry one scale.
     pub scale: ActivationScale,
+    /// The codes, scales and code sums again, group-major, for the AVX-512 multi-row kernels:
+    /// filled for two rows or more on CPUs with AVX-512 VNNI, empty otherwise.
+    pub by_group: GroupMajor,
+}
+
+/// [`QuantizedRows`] group-major: one group's values of consecutive rows side by side, so a
+/// multi-row kernel reaches eight rows of a group from one pointer with fixed offsets instead of
+/// computing (and bounds-checking) a pointer per row for every group.
+#[derive(Default, Debug)]
+pub struct GroupMajor {
+    /// Codes, `[groups, rows, 32]`.
+    pub codes: Vec<i8>,
+    /// Scale per group, `[groups, rows]`.
+    pub scales: Vec<f32>,
+    /// `−128 · Σ codes` per group, `[groups, rows]`: where the VNNI q8 kernel's sums start (its
+    /// codes are offset by +128).
+    pub q8_starts: Vec<i32>,
+}
+
+impl GroupMajor {
+    /// Index of group `group` of row `row` of `rows` in [`GroupMajor::scales`] and
+    /// [`GroupMajor::q8_starts`] (times 32: in [`GroupMajor::codes`]).
+    pub fn cell(rows: usize, group: usize, row: usize) -> usize {
+        group * rows + row
+    }
+
+    /// Sized for `rows` rows of `cols` columns (no rows: empty); the contents are left to be
+    /// overwritten.
+    fn resize(&mut self, rows: usize, cols: usize) {
+        self.codes.resize(rows * cols, 0);
+        self.scales.resize(rows * cols / GROUP, 0.0);
+        self.q8_starts.resize(rows * cols / GROUP, 0);
+    }
+}
+
+/// The [`GroupMajor`] buffers, shared with the pool threads that quantize disjoint rows.
+struct GroupMajorOut<'a> {
+    codes: SharedMut<'a, i8>,
+    scales: SharedMut<'a, f32>,
+    q8_starts: SharedMut<'a, i32>,
+}
+
+impl<'a> GroupMajorOut<'a> {
+    fn new(by_group: &'a mut GroupMajor) -> Self {
+        GroupMajorOut {
+            codes: SharedMut::new(&mut by_group.codes),
+            scales: SharedMut::new(&mut by_group.scales),
+            q8_starts: SharedMut::new(&mut by_group.q8_starts),
+        }
+    }
+
+    /// Rows `first .. first + n` of `rows` into their group-major cells, from those rows'
+    /// row-major `codes`, `scales` and `code_sums` (`n` rows of `groups` groups). Empty buffers
+    /// (no group-major copy wanted) are left so.
+    ///
+    /// # Safety
+    /// The buffers hold `rows` rows of `groups` groups, and no other thread touches the cells of
+    /// rows `first .. first + n` while this runs ([`SharedMut`]'s contract).
+    unsafe fn fill_rows(
+        &self,
+        rows: usize,
+        first: usize,
+        groups: usize,
+        codes: &[i8],
+        scales: &[f32],
+        code_sums: &[i32],
+    ) {
+        if self.scales.is_empty() {
+            return;
+        }
+        let n = scales.len() / groups.max(1);
+        for group in 0..groups {
+            let cell = GroupMajor::cell(rows, group, first);
+            // SAFETY: the cells of rows first .. first + n of this group are consecutive, inside
+            // the buffers, and this thread's alone (caller contract).
+            let (codes_out, scales_out, starts_out) = unsafe {
+                (
+                    self.codes.slice_mut(cell * GROUP..(cell + n) * GROUP),
+                    self.scales.slice_mut(cell..cell + n),
+                    self.q8_starts.slice_mut(cell..cell + n),
+                )
+            };
+            for (row, run) in codes_out.chunks_exact_mut(GROUP).enumerate() {
+                let from = row * groups + group;
+                run.copy_from_slice(&codes[from * GROUP..(from + 1) * GROUP]);
+                scales_out[row] = scales[from];
+                // |Σ| ≤ 32 · 127, so the product fits easily.
+                starts_out[row] = -128 * code_sums[from];
+            }
+        }
+    }
 }
 
 impl QuantizedRows {
@@ -106,6 +197,9 @@ impl QuantizedRows {
         self.scales.resize(rows * groups, 0.0);
         self.sums.resize(rows * groups, 0.0);
         self.code_sums.resize(rows * groups, 0);
+        let group_major = rows >= 2 && multi_row_kernels_read_by_group();
+        self.by_group
+            .resize(if group_major { rows } else { 0 }, cols);
         self.quantize_codes(x, rows, k, scale);
         self.code_sums16.clear();
         if scale == ActivationScale::PerSuperblock {
@@ -114,12 +208,14 @@ impl QuantizedRows {
         }
     }
 
-    /// [`QuantizedRows::quantize`]'s codes, scales and per-group sums (buffers sized).
+    /// [`QuantizedRows::quantize`]'s codes, scales and per-group sums, and their group-major copy
+    /// (buffers sized).
     fn quantize_codes(&mut self, x: &[f32], rows: usize, k: usize, scale: ActivationScale) {
         let cols = self.cols;
         let groups = cols / GROUP;
         let x = &x[..rows * k];
         let pool = Pool::global();
+        let by_group = GroupMajorOut::new(&mut self.by_group);
         if rows < 2 || rows * k < POOLED_MIN_VALUES || pool.threads() < 2 {
             quantize_rows(
                 x,
@@ -132,6 +228,11 @@ impl QuantizedRows {
                     code_sums: &mut self.code_sums,
                 },
             );
+            // SAFETY: the group-major buffers were sized for these rows (or are empty), and
+            // this thread alone holds them.
+            unsafe {
+                by_group.fill_rows(rows, 0, groups, &self.codes, &self.scales, &self.code_sums)
+            };
             return;
         }
         let out = RowsOut {
@@ -158,8 +259,32 @@ impl QuantizedRows {
                     }
                 };
                 quantize_rows(&x[first * k..(first + n) * k], k, scale, chunk_out);
+                // SAFETY: as above, these rows are this thread's, in the row-major buffers it
+                // just wrote and in the group-major cells (sized for `rows`, or empty).
+                unsafe {
+                    by_group.fill_rows(
+                        rows,
+                        first,
+                        groups,
+                        out.codes.slice(first * cols..(first + n) * cols),
+                        out.scales.slice(first * groups..(first + n) * groups),
+                        out.code_sums.slice(first * groups..(first + n) * groups),
+                    )
+                };
             }
         });
+    }
+}
+
+/// Do the multi-row kernels of this CPU read [`QuantizedRows::by_group`] (the AVX-512 VNNI ones)?
+fn multi_row_kernels_read_by_group() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::avx2::vnni_available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -866,6 +991,7 @@ mod tests {
             code_sums: vec![0; rows * groups],
             code_sums16: Vec::new(),
             scale,
+            by_group: GroupMajor::default(),
         };
         let whole = match scale {
             ActivationScale::PerGroup => 0,
@@ -915,6 +1041,30 @@ mod tests {
         );
     }
 
+    /// `fast`'s group-major copy holds `slow`'s row-major values where the multi-row kernels
+    /// read it, and is empty elsewhere.
+    fn assert_group_major(fast: &QuantizedRows, slow: &QuantizedRows, what: &str) {
+        let by_group = &fast.by_group;
+        let filled = fast.rows >= 2 && multi_row_kernels_read_by_group();
+        assert_eq!(
+            !by_group.codes.is_empty(),
+            filled && fast.cols > 0,
+            "{what}"
+        );
+        if filled {
+            let groups = slow.groups();
+            for row in 0..slow.rows {
+                for group in 0..groups {
+                    let (from, cell) = (row * groups + group, group * slow.rows + row);
+                    let codes = &slow.codes[from * GROUP..(from + 1) * GROUP];
+                    assert_eq!(&by_group.codes[cell * GROUP..(cell + 1) * GROUP], codes);
+                    assert_eq!(by_group.scales[cell].to_bits(), slow.scales[from].to_bits());
+                    assert_eq!(by_group.q8_starts[cell], -128 * slow.code_sums[from]);
+                }
+            }
+        }
+    }
+
     #[test]
     fn batch_quantization_is_bit_identical_to_the_scalar_groups() {
         let mut seed = 0x0ddb_1a5e_5ca1_ab1e_u64;
@@ -946,9 +1096,11 @@ mod tests {
                         quantize_slowly(&x, rows, k, ActivationScale::PerSuperblock);
                     q.quantize(&x, rows, k, ActivationScale::PerSuperblock);
                     assert_same(&q, &by_superblock, &format!("{what}, per superblock"));
+                    assert_group_major(&q, &by_superblock, &format!("{what}, per superblock"));
                     let slow = quantize_slowly(&x, rows, k, ActivationScale::PerGroup);
                     q.quantize(&x, rows, k, ActivationScale::PerGroup);
                     assert_same(&q, &slow, &what);
+                    assert_group_major(&q, &slow, &what);
                     // The path without AVX-512 (the AVX2 group kernel with its redo), directly.
                     let cols = k.div_ceil(GROUP) * GROUP;
                     by_one.rows = rows;
