@@ -42,8 +42,8 @@ pub use imp::*;
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use crate::kernels::avx2::{
-        hsum_float_8, plain_tail, prefetch_q4_group, prefetch_q8_group, q4_group_scales,
-        q8_group_scales, tile_and_group, PlainKind, Q4Layout, Q8Layout,
+        hsum_float_8, plain_tail, prefetch_ahead, prefetch_q4_group, prefetch_q8_group,
+        q4_group_scales, q8_group_scales, tile_and_group, PlainKind, Q4Layout, Q8Layout,
     };
     use crate::kernels::quant::{GroupMajor, QuantizedRows};
     use crate::tiles::{GROUP, TILE_ROWS};
@@ -1036,6 +1036,7 @@ mod imp {
         let (mut low, mut high) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut c = 0;
         while c + 32 <= k {
+            prefetch_ahead(wp.wrapping_add(2 * c), 64);
             low = _mm256_dpbf16_ps(low, load(wp.add(2 * c)), load(xp.add(2 * c)));
             high = _mm256_dpbf16_ps(high, load(wp.add(2 * c + 32)), load(xp.add(2 * c + 32)));
             c += 32;

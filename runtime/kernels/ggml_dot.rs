@@ -688,6 +688,7 @@ mod k512 {
             let mut acc = [[0f32; 2]; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * block_bytes);
+                crate::kernels::avx2::prefetch_ahead(p, block_bytes);
                 let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
                 let (sc, mn) = k4_scales_mins(p.add(4));
                 let sc8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(u64::from_le_bytes(sc) as i64));
@@ -1177,6 +1178,7 @@ mod k512 {
             let mut acc = [[0f32; 2]; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * block_bytes);
+                crate::kernels::avx2::prefetch_ahead(p, block_bytes);
                 let block = if KIND == SIGNED_IQ4_XS {
                     iq4xs_block_codes(p, table, &picks)
                 } else {
@@ -1251,6 +1253,7 @@ mod k512 {
                 let mut acc = [[0f32; 2]; N];
                 for b in 0..cols / 256 {
                     let p = row.add(b * BLOCK_BYTES);
+                    crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
                     let (d, dmin) = (f16_at(p.add(80)), f16_at(p.add(82)));
                     let packed = _mm_loadu_si128(p as *const __m128i);
                     let sub_scales =
@@ -1348,6 +1351,7 @@ mod k512 {
             let mut acc = [[0f32; 2]; N];
             for b in 0..cols / 256 {
                 let p = row.add(b * BLOCK_BYTES);
+                crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
                 let d = f16_at(p.add(208));
                 let sub_scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(
                     p.add(192) as *const __m128i,
@@ -1587,6 +1591,7 @@ mod x86 {
         let mut acc_min = [_mm256_setzero_ps(); N];
         for b in 0..cols / 256 {
             let p = row.add(b * block_bytes);
+            crate::kernels::avx2::prefetch_ahead(p, block_bytes);
             let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
             let (sc, mn) = k4_scales_mins(p.add(4));
             let dmn = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(-dmin));
@@ -1698,6 +1703,7 @@ mod x86 {
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..cols / 256 {
             let p = row.add(b * BLOCK_BYTES);
+            crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
             let d = f16_at(p.add(208));
             // Sub-block scales as i16: groups 0-3 take theirs from s0..s7, 4-7 from s8..s15,
             // sub-block 2g in the low half, 2g + 1 in the high half.

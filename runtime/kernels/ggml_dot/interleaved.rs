@@ -92,6 +92,7 @@ pub unsafe fn small_rows<const N: usize, const KIND: u8>(
         let mut acc = [[_mm512_setzero_ps(); 2]; N];
         for b in 0..blocks {
             let p = group.add(b * at.bytes);
+            crate::kernels::avx2::prefetch_ahead(p, at.bytes);
             let (w0, w1) = (
                 _mm512_loadu_si512(p.add(at.nibbles) as *const _),
                 _mm512_loadu_si512(p.add(at.nibbles + 64) as *const _),
