@@ -500,8 +500,7 @@ mod imp {
     // ---- software prefetch ---------------------------------------------------------------------------
 
     /// Bytes ahead of a weight stream that [`prefetch_ahead`] asks for: about the q4 tiles'
-    /// distance (6 groups of 640 B). On EMR, 4 KiB decoded Q4_K, Q6_K and F16 5-16 % faster than
-    /// 2 KiB and 8 KiB no faster than 4 (`xdna bench decode`, alternated rounds).
+    /// distance (6 groups of 640 B). On EMR 2 KiB was slower and 8 KiB no faster.
     pub(in crate::kernels) const STREAM_AHEAD: usize = 4096;
 
     /// Prefetch the lines of `[p + STREAM_AHEAD, p + STREAM_AHEAD + bytes)`. A kernel that
