@@ -276,9 +276,14 @@ pub fn block(
             // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
             // out_rows of `row_bytes` (cols / 256 whole blocks: validated with the matrix), `act`
             // holds `cols` codes per superblock-scaled row of `act_rows`, `out` `stride` per row.
+            // The tile kernel also needs AMX (checked here) and the aligned codes.
             unsafe {
                 let rows = k512::WeightRows::new(data, row_bytes, n0, out_rows);
-                lanes::rows(kind, rows, cols, act, act_rows, out, stride);
+                if !act.code_lines.is_empty() && crate::kernels::amx::available() {
+                    amx_rows::rows(kind, rows, cols, act, act_rows, out, stride);
+                } else {
+                    lanes::rows(kind, rows, cols, act, act_rows, out, stride);
+                }
             }
             return;
         }
@@ -588,6 +593,9 @@ mod vnni {
 /// speeds).
 #[cfg(target_arch = "x86_64")]
 mod lanes;
+
+#[cfg(target_arch = "x86_64")]
+mod amx_rows;
 
 #[cfg(target_arch = "x86_64")]
 mod interleaved;

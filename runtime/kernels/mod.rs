@@ -38,6 +38,8 @@
 //! directory of them and reports every missing shape at once.
 
 pub mod activation;
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod attention;
 pub mod avx2;
 pub mod avx512;

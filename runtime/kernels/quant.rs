@@ -87,7 +87,20 @@ pub struct QuantizedRows {
     /// The codes, scales and code sums again, group-major, for the AVX-512 multi-row kernels:
     /// filled for two rows or more on CPUs with AVX-512 VNNI, empty otherwise.
     pub by_group: GroupMajor,
+    /// The codes again in 64-byte lines, rows `cols` apart, for the AMX tile kernels (a tile
+    /// load of rows that straddle cache lines costs about three tile products): filled for
+    /// [`ActivationScale::PerSuperblock`] rows, [`TILE_MIN_ROWS`] or more of whole 64-value lines,
+    /// on CPUs whose AMX kernels run (`kernels::amx`); empty otherwise.
+    pub code_lines: Vec<CodeLine>,
 }
+
+/// Activation rows from which [`QuantizedRows::code_lines`] is filled.
+pub const TILE_MIN_ROWS: usize = 16;
+
+/// 64 activation codes, 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct CodeLine(pub [i8; 64]);
 
 /// [`QuantizedRows`] group-major: one group's values of consecutive rows side by side, so a
 /// multi-row kernel reaches eight rows of a group from one pointer with fixed offsets instead of
@@ -202,9 +215,14 @@ impl QuantizedRows {
             .resize(if group_major { rows } else { 0 }, cols);
         self.quantize_codes(x, rows, k, scale);
         self.code_sums16.clear();
+        self.code_lines.clear();
         if scale == ActivationScale::PerSuperblock {
             self.code_sums16.resize(rows * cols / 16, 0);
             fill_code_sums16(&self.codes, &mut self.code_sums16);
+            if rows >= TILE_MIN_ROWS && cols.is_multiple_of(64) && tile_kernels_run() {
+                self.code_lines.resize(rows * cols / 64, CodeLine([0; 64]));
+                bytemuck::cast_slice_mut(&mut self.code_lines).copy_from_slice(&self.codes);
+            }
         }
     }
 
@@ -277,6 +295,18 @@ impl QuantizedRows {
 }
 
 /// Do the multi-row kernels of this CPU read [`QuantizedRows::by_group`] (the AVX-512 VNNI ones)?
+/// Whether the AMX tile kernels, the readers of [`QuantizedRows::code_lines`], run here.
+fn tile_kernels_run() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 fn multi_row_kernels_read_by_group() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -992,6 +1022,7 @@ mod tests {
             code_sums16: Vec::new(),
             scale,
             by_group: GroupMajor::default(),
+            code_lines: Vec::new(),
         };
         let whole = match scale {
             ActivationScale::PerGroup => 0,

@@ -63,7 +63,7 @@ impl Kind {
         }
     }
 
-    fn block_bytes(self) -> usize {
+    pub(super) fn block_bytes(self) -> usize {
         match self {
             Self::Q2K => 84,
             Self::Q3K => 110,
@@ -75,7 +75,7 @@ impl Kind {
     }
 
     /// Values per sub-block (one scale).
-    fn sub(self) -> usize {
+    pub(super) fn sub(self) -> usize {
         match self {
             Self::Q2K | Self::Q3K | Self::Q6K => 16,
             Self::Q4K | Self::Q5K | Self::Iq4Xs => 32,
@@ -83,7 +83,7 @@ impl Kind {
     }
 
     /// What is added to a code to make it unsigned, as a power of two: `1 << log2`.
-    fn bias_log2(self) -> Option<u32> {
+    pub(super) fn bias_log2(self) -> Option<u32> {
         match self {
             Self::Q3K => Some(2),
             Self::Q6K => Some(5),
@@ -94,13 +94,13 @@ impl Kind {
 }
 
 /// One decoded block's integers and scales.
-struct BlockInts {
+pub(super) struct BlockInts {
     /// Per sub-block scale (`256 / sub` of them).
-    scales: [i32; 16],
+    pub(super) scales: [i32; 16],
     /// Per sub-block minimum, for types with minimums.
-    mins: [i32; 16],
-    d: f32,
-    dmin: f32,
+    pub(super) mins: [i32; 16],
+    pub(super) d: f32,
+    pub(super) dmin: f32,
 }
 
 /// Block `p` of `kind`: its 256 unsigned codes in value order into `codes` (64 per register),
@@ -110,7 +110,12 @@ struct BlockInts {
 /// AVX-512 F/BW/VL/VNNI, AVX2, FMA, F16C; `p` holds one block of `kind`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn decode(kind: Kind, p: *const u8, table: __m512i, codes: &mut [__m512i; 4]) -> BlockInts {
+pub(super) unsafe fn decode(
+    kind: Kind,
+    p: *const u8,
+    table: __m512i,
+    codes: &mut [__m512i; 4],
+) -> BlockInts {
     let mut ints = BlockInts {
         scales: [0; 16],
         mins: [0; 16],
@@ -165,12 +170,24 @@ unsafe fn decode(kind: Kind, p: *const u8, table: __m512i, codes: &mut [__m512i;
     ints
 }
 
+/// ggml's IQ4 value table in every 128-bit lane, for [`decode`].
+///
+/// # Safety
+/// AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn iq4_table() -> __m512i {
+    _mm512_broadcast_i32x4(_mm_loadu_si128(
+        crate::ggml::IQ4_TABLE.as_ptr() as *const __m128i
+    ))
+}
+
 /// The 16 × 16 i32 matrix `rows` transposed in registers: output `j` holds element `j` of every
 /// input, input `r` in lane `r` (two rounds of interleaves within 128-bit lanes, then two of
 /// 128-bit lane shuffles).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose16(rows: &[__m512i; 16]) -> [__m512i; 16] {
+pub(super) unsafe fn transpose16(rows: &[__m512i; 16]) -> [__m512i; 16] {
     let mut t = [_mm512_setzero_si512(); 16];
     for i in 0..8 {
         t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
@@ -308,9 +325,7 @@ unsafe fn decode_rows(kind: Kind, rows: WeightRows, cols: usize, s: &mut Scratch
     s.dmin.resize(groups * nb * LANES, 0.0);
     s.staging.clear();
     s.staging.resize(LANES * 4, zero);
-    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(
-        crate::ggml::IQ4_TABLE.as_ptr() as *const __m128i
-    ));
+    let table = iq4_table();
     for g in 0..groups {
         for b in 0..nb {
             let gb = g * nb + b;
