@@ -140,7 +140,7 @@ unsafe fn decode_rows(kind: Kind, rows: WeightRows, cols: usize, s: &mut Scratch
     grow(&mut s.dmin, groups * nb * LANES, 0.0);
     grow(&mut s.staging, LANES * RUNS * PLANES, zero);
     let table = lanes::iq4_table();
-    let bias = _mm512_set1_epi16(kind.bias_log2().map_or(0, |log2| 1 << log2));
+    let bias = kind.bias_log2().map_or(0, |log2| 1u8 << log2);
     for g in 0..groups {
         for b in 0..nb {
             let gb = g * nb + b;
@@ -177,7 +177,7 @@ fn grow<T: Copy>(v: &mut Vec<T>, len: usize, fill: T) {
 }
 
 /// Byte `i` of run `j` is value `64j + i`, of sub-block `(64j + i) / sub`: `vpermb` indices
-/// that spread a block's sub-block minimums over its values.
+/// that spread a block's sub-block scales or minimums over its values.
 const SUB16_PICKS: [[u8; 64]; RUNS] = sub_block_picks(16);
 const SUB32_PICKS: [[u8; 64]; RUNS] = sub_block_picks(32);
 
@@ -193,53 +193,64 @@ const fn sub_block_picks(sub: usize) -> [[u8; 64]; RUNS] {
 
 /// A block's 256 unsigned codes (64 per register) as its weight planes, `out[run·3 + plane]`
 /// with 64 values per register in value order: the low and high bytes of the integer weights
-/// `sc·(u − bias)`, and with `mins_plane` each value's sub-block minimum.
+/// `sc·(u − bias)`, and with `mins_plane` each value's sub-block minimum. The products come
+/// from `vpmaddubsw` against each value's scale in every other byte (the even values', then the
+/// odd values'; one product per pair, so never saturated: `|u·sc| ≤ 255 · 128`), and the bytes
+/// are picked by blends: no cross-lane shuffle but the one that spreads the scales.
 ///
 /// # Safety
-/// AVX-512 F/BW/VBMI.
+/// AVX-512 F/BW/VL/VBMI.
 #[inline]
-#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vbmi")]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512vbmi")]
 unsafe fn weight_planes(
     codes: &[__m512i; 4],
     ints: &lanes::BlockInts,
     sub: usize,
-    bias: __m512i,
+    bias: u8,
     mins_plane: bool,
     out: &mut [__m512i],
 ) {
-    // Two 256-bit loads, as `lanes::decode` stores Q4_K's and Q5_K's eight minimums: one wider
-    // load would wait for that store to reach the cache instead of taking it forwarded.
-    let halves = [0, 8]
-        .map(|at| _mm256_cvtepi32_epi8(_mm256_loadu_si256(ints.mins.as_ptr().add(at) as *const _)));
-    let mins = _mm512_castsi128_si512(_mm_unpacklo_epi64(halves[0], halves[1]));
+    // The 16 i32 as bytes, each half read as wide as `lanes::decode` stores Q4_K's and Q5_K's
+    // eight values: a wider load would wait for that store to reach the cache instead of
+    // taking it forwarded.
+    let bytes16 = |v: &[i32; 16]| {
+        let halves = [0, 8]
+            .map(|at| _mm256_cvtepi32_epi8(_mm256_loadu_si256(v.as_ptr().add(at) as *const _)));
+        _mm512_castsi128_si512(_mm_unpacklo_epi64(halves[0], halves[1]))
+    };
+    let scales = bytes16(&ints.scales);
+    let mins = if mins_plane {
+        bytes16(&ints.mins)
+    } else {
+        _mm512_setzero_si512()
+    };
+    let low_bytes = _mm512_set1_epi16(0x00FF);
+    let biases = _mm512_set1_epi8(bias as i8);
+    const ODD_BYTES: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
     for (j, &run) in codes.iter().enumerate() {
-        let halves = [
-            _mm512_cvtepu8_epi16(_mm512_castsi512_si256(run)),
-            _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(run)),
-        ];
-        let mut bytes = [[_mm256_setzero_si256(); 2]; 2];
-        for (h, half) in halves.into_iter().enumerate() {
-            // Values 64j + 32h .. + 32: one sub-block of 32, or two of 16.
-            let first = 64 * j + 32 * h;
-            let (a, b) = (ints.scales[first / sub], ints.scales[(first + 16) / sub]);
-            let scale = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set1_epi16(a as i16)),
-                _mm256_set1_epi16(b as i16),
-            );
-            let w = _mm512_mullo_epi16(_mm512_sub_epi16(half, bias), scale);
-            bytes[0][h] = _mm512_cvtepi16_epi8(w);
-            bytes[1][h] = _mm512_cvtepi16_epi8(_mm512_srai_epi16::<8>(w));
-        }
-        let join = |[a, b]: [__m256i; 2]| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
-        out[PLANES * j] = join(bytes[0]);
-        out[PLANES * j + 1] = join(bytes[1]);
-        if mins_plane {
-            let picks = if sub == 16 {
-                &SUB16_PICKS[j]
+        let picks = if sub == 16 {
+            &SUB16_PICKS[j]
+        } else {
+            &SUB32_PICKS[j]
+        };
+        let picks = _mm512_loadu_si512(picks.as_ptr() as *const _);
+        let sc = _mm512_permutexvar_epi8(picks, scales);
+        // i16 lane i: w[2i] (`even`), w[2i + 1] (`odd`).
+        let [even, odd] = [
+            _mm512_and_si512(sc, low_bytes),
+            _mm512_andnot_si512(low_bytes, sc),
+        ]
+        .map(|pattern| {
+            let w = _mm512_maddubs_epi16(run, pattern);
+            if bias == 0 {
+                w
             } else {
-                &SUB32_PICKS[j]
-            };
-            let picks = _mm512_loadu_si512(picks.as_ptr() as *const _);
+                _mm512_sub_epi16(w, _mm512_maddubs_epi16(biases, pattern))
+            }
+        });
+        out[PLANES * j] = _mm512_mask_blend_epi8(ODD_BYTES, even, _mm512_slli_epi16::<8>(odd));
+        out[PLANES * j + 1] = _mm512_mask_blend_epi8(ODD_BYTES, _mm512_srli_epi16::<8>(even), odd);
+        if mins_plane {
             out[PLANES * j + 2] = _mm512_permutexvar_epi8(picks, mins);
         }
     }
