@@ -49,6 +49,9 @@ struct Scratch {
     dmin: Vec<f32>,
     /// `[lane][run][plane]`: 16 rows of one block's planes, before the transpose.
     staging: Vec<__m512i>,
+    /// `[chunk][sum, minimums' sum][row]`: a lane group's accumulators for every chunk of 16
+    /// activation rows, so that each block's weight tiles serve all chunks while in cache.
+    acc: Vec<__m512>,
 }
 
 thread_local! {
@@ -89,26 +92,33 @@ pub(super) unsafe fn rows(
             let c_or_b = |c: bool| if c { m } else { TILE_ROWS as u8 };
             // SAFETY: `amx::available()` (the caller's contract).
             let _tiles = Tiles::configure([m, c_or_b(high), c_or_b(mins), m, m, 16, 16, 16]);
-            for first in part.clone().step_by(TILE_ROWS) {
-                for g in 0..rows.count.div_ceil(LANES) {
-                    let chunk = Chunk {
-                        scratch,
-                        nb: cols / 256,
-                        g,
-                        lanes_here: (rows.count - g * LANES).min(LANES),
-                        first,
-                        m: (part.end - first).min(TILE_ROWS),
-                    };
-                    // SAFETY: `out` holds rows `first − act_rows.start ..` + m of `stride`
-                    // floats from this group's first lane on (the caller's contract).
-                    let out = out
-                        .as_mut_ptr()
-                        .add((first - act_rows.start) * stride + g * LANES);
-                    match (high, mins) {
-                        (false, _) => chunk.run::<false, true>(act, out, stride),
-                        (true, true) => chunk.run::<true, true>(act, out, stride),
-                        (true, false) => chunk.run::<true, false>(act, out, stride),
-                    }
+            let Scratch {
+                tiles,
+                d,
+                dmin,
+                acc,
+                ..
+            } = &mut *scratch;
+            for g in 0..rows.count.div_ceil(LANES) {
+                let pass = GroupPass {
+                    tiles,
+                    d,
+                    dmin,
+                    nb: cols / 256,
+                    g,
+                    lanes_here: (rows.count - g * LANES).min(LANES),
+                    first: part.start,
+                    rows: part.len(),
+                };
+                // SAFETY: `out` holds rows `part.start − act_rows.start ..` + part.len() of
+                // `stride` floats from this group's first lane on (the caller's contract).
+                let out = out
+                    .as_mut_ptr()
+                    .add((part.start - act_rows.start) * stride + g * LANES);
+                match (high, mins) {
+                    (false, _) => pass.run::<false, true>(act, acc, out, stride),
+                    (true, true) => pass.run::<true, true>(act, acc, out, stride),
+                    (true, false) => pass.run::<true, false>(act, acc, out, stride),
                 }
             }
         }
@@ -256,105 +266,117 @@ unsafe fn weight_planes(
     }
 }
 
-/// One lane group's part of a call for up to 16 activation rows.
-struct Chunk<'a> {
-    scratch: &'a Scratch,
+/// One lane group's part of a call: every chunk of (up to) 16 activation rows of a part whose
+/// chunks share one tile configuration.
+struct GroupPass<'a> {
+    tiles: &'a [__m512i],
+    d: &'a [f32],
+    dmin: &'a [f32],
     nb: usize,
     /// The lane group.
     g: usize,
     /// Weight rows in the group (≤ 16).
     lanes_here: usize,
-    /// The chunk's first activation row.
+    /// The part's first activation row.
     first: usize,
-    /// Activation rows in the chunk: the configured rows of the A and C tiles.
-    m: usize,
+    /// Activation rows in the part: whole chunks of 16, or one chunk of the configured rows.
+    rows: usize,
 }
 
 /// 64-byte aligned room for a block's three product tiles.
 #[repr(C, align(64))]
 struct Products([i32; PLANES * TILE_BYTES / 4]);
 
-impl Chunk<'_> {
-    /// Activation rows `first .. first + m` against the group's 16 weight rows, into
-    /// `out[a·stride + lane]`. `HIGH`: the type's weights have high bytes; `MINS`: it has
-    /// minimums.
+impl GroupPass<'_> {
+    /// The part's activation rows against the group's 16 weight rows, into `out[a·stride +
+    /// lane]`, block by block and within a block chunk by chunk (each element's float steps in
+    /// block order, as in the lane kernels). The next (block, chunk)'s products run on the tile
+    /// unit during the float steps of the current one, and are stored after those have read
+    /// its sums. `HIGH`: the type's weights have high bytes; `MINS`: it has minimums.
     ///
     /// # Safety
-    /// As [`rows`], with tiles configured for `m` activation rows; `out` holds `m` rows of
+    /// As [`rows`], with tiles configured for the part's chunks; `out` holds `rows` rows of
     /// `stride` floats, the first `lanes_here` of each written.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn run<const HIGH: bool, const MINS: bool>(
         &self,
         act: &QuantizedRows,
+        acc: &mut Vec<__m512>,
         out: *mut f32,
         stride: usize,
     ) {
-        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
-        let mut acc_mins = [_mm512_setzero_ps(); TILE_ROWS];
+        let chunks = self.rows.div_ceil(TILE_ROWS);
+        acc.clear();
+        acc.resize(chunks * 2 * TILE_ROWS, _mm512_setzero_ps());
         let mut products = Products([0; PLANES * TILE_BYTES / 4]);
         let lines = act.code_lines.as_ptr() as *const i8;
-        let a = |b: usize| lines.add(self.first * act.cols + b * 256);
-        let weights = |b: usize| {
-            let gb = self.g * self.nb + b;
-            self.scratch.tiles.as_ptr().add(gb * BLOCK_REGS) as *const u8
+        // Step i: block i / chunks, chunk i % chunks.
+        let steps = self.nb * chunks;
+        let a = |i: usize| {
+            let (b, chunk) = (i / chunks, i % chunks);
+            lines.add((self.first + chunk * TILE_ROWS) * act.cols + b * 256)
+        };
+        let weights = |i: usize| {
+            let gb = self.g * self.nb + i / chunks;
+            self.tiles.as_ptr().add(gb * BLOCK_REGS) as *const u8
         };
         let c = products.0.as_mut_ptr();
         multiply::<HIGH, MINS>(a(0), act.cols, weights(0));
         store::<HIGH, MINS>(c);
-        for b in 0..self.nb {
-            // Block b + 1's products run on the tile unit during block b's float steps, and
-            // are stored after those have read block b's.
-            let next = b + 1 < self.nb;
+        for i in 0..steps {
+            let next = i + 1 < steps;
             if next {
-                multiply::<HIGH, MINS>(a(b + 1), act.cols, weights(b + 1));
+                multiply::<HIGH, MINS>(a(i + 1), act.cols, weights(i + 1));
             }
-            self.block_sums::<HIGH, MINS>(act, b, &products, &mut acc, &mut acc_mins);
+            let (b, chunk) = (i / chunks, i % chunks);
+            let acc = &mut acc[chunk * 2 * TILE_ROWS..(chunk + 1) * 2 * TILE_ROWS];
+            self.block_sums::<HIGH, MINS>(act, b, chunk, &products, acc);
             if next {
                 store::<HIGH, MINS>(c);
             }
         }
         let mask = ((1u32 << self.lanes_here) - 1) as __mmask16;
-        for (r, (acc, acc_mins)) in acc.iter().zip(acc_mins).take(self.m).enumerate() {
-            let result = if MINS {
-                _mm512_sub_ps(*acc, acc_mins)
-            } else {
-                *acc
-            };
+        for r in 0..self.rows {
+            let acc = &acc[(r / TILE_ROWS) * 2 * TILE_ROWS..];
+            let (sum, mins) = (acc[r % TILE_ROWS], acc[TILE_ROWS + r % TILE_ROWS]);
+            let result = if MINS { _mm512_sub_ps(sum, mins) } else { sum };
             _mm512_mask_storeu_ps(out.add(r * stride), mask, result);
         }
     }
 
-    /// Block `b`'s exact sums (`products`) into the accumulators, with the lane kernels' float
-    /// steps.
+    /// Block `b`'s exact sums of chunk `chunk` (`products`) into its accumulators (`acc`: the
+    /// sums' 16 rows, then the minimums' sums'), with the lane kernels' float steps.
     ///
     /// # Safety
-    /// As [`Chunk::run`].
+    /// As [`GroupPass::run`].
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn block_sums<const HIGH: bool, const MINS: bool>(
         &self,
         act: &QuantizedRows,
         b: usize,
+        chunk: usize,
         products: &Products,
-        acc: &mut [__m512; TILE_ROWS],
-        acc_mins: &mut [__m512; TILE_ROWS],
+        acc: &mut [__m512],
     ) {
-        let s = self.scratch;
         let gb = self.g * self.nb + b;
         let groups = act.groups();
-        let d = _mm512_loadu_ps(s.d.as_ptr().add(gb * LANES));
-        let dmin = _mm512_loadu_ps(s.dmin.as_ptr().add(gb * LANES));
+        let d = _mm512_loadu_ps(self.d.as_ptr().add(gb * LANES));
+        let dmin = _mm512_loadu_ps(self.dmin.as_ptr().add(gb * LANES));
         let tile = |plane: usize, r: usize| {
             _mm512_load_si512(products.0.as_ptr().add(plane * TILE_BYTES / 4 + 16 * r) as *const _)
         };
-        for (r, (acc, acc_mins)) in acc.iter_mut().zip(acc_mins).take(self.m).enumerate() {
+        let first = self.first + chunk * TILE_ROWS;
+        let m = (self.rows - chunk * TILE_ROWS).min(TILE_ROWS);
+        let (sums, mins_sums) = acc.split_at_mut(TILE_ROWS);
+        for (r, (acc, acc_mins)) in sums.iter_mut().zip(mins_sums).take(m).enumerate() {
             let total = if HIGH {
                 _mm512_add_epi32(tile(0, r), _mm512_slli_epi32::<8>(tile(1, r)))
             } else {
                 tile(0, r)
             };
-            let act_d = *act.scales.as_ptr().add((self.first + r) * groups + b * 8);
+            let act_d = *act.scales.as_ptr().add((first + r) * groups + b * 8);
             let act_d = _mm512_set1_ps(act_d);
             *acc = _mm512_fmadd_ps(_mm512_mul_ps(d, act_d), _mm512_cvtepi32_ps(total), *acc);
             if MINS {
@@ -552,14 +574,14 @@ mod tests {
 
     /// The tile kernel gives every output the lane kernel's bits, for each super-block type,
     /// a part-filled lane group (37 weight rows) and part-filled tiles of activation rows
-    /// (21 rows from row 2: one whole tile and one of 5).
+    /// (37 rows from row 2: two whole tiles and one of 5).
     #[test]
     fn tile_products_have_the_bits_of_the_lane_kernel() {
         if !amx::available() {
             eprintln!("no AMX-INT8 on this CPU (or XDNA_NO_AMX set): nothing to compare");
             return;
         }
-        let (n, cols, m) = (37, 768, 23);
+        let (n, cols, m) = (37, 768, 40);
         let mut state = 0x5eedu64;
         let x: Vec<f32> = (0..m * cols)
             .map(|_| {
@@ -586,13 +608,13 @@ mod tests {
             let kind = Kind::of(ty).expect("a super-block type");
             let row_bytes = cols / 256 * ty.block().1;
             let data = random_blocks(ty, n, cols, ty as u64 + 7);
-            let (mut tiles, mut lanes) = (vec![0f32; 21 * n], vec![0f32; 21 * n]);
+            let (mut tiles, mut lanes) = (vec![0f32; 37 * n], vec![0f32; 37 * n]);
             // SAFETY: AMX (and so AVX-512 VNNI) is available; `data` holds n rows of whole
-            // blocks, `act` 23 superblock-scaled rows of `cols` codes, the outputs 21 × n.
+            // blocks, `act` 40 superblock-scaled rows of `cols` codes, the outputs 37 × n.
             unsafe {
                 let rows = WeightRows::new(&data, row_bytes, 0, n);
-                super::rows(kind, rows, cols, &act, 2..23, &mut tiles, n);
-                lanes::rows(kind, rows, cols, &act, 2..23, &mut lanes, n);
+                super::rows(kind, rows, cols, &act, 2..39, &mut tiles, n);
+                lanes::rows(kind, rows, cols, &act, 2..39, &mut lanes, n);
             }
             for (i, (a, b)) in tiles.iter().zip(&lanes).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{ty:?} output {i}: {a} vs {b}");
