@@ -88,7 +88,7 @@ pub struct QuantizedRows {
     /// filled for two rows or more on CPUs with AVX-512 VNNI, empty otherwise.
     pub by_group: GroupMajor,
     /// The codes again in 64-byte lines, rows `cols` apart, for the AMX tile kernels (a tile
-    /// load of rows that straddle cache lines costs about three tile products): filled for
+    /// load of rows that straddle cache lines costs several times an aligned one): filled for
     /// [`ActivationScale::PerSuperblock`] rows, [`TILE_MIN_ROWS`] or more of whole 64-value lines,
     /// on CPUs whose AMX kernels run (`kernels::amx`); empty otherwise.
     pub code_lines: Vec<CodeLine>,

@@ -15,9 +15,9 @@
 //! weights (at most 15 · 3) have no high byte.
 //!
 //! A block's products are stored and read back by the vector units for the float steps; the
-//! next block's tile products are issued first, so the two units overlap. On EMR's guest a
-//! product costs about 6.5 ns, a tile load from aligned lines hides behind it, and one from lines
-//! that straddle cache lines costs about 18 ns: hence the aligned activation copy.
+//! next block's tile products are issued first, so the two units overlap. A tile load from
+//! aligned lines hides behind the products, and one whose rows straddle cache lines costs
+//! several times as much: hence the aligned activation copy.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
