@@ -574,14 +574,14 @@ mod tests {
 
     /// The tile kernel gives every output the lane kernel's bits, for each super-block type,
     /// a part-filled lane group (37 weight rows) and part-filled tiles of activation rows
-    /// (37 rows from row 2: two whole tiles and one of 5).
+    /// (53 rows from row 2: three whole tiles and one of 5).
     #[test]
     fn tile_products_have_the_bits_of_the_lane_kernel() {
         if !amx::available() {
             eprintln!("no AMX-INT8 on this CPU (or XDNA_NO_AMX set): nothing to compare");
             return;
         }
-        let (n, cols, m) = (37, 768, 40);
+        let (n, cols, m) = (37, 768, 56);
         let mut state = 0x5eedu64;
         let x: Vec<f32> = (0..m * cols)
             .map(|_| {
@@ -608,13 +608,13 @@ mod tests {
             let kind = Kind::of(ty).expect("a super-block type");
             let row_bytes = cols / 256 * ty.block().1;
             let data = random_blocks(ty, n, cols, ty as u64 + 7);
-            let (mut tiles, mut lanes) = (vec![0f32; 37 * n], vec![0f32; 37 * n]);
+            let (mut tiles, mut lanes) = (vec![0f32; 53 * n], vec![0f32; 53 * n]);
             // SAFETY: AMX (and so AVX-512 VNNI) is available; `data` holds n rows of whole
-            // blocks, `act` 40 superblock-scaled rows of `cols` codes, the outputs 37 × n.
+            // blocks, `act` 56 superblock-scaled rows of `cols` codes, the outputs 53 × n.
             unsafe {
                 let rows = WeightRows::new(&data, row_bytes, 0, n);
-                super::rows(kind, rows, cols, &act, 2..39, &mut tiles, n);
-                lanes::rows(kind, rows, cols, &act, 2..39, &mut lanes, n);
+                super::rows(kind, rows, cols, &act, 2..55, &mut tiles, n);
+                lanes::rows(kind, rows, cols, &act, 2..55, &mut lanes, n);
             }
             for (i, (a, b)) in tiles.iter().zip(&lanes).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{ty:?} output {i}: {a} vs {b}");
