@@ -67,6 +67,19 @@ pub use set::{family_needs, KernelKey, KernelNeed, KernelSet, RowFamily, ShapeNe
 
 use crate::tiles::TileError;
 
+/// Whether the AMX-INT8 tile kernels run on this CPU (`amx::available`; never off x86-64): the
+/// GGUF super-block types' calls of 16 activation rows or more.
+pub fn amx_tiles_run() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Runs `f` on this thread's scratch value in `key`, or on a fresh default one when the scratch
 /// is already borrowed (a re-entered kernel on the same thread), so re-entry never panics.
 pub(crate) fn with_scratch<T: Default + 'static, R>(

@@ -90,7 +90,7 @@ pub struct QuantizedRows {
     /// The codes again in 64-byte lines, rows `cols` apart, for the AMX tile kernels (a tile
     /// load of rows that straddle cache lines costs several times an aligned one): filled for
     /// [`ActivationScale::PerSuperblock`] rows, [`TILE_MIN_ROWS`] or more of whole 64-value lines,
-    /// on CPUs whose AMX kernels run (`kernels::amx`); empty otherwise.
+    /// on CPUs whose AMX kernels run ([`super::amx_tiles_run`]); empty otherwise.
     pub code_lines: Vec<CodeLine>,
 }
 
@@ -219,7 +219,7 @@ impl QuantizedRows {
         if scale == ActivationScale::PerSuperblock {
             self.code_sums16.resize(rows * cols / 16, 0);
             fill_code_sums16(&self.codes, &mut self.code_sums16);
-            if rows >= TILE_MIN_ROWS && cols.is_multiple_of(64) && tile_kernels_run() {
+            if rows >= TILE_MIN_ROWS && cols.is_multiple_of(64) && super::amx_tiles_run() {
                 self.code_lines.resize(rows * cols / 64, CodeLine([0; 64]));
                 bytemuck::cast_slice_mut(&mut self.code_lines).copy_from_slice(&self.codes);
             }
@@ -295,18 +295,6 @@ impl QuantizedRows {
 }
 
 /// Do the multi-row kernels of this CPU read [`QuantizedRows::by_group`] (the AVX-512 VNNI ones)?
-/// Whether the AMX tile kernels, the readers of [`QuantizedRows::code_lines`], run here.
-fn tile_kernels_run() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        super::amx::available()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 fn multi_row_kernels_read_by_group() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

@@ -148,7 +148,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
                 "weight_bytes_per_token": bytes as u64, "runs": args.runs.max(1),
                 "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
                 "threads": threads, "backend": model.weights().backend,
-                "streams": args.streams,
+                "amx": xdna::kernels::amx_tiles_run(), "streams": args.streams,
                 "projection_ms_per_pass": projection_ms, "attention_ms_per_pass": attention_ms,
                 "other_ms_per_pass": other_ms,
                 "projection_ms_per_token": projection_ms / streams,
@@ -160,6 +160,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
     } else {
         println!("{:<28} {:>12}", "metric", "value");
         println!("{:<28} {:>12.1}", "prefill tok/s (median)", prefill);
+        if xdna::kernels::amx_tiles_run() {
+            println!("{:<28} {:>12}", "super-block prefill on", "AMX tiles");
+        }
         println!("{:<28} {:>12.1}", "decode tok/s (median)", decode);
         println!("{:<28} {:>12.2}", "read bandwidth GB/s (median)", bw / 1e9);
         println!("{:<28} {:>12.1}", "weight MB per token", bytes / 1e6);
