@@ -2021,7 +2021,9 @@ mod x86 {
 mod tests {
     use super::*;
 
-    fn random_row(ty: GgmlType, cols: usize, seed: u64) -> Vec<u8> {
+    /// A row of `cols` values of random `ty` blocks with finite scales (also the AMX kernel's
+    /// test rows).
+    pub(super) fn random_row(ty: GgmlType, cols: usize, seed: u64) -> Vec<u8> {
         let (values, bytes) = ty.block();
         let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
         let mut next = || {

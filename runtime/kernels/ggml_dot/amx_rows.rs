@@ -545,33 +545,6 @@ mod tests {
     use crate::ggml::GgmlType;
     use crate::kernels::quant::{ActivationScale, QuantizedRows};
 
-    /// Random blocks of `ty` with finite block scales (`d`, `dmin` as f16 in a modest range).
-    fn random_blocks(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let (_, bytes) = ty.block();
-        let mut state = seed | 1;
-        let mut data: Vec<u8> = (0..rows * cols / 256 * bytes)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect();
-        let halves: &[usize] = match ty {
-            GgmlType::IQ4_XS => &[0],
-            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-            GgmlType::Q2_K => &[80, 82],
-            GgmlType::Q3_K => &[108],
-            _ => &[208],
-        };
-        for block in data.chunks_exact_mut(bytes) {
-            for &at in halves {
-                block[at + 1] = 0x30 | (block[at + 1] & 0x07);
-            }
-        }
-        data
-    }
-
     /// The tile kernel gives every output the lane kernel's bits, for each super-block type,
     /// a part-filled lane group (37 weight rows) and part-filled tiles of activation rows
     /// (53 rows from row 2: three whole tiles and one of 5).
@@ -607,7 +580,9 @@ mod tests {
         ] {
             let kind = Kind::of(ty).expect("a super-block type");
             let row_bytes = cols / 256 * ty.block().1;
-            let data = random_blocks(ty, n, cols, ty as u64 + 7);
+            let data: Vec<u8> = (0..n as u64)
+                .flat_map(|r| crate::kernels::ggml_dot::tests::random_row(ty, cols, r * 31 + 7))
+                .collect();
             let (mut tiles, mut lanes) = (vec![0f32; 53 * n], vec![0f32; 53 * n]);
             // SAFETY: AMX (and so AVX-512 VNNI) is available; `data` holds n rows of whole
             // blocks, `act` 56 superblock-scaled rows of `cols` codes, the outputs 53 × n.
