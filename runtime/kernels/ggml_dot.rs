@@ -24,7 +24,9 @@
 //! kernels for the 256-value super-blocks (`k512`, two groups per register), and from 16
 //! activation rows run them with weight rows across the lanes of a register, one `vpdpbusd` per
 //! four values of 16 rows (`lanes`): decode is 2.5–3.3× that of unpack-then-dot on Zen 3 and Zen
-//! 4, and the lanes take prefill 1.4–2.1× (docs/performance.md). IQ4_NL, Q5_0 and Q5_1 rows are
+//! 4, and the lanes take prefill 1.4–2.1× (docs/performance.md). On CPUs with AMX-INT8 those
+//! calls run as tile products instead (`amx_rows`), with the same exact block sums and so the
+//! same bits. IQ4_NL, Q5_0 and Q5_1 rows are
 //! interleaved eight at a time at load on those CPUs (`kernels::host_layout`) and run
 //! `interleaved`'s kernels: one `vpdpbusd` per four values of eight weight rows against broadcast
 //! activations, no horizontal sums ([`interleaved_block`]); in the file's layout (a matrix built
