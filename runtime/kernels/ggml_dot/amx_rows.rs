@@ -151,6 +151,8 @@ unsafe fn decode_rows(kind: Kind, rows: WeightRows, cols: usize, s: &mut Scratch
     grow(&mut s.staging, LANES * RUNS * PLANES, zero);
     let table = lanes::iq4_table();
     let bias = kind.bias_log2().map_or(0, |log2| 1u8 << log2);
+    let (high, mins) = planes(kind);
+    let read = [true, high, mins];
     for g in 0..groups {
         for b in 0..nb {
             let gb = g * nb + b;
@@ -164,12 +166,16 @@ unsafe fn decode_rows(kind: Kind, rows: WeightRows, cols: usize, s: &mut Scratch
                 let mut codes = [zero; 4];
                 let p = rows.row(r).add(b * kind.block_bytes());
                 let ints = lanes::decode(kind, p, table, &mut codes);
-                weight_planes(&codes, &ints, kind.sub(), bias, planes(kind).1, staged);
+                weight_planes(&codes, &ints, kind.sub(), bias, mins, staged);
                 s.d[gb * LANES + lane] = ints.d;
                 s.dmin[gb * LANES + lane] = ints.dmin;
             }
-            // Each run's planes of every row, transposed into the run's B tiles.
+            // Each run's planes of every row, transposed into the run's B tiles: only the planes
+            // the type's products read (`multiply`).
             for plane in 0..RUNS * PLANES {
+                if !read[plane % PLANES] {
+                    continue;
+                }
                 let rows16: [__m512i; 16] =
                     std::array::from_fn(|lane| s.staging[lane * RUNS * PLANES + plane]);
                 let at = gb * BLOCK_REGS + plane * TILE_ROWS;
