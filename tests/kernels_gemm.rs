@@ -763,7 +763,7 @@ fn vnni_kernels_give_the_avx2_results_bit_for_bit() {
             matrices.push(WeightMatrix::group_records(format, n, k, packed).expect("valid"));
         }
         for w in matrices {
-            for m in [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31] {
+            for m in [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 48, 53] {
                 // Activations with both signs, and rows of one sign (large |Σq|, which the Q8
                 // offset correction must cancel exactly).
                 let mut x = rng.vec(m * k, 2.0);
