@@ -802,11 +802,50 @@ mod imp {
         stride: usize,
     ) {
         let row_bytes = k * kind.bytes();
-        for a0 in act_rows.clone().step_by(PLAIN_TILE_ACTS) {
-            let acts = (act_rows.end - a0).min(PLAIN_TILE_ACTS);
+        // Each tile's vector sums, finished by `plain_tail` with the row dot's operations.
+        let tail = !k.is_multiple_of(8);
+        let mut finish = |a0: usize, r0: usize, acts: usize, wrows: usize, sums: &[[f32; 4]]| {
+            for (a, sums) in sums.iter().enumerate().take(acts) {
+                let row = &mut out[(a0 + a - act_rows.start) * stride + r0..][..wrows];
+                for (r, (out, &sum)) in row.iter_mut().zip(sums).enumerate() {
+                    *out = if tail {
+                        let (wrow, xrow) = (
+                            &w[(r0 + r) * row_bytes..(r0 + r + 1) * row_bytes],
+                            &x[(a0 + a) * k..(a0 + a + 1) * k],
+                        );
+                        plain_tail(kind, wrow, xrow, k / 8 * 8, k, sum)
+                    } else {
+                        sum
+                    };
+                }
+            }
+        };
+        let mut a0 = act_rows.start;
+        while a0 < act_rows.end {
+            // f16 weights take six activation rows per tile where there are six (and four
+            // weight rows): the tile's conversions are then shared by twice the multiply-adds.
+            let wide = kind == PlainKind::F16 && act_rows.end - a0 >= F16_TILE_ACTS;
+            let acts = if wide {
+                F16_TILE_ACTS
+            } else {
+                (act_rows.end - a0).min(PLAIN_TILE_ACTS)
+            };
             for r0 in (0..rows).step_by(PLAIN_TILE_ROWS) {
                 let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
                 let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
+                if wide && wrows == PLAIN_TILE_ROWS {
+                    let sums = f16_tile_wide(wp, row_bytes, xp, k);
+                    finish(a0, r0, acts, wrows, &sums);
+                    continue;
+                }
+                if wide {
+                    for half in [0, PLAIN_TILE_ACTS] {
+                        let xp = xp.add(half * k);
+                        let sums = plain_tile::<3, PLAIN_F16>(wp, row_bytes, wrows, xp, k);
+                        finish(a0 + half, r0, PLAIN_TILE_ACTS, wrows, &sums);
+                    }
+                    continue;
+                }
                 macro_rules! tile {
                     ($kind:expr) => {
                         match acts {
@@ -821,18 +860,140 @@ mod imp {
                     PlainKind::F16 => tile!(PLAIN_F16),
                     PlainKind::Bf16 => tile!(PLAIN_BF16),
                 };
-                for (a, sums) in sums.iter().enumerate().take(acts) {
-                    for (r, &sum) in sums.iter().enumerate().take(wrows) {
-                        let (wrow, xrow) = (
-                            &w[(r0 + r) * row_bytes..(r0 + r + 1) * row_bytes],
-                            &x[(a0 + a) * k..(a0 + a + 1) * k],
-                        );
-                        out[(a0 + a - act_rows.start) * stride + r0 + r] =
-                            plain_tail(kind, wrow, xrow, k / 8 * 8, k, sum);
-                    }
-                }
+                finish(a0, r0, acts, wrows, &sums);
             }
+            a0 += acts;
         }
+    }
+
+    /// Activation rows of one f16 register tile of [`plain_rows`] ([`f16_tile_wide`]).
+    const F16_TILE_ACTS: usize = 6;
+
+    /// [`plain_tile`] for f16 weights and six activation rows: 4 × 6 accumulators, 4
+    /// conversions and 6 activation loads per 16 columns, written as assembly (compiled from
+    /// intrinsics, 24 accumulators spilled to the stack). Each accumulator gets `plain_tile`'s
+    /// operations in its order, so the sums have its bits.
+    ///
+    /// # Safety
+    /// As [`plain_tile`] with `ACTS` = 6 and 4 weight rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn f16_tile_wide(
+        w: *const u8,
+        row_bytes: usize,
+        x: *const f32,
+        k: usize,
+    ) -> [[f32; PLAIN_TILE_ROWS]; F16_TILE_ACTS] {
+        let mut acc = f16_tile_wide_runs(w, row_bytes, x, k);
+        let wp = [0, 1, 2, 3].map(|r| w.add(r * row_bytes));
+        let xp = [0, 1, 2, 3, 4, 5].map(|a| x.add(a * k));
+        tile_tail_sums::<F16_TILE_ACTS, PLAIN_F16>(&mut acc, &wp, &xp, k / 16 * 16, k)
+    }
+
+    /// [`f16_tile_wide`]'s accumulators over the tile's whole runs of 16 columns. Not inlined:
+    /// its 29 vector registers leave none for values of a caller live across it.
+    ///
+    /// # Safety
+    /// As [`f16_tile_wide`].
+    #[inline(never)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn f16_tile_wide_runs(
+        w: *const u8,
+        row_bytes: usize,
+        x: *const f32,
+        k: usize,
+    ) -> [[__m512; PLAIN_TILE_ROWS]; F16_TILE_ACTS] {
+        let mut acc = [[_mm512_setzero_ps(); PLAIN_TILE_ROWS]; F16_TILE_ACTS];
+        let runs = k / 16;
+        if runs > 0 {
+            let [a0, a1, a2, a3, a4, a5] = &mut acc;
+            // SAFETY: each of the 4 weight rows holds `k` f16 and each of the 6 activation rows
+            // `k` floats (the caller's contract); the loop reads `runs · 16` of each, and writes
+            // only the named registers.
+            unsafe {
+                std::arch::asm!(
+                    "2:",
+                    "vcvtph2ps {w0}, ymmword ptr [{p0}]",
+                    "vcvtph2ps {w1}, ymmword ptr [{p0} + {s}]",
+                    "vcvtph2ps {w2}, ymmword ptr [{p0} + {s}*2]",
+                    "vcvtph2ps {w3}, ymmword ptr [{p3}]",
+                    "vmovups {xv}, zmmword ptr [{x}]",
+                    "vfmadd231ps {a00}, {w0}, {xv}",
+                    "vfmadd231ps {a01}, {w1}, {xv}",
+                    "vfmadd231ps {a02}, {w2}, {xv}",
+                    "vfmadd231ps {a03}, {w3}, {xv}",
+                    "vmovups {xv}, zmmword ptr [{x} + {xs}]",
+                    "vfmadd231ps {a10}, {w0}, {xv}",
+                    "vfmadd231ps {a11}, {w1}, {xv}",
+                    "vfmadd231ps {a12}, {w2}, {xv}",
+                    "vfmadd231ps {a13}, {w3}, {xv}",
+                    "vmovups {xv}, zmmword ptr [{x} + {xs}*2]",
+                    "vfmadd231ps {a20}, {w0}, {xv}",
+                    "vfmadd231ps {a21}, {w1}, {xv}",
+                    "vfmadd231ps {a22}, {w2}, {xv}",
+                    "vfmadd231ps {a23}, {w3}, {xv}",
+                    "vmovups {xv}, zmmword ptr [{x3}]",
+                    "vfmadd231ps {a30}, {w0}, {xv}",
+                    "vfmadd231ps {a31}, {w1}, {xv}",
+                    "vfmadd231ps {a32}, {w2}, {xv}",
+                    "vfmadd231ps {a33}, {w3}, {xv}",
+                    "vmovups {xv}, zmmword ptr [{x3} + {xs}]",
+                    "vfmadd231ps {a40}, {w0}, {xv}",
+                    "vfmadd231ps {a41}, {w1}, {xv}",
+                    "vfmadd231ps {a42}, {w2}, {xv}",
+                    "vfmadd231ps {a43}, {w3}, {xv}",
+                    "vmovups {xv}, zmmword ptr [{x3} + {xs}*2]",
+                    "vfmadd231ps {a50}, {w0}, {xv}",
+                    "vfmadd231ps {a51}, {w1}, {xv}",
+                    "vfmadd231ps {a52}, {w2}, {xv}",
+                    "vfmadd231ps {a53}, {w3}, {xv}",
+                    "add {p0}, 32",
+                    "add {p3}, 32",
+                    "add {x}, 64",
+                    "add {x3}, 64",
+                    "dec {n}",
+                    "jnz 2b",
+                    p0 = inout(reg) w => _,
+                    s = in(reg) row_bytes,
+                    p3 = inout(reg) w.add(3 * row_bytes) => _,
+                    x = inout(reg) x => _,
+                    x3 = inout(reg) x.add(3 * k) => _,
+                    xs = in(reg) 4 * k,
+                    n = inout(reg) runs => _,
+                    w0 = out(zmm_reg) _,
+                    w1 = out(zmm_reg) _,
+                    w2 = out(zmm_reg) _,
+                    w3 = out(zmm_reg) _,
+                    xv = out(zmm_reg) _,
+                    a00 = inout(zmm_reg) a0[0],
+                    a01 = inout(zmm_reg) a0[1],
+                    a02 = inout(zmm_reg) a0[2],
+                    a03 = inout(zmm_reg) a0[3],
+                    a10 = inout(zmm_reg) a1[0],
+                    a11 = inout(zmm_reg) a1[1],
+                    a12 = inout(zmm_reg) a1[2],
+                    a13 = inout(zmm_reg) a1[3],
+                    a20 = inout(zmm_reg) a2[0],
+                    a21 = inout(zmm_reg) a2[1],
+                    a22 = inout(zmm_reg) a2[2],
+                    a23 = inout(zmm_reg) a2[3],
+                    a30 = inout(zmm_reg) a3[0],
+                    a31 = inout(zmm_reg) a3[1],
+                    a32 = inout(zmm_reg) a3[2],
+                    a33 = inout(zmm_reg) a3[3],
+                    a40 = inout(zmm_reg) a4[0],
+                    a41 = inout(zmm_reg) a4[1],
+                    a42 = inout(zmm_reg) a4[2],
+                    a43 = inout(zmm_reg) a4[3],
+                    a50 = inout(zmm_reg) a5[0],
+                    a51 = inout(zmm_reg) a5[1],
+                    a52 = inout(zmm_reg) a5[2],
+                    a53 = inout(zmm_reg) a5[3],
+                    options(nostack, readonly),
+                )
+            };
+        }
+        acc
     }
 
     /// [`PlainKind::F32`] as a const-generic argument.
@@ -864,7 +1025,8 @@ mod imp {
 
     /// One tile: the vector part (elements `0 .. k / 8 · 8`) of the sums of weight rows `0 ..
     /// wrows` (rows `row_bytes` apart from `w`) against activation rows `0 .. ACTS` (`k` floats
-    /// apart from `x`), `[activation][weight]`; entries past `ACTS` / `wrows` are zero.
+    /// apart from `x`), `[activation][weight]`; entries past `ACTS` / `wrows` repeat the first
+    /// row's and are dropped by the caller.
     ///
     /// # Safety
     /// As [`plain_rows`], for the rows of this tile.
@@ -900,33 +1062,48 @@ mod imp {
             });
             c += 16;
         }
+        tile_tail_sums::<PLAIN_TILE_ACTS, KIND>(&mut acc, &wp, &xp, c, k)
+    }
+
+    /// A tile's last 8 columns (`c + 8 ≤ k`; low lanes only, masked) into its accumulators
+    /// `acc[a][r]`, then each accumulator's two 8-lane halves added and summed: the row dot's
+    /// vector part. Rows and weights past the tile's real ones are computed and dropped.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F; `wp` and `xp` point at weight and activation rows of `k`
+    /// elements.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn tile_tail_sums<const ACTS: usize, const KIND: u8>(
+        acc: &mut [[__m512; PLAIN_TILE_ROWS]; ACTS],
+        wp: &[*const u8; PLAIN_TILE_ROWS],
+        xp: &[*const f32; ACTS],
+        c: usize,
+        k: usize,
+    ) -> [[f32; PLAIN_TILE_ROWS]; ACTS] {
+        let elem = if KIND == PLAIN_F32 { 4 } else { 2 };
+        // Plain loops, not `array::from_fn` / `map`: a closure handed to those is compiled
+        // without this function's target features.
         if c + 8 <= k {
             const LOW: __mmask16 = 0x00FF;
-            let w0 = plain16::<KIND, true>(wp[0].add(c * elem));
-            let w1 = plain16::<KIND, true>(wp[1].add(c * elem));
-            let w2 = plain16::<KIND, true>(wp[2].add(c * elem));
-            let w3 = plain16::<KIND, true>(wp[3].add(c * elem));
-            per_act!(ACTS, |a| {
-                let xv = _mm512_maskz_loadu_ps(LOW, xp[a].add(c));
-                acc[a][0] = _mm512_mask3_fmadd_ps(w0, xv, acc[a][0], LOW);
-                acc[a][1] = _mm512_mask3_fmadd_ps(w1, xv, acc[a][1], LOW);
-                acc[a][2] = _mm512_mask3_fmadd_ps(w2, xv, acc[a][2], LOW);
-                acc[a][3] = _mm512_mask3_fmadd_ps(w3, xv, acc[a][3], LOW);
-            });
+            let mut w = [_mm512_setzero_ps(); PLAIN_TILE_ROWS];
+            for (w, &p) in w.iter_mut().zip(wp) {
+                *w = plain16::<KIND, true>(p.add(c * elem));
+            }
+            for (acc, &xp) in acc.iter_mut().zip(xp) {
+                let xv = _mm512_maskz_loadu_ps(LOW, xp.add(c));
+                for (acc, &w) in acc.iter_mut().zip(&w) {
+                    *acc = _mm512_mask3_fmadd_ps(w, xv, *acc, LOW);
+                }
+            }
         }
-        let total = |v: __m512| {
-            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-            hsum_float_8(_mm256_add_ps(_mm512_castps512_ps256(v), high))
-        };
-        let mut sums = [[0f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
-        per_act!(ACTS, |a| {
-            sums[a] = [
-                total(acc[a][0]),
-                total(acc[a][1]),
-                total(acc[a][2]),
-                total(acc[a][3]),
-            ];
-        });
+        let mut sums = [[0f32; PLAIN_TILE_ROWS]; ACTS];
+        for (sums, acc) in sums.iter_mut().zip(acc.iter()) {
+            for (sum, &v) in sums.iter_mut().zip(acc) {
+                let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                *sum = hsum_float_8(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+            }
+        }
         sums
     }
 
