@@ -887,7 +887,14 @@ mod imp {
         let mut acc = f16_tile_wide_runs(w, row_bytes, x, k);
         let wp = [0, 1, 2, 3].map(|r| w.add(r * row_bytes));
         let xp = [0, 1, 2, 3, 4, 5].map(|a| x.add(a * k));
-        tile_tail_sums::<F16_TILE_ACTS, PLAIN_F16>(&mut acc, &wp, &xp, k / 16 * 16, k)
+        tile_tail_sums::<F16_TILE_ACTS, PLAIN_F16>(
+            &mut acc,
+            &wp,
+            &xp,
+            F16_TILE_ACTS,
+            k / 16 * 16,
+            k,
+        )
     }
 
     /// [`f16_tile_wide`]'s accumulators over the tile's whole runs of 16 columns. Not inlined:
@@ -1025,8 +1032,8 @@ mod imp {
 
     /// One tile: the vector part (elements `0 .. k / 8 · 8`) of the sums of weight rows `0 ..
     /// wrows` (rows `row_bytes` apart from `w`) against activation rows `0 .. ACTS` (`k` floats
-    /// apart from `x`), `[activation][weight]`; entries past `ACTS` / `wrows` repeat the first
-    /// row's and are dropped by the caller.
+    /// apart from `x`), `[activation][weight]`; entries past `ACTS` are zero, those past `wrows`
+    /// repeat the first row's and are dropped by the caller.
     ///
     /// # Safety
     /// As [`plain_rows`], for the rows of this tile.
@@ -1062,12 +1069,13 @@ mod imp {
             });
             c += 16;
         }
-        tile_tail_sums::<PLAIN_TILE_ACTS, KIND>(&mut acc, &wp, &xp, c, k)
+        tile_tail_sums::<PLAIN_TILE_ACTS, KIND>(&mut acc, &wp, &xp, ACTS, c, k)
     }
 
     /// A tile's last 8 columns (`c + 8 ≤ k`; low lanes only, masked) into its accumulators
-    /// `acc[a][r]`, then each accumulator's two 8-lane halves added and summed: the row dot's
-    /// vector part. Rows and weights past the tile's real ones are computed and dropped.
+    /// `acc[a][r]` of activation rows `a < acts`, then each of their accumulators' two 8-lane
+    /// halves added and summed: the row dot's vector part (rows from `acts` on: zero). Weight
+    /// rows past the tile's real ones are computed and dropped.
     ///
     /// # Safety
     /// AVX2, FMA, F16C and AVX-512 F; `wp` and `xp` point at weight and activation rows of `k`
@@ -1078,6 +1086,7 @@ mod imp {
         acc: &mut [[__m512; PLAIN_TILE_ROWS]; ACTS],
         wp: &[*const u8; PLAIN_TILE_ROWS],
         xp: &[*const f32; ACTS],
+        acts: usize,
         c: usize,
         k: usize,
     ) -> [[f32; PLAIN_TILE_ROWS]; ACTS] {
@@ -1090,7 +1099,7 @@ mod imp {
             for (w, &p) in w.iter_mut().zip(wp) {
                 *w = plain16::<KIND, true>(p.add(c * elem));
             }
-            for (acc, &xp) in acc.iter_mut().zip(xp) {
+            for (acc, &xp) in acc.iter_mut().zip(xp).take(acts) {
                 let xv = _mm512_maskz_loadu_ps(LOW, xp.add(c));
                 for (acc, &w) in acc.iter_mut().zip(&w) {
                     *acc = _mm512_mask3_fmadd_ps(w, xv, *acc, LOW);
@@ -1098,7 +1107,7 @@ mod imp {
             }
         }
         let mut sums = [[0f32; PLAIN_TILE_ROWS]; ACTS];
-        for (sums, acc) in sums.iter_mut().zip(acc.iter()) {
+        for (sums, acc) in sums.iter_mut().zip(acc.iter()).take(acts) {
             for (sum, &v) in sums.iter_mut().zip(acc) {
                 let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
                 *sum = hsum_float_8(_mm256_add_ps(_mm512_castps512_ps256(v), high));
