@@ -96,8 +96,20 @@ pub fn exp_shifted_sum(scores: &mut [f32], max: f32) -> f32 {
     };
     #[cfg(not(target_arch = "x86_64"))]
     let lanes = exp_shifted_lanes_scalar(&mut scores[..whole], max);
-    let mut sum = lanes.iter().sum::<f32>();
-    for s in &mut scores[whole..] {
+    let sum = lanes.iter().sum::<f32>();
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::gemm::fast_available() {
+        // SAFETY: AVX2/FMA are available (checked above).
+        return unsafe { avx2::exp_shifted_tail(&mut scores[whole..], max, sum) };
+    }
+    exp_shifted_tail(&mut scores[whole..], max, sum)
+}
+
+/// [`exp_shifted_sum`]'s tail: each `s` replaced by `exp(s − max)` and added to `sum` in order.
+/// Inlined into the FMA-enabled twin so that `exp`'s `mul_add`s are instructions, not calls.
+#[inline(always)]
+fn exp_shifted_tail(scores: &mut [f32], max: f32, mut sum: f32) -> f32 {
+    for s in scores {
         *s = exp(*s - max);
         sum += *s;
     }
@@ -120,6 +132,15 @@ fn exp_shifted_lanes_scalar(scores: &mut [f32], max: f32) -> [f32; 8] {
 mod avx2 {
     use super::{HI, LN2_HI, LN2_LO, LO, LOG2E, POLY};
     use std::arch::x86_64::*;
+
+    /// [`super::exp_shifted_tail`] compiled with FMA.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_shifted_tail(scores: &mut [f32], max: f32, sum: f32) -> f32 {
+        super::exp_shifted_tail(scores, max, sum)
+    }
 
     /// Eight [`super::exp`]s, operation for operation.
     #[inline]

@@ -42,10 +42,22 @@ pub fn rope_angles(pos: usize, inv_freq: &[f64], cos: &mut [f32], sin: &mut [f32
 pub fn rope_half_split(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = x.len() / 2;
     let (a, b) = x.split_at_mut(half);
-    for j in 0..half {
-        let (x0, x1) = (a[j], b[j]);
-        a[j] = x0 * cos[j] - x1 * sin[j];
-        b[j] = x1 * cos[j] + x0 * sin[j];
+    // Whole runs of 8 as arrays, which the compiler turns into vector operations: indexed (or
+    // zipped element by element), the loop ran scalar on the caller, ~2 % of a 16-row pass, while
+    // the worker waited.
+    let (a_runs, a_rest) = a.as_chunks_mut::<8>();
+    let (b_runs, b_rest) = b.as_chunks_mut::<8>();
+    let (cos_runs, cos_rest) = cos[..half].as_chunks::<8>();
+    let (sin_runs, sin_rest) = sin[..half].as_chunks::<8>();
+    for (((a, b), c), s) in a_runs.iter_mut().zip(b_runs).zip(cos_runs).zip(sin_runs) {
+        let (x0, x1) = (*a, *b);
+        *a = std::array::from_fn(|j| x0[j] * c[j] - x1[j] * s[j]);
+        *b = std::array::from_fn(|j| x1[j] * c[j] + x0[j] * s[j]);
+    }
+    for (((x0, x1), &c), &s) in a_rest.iter_mut().zip(b_rest).zip(cos_rest).zip(sin_rest) {
+        let (v0, v1) = (*x0, *x1);
+        *x0 = v0 * c - v1 * s;
+        *x1 = v1 * c + v0 * s;
     }
 }
 
@@ -74,5 +86,34 @@ mod tests {
         let mut s = [0f32; 2];
         rope_angles(3, &[0.5, 0.25], &mut c, &mut s);
         assert!((c[0] - 1.5f32.cos()).abs() < 1e-6 && (s[1] - 0.75f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_runs_of_eight_give_the_pairwise_bits() {
+        // half = 35: four runs of 8 and a rest of 3, against the formula pair by pair.
+        let half = 35;
+        let x: Vec<f32> = (0..2 * half)
+            .map(|i| (i as f32 * 0.37).sin() * 3.0)
+            .collect();
+        let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|j| 10000f64.powf(-(j as f64) / half as f64))
+            .collect();
+        rope_angles(17, &inv_freq, &mut cos, &mut sin);
+        let mut rotated = x.clone();
+        rope_half_split(&mut rotated, &cos, &sin);
+        for j in 0..half {
+            let (x0, x1) = (x[j], x[j + half]);
+            assert_eq!(
+                rotated[j].to_bits(),
+                (x0 * cos[j] - x1 * sin[j]).to_bits(),
+                "pair {j}"
+            );
+            assert_eq!(
+                rotated[j + half].to_bits(),
+                (x1 * cos[j] + x0 * sin[j]).to_bits(),
+                "pair {j}"
+            );
+        }
     }
 }
