@@ -587,6 +587,27 @@ fn encoded_and_packed(
     (data, packed)
 }
 
+/// The tiles `data` repacked into the host's group records, for the formats that have them.
+fn record_packing(format: WeightFormat, n: usize, k: usize, data: &[u8]) -> Option<Vec<u8>> {
+    let tiles = WeightMatrix::new(format, n, k, data).expect("valid matrix");
+    host_layout::pack_group_records(&tiles).expect("packs")
+}
+
+/// The matrix in its tiles, and in group records where `packed` has them.
+fn both_packings<'a>(
+    format: WeightFormat,
+    n: usize,
+    k: usize,
+    data: &'a [u8],
+    packed: Option<&'a [u8]>,
+) -> Vec<WeightMatrix<'a>> {
+    let mut matrices = vec![WeightMatrix::new(format, n, k, data).expect("valid matrix")];
+    if let Some(packed) = packed {
+        matrices.push(WeightMatrix::group_records(format, n, k, packed).expect("valid records"));
+    }
+    matrices
+}
+
 #[test]
 fn host_group_records_give_the_tile_results_bit_for_bit() {
     // K = 576 and 100 end inside a tile (padding skipped), 1536 fills whole tiles, 2600 has 82
@@ -756,13 +777,8 @@ fn vnni_kernels_give_the_avx2_results_bit_for_bit() {
     {
         let mut rng = Rng(211 + i as u64);
         let data = encode(format, &rng.vec(n * k, 1.0), n, k);
-        let tiles = WeightMatrix::new(format, n, k, &data).expect("valid matrix");
-        let packed = host_layout::pack_group_records(&tiles).expect("packs");
-        let mut matrices = vec![tiles];
-        if let Some(packed) = &packed {
-            matrices.push(WeightMatrix::group_records(format, n, k, packed).expect("valid"));
-        }
-        for w in matrices {
+        let packed = record_packing(format, n, k, &data);
+        for w in both_packings(format, n, k, &data, packed.as_deref()) {
             for m in [2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 48, 53] {
                 // Activations with both signs, and rows of one sign (large |Σq|, which the Q8
                 // offset correction must cancel exactly).
@@ -782,4 +798,74 @@ fn vnni_kernels_give_the_avx2_results_bit_for_bit() {
             }
         }
     }
+}
+
+/// SwiGLU as the GEMM's epilogue (gate and up blocks of the same columns on one thread) must give
+/// the bits of the product followed by `activation::swiglu`: every format and packing, on the
+/// fused path (N/2 a multiple of 32, two rows or more: one pass of 128 rows and more) and on the
+/// paths that store the product first (one row; N/2 = 48).
+#[test]
+fn swiglu_epilogue_gives_the_product_then_swiglu_bits() {
+    let formats = WeightFormat::ALL.into_iter().filter(|f| {
+        f.tile_bytes().is_some()
+            || matches!(
+                f,
+                WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16
+            )
+    });
+    for (i, format) in formats.enumerate() {
+        for (inter, k) in [(64usize, 576), (96, 100), (48, 64)] {
+            let n = 2 * inter;
+            if format.tile_bytes().is_some() && !n.is_multiple_of(TILE_ROWS) {
+                continue;
+            }
+            let mut rng = Rng(401 + i as u64);
+            let data = encode(format, &rng.vec(n * k, 1.0), n, k);
+            let packed = record_packing(format, n, k, &data);
+            for w in both_packings(format, n, k, &data, packed.as_deref()) {
+                for m in [1, 2, 9, 16, 130] {
+                    // Gate values spread over silu's bends, both signs.
+                    let x = rng.vec(m * k, 2.0);
+                    for executor in [HostExecutor::new(), HostExecutor::scalar()] {
+                        let mut product = vec![f32::NAN; m * n];
+                        executor.gemm(&w, &x, m, &mut product).expect("gemm");
+                        let mut expected = vec![f32::NAN; m * inter];
+                        xdna::kernels::activation::swiglu(&product, inter, &mut expected);
+                        let mut fused = vec![f32::NAN; m * inter];
+                        executor.gemm_swiglu(&w, &x, m, &mut fused).expect("fused");
+                        let same = expected
+                            .iter()
+                            .zip(&fused)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{} {:?} inter {inter} k {k} m {m} avx2 {}",
+                            format.name(),
+                            w.packing,
+                            executor.uses_avx2()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Shapes that cannot hold the result are typed errors, not panics.
+    let (n, k) = (64, 64);
+    let data = encode(WeightFormat::F32, &Rng(9).vec(n * k, 1.0), n, k);
+    let w = WeightMatrix::new(WeightFormat::F32, n, k, &data).expect("valid matrix");
+    let odd = WeightMatrix::new(WeightFormat::F32, n - 1, k, &data[..(n - 1) * k * 4]).expect("ok");
+    let x = vec![1.0f32; 2 * k];
+    let executor = HostExecutor::new();
+    for (w, out_len) in [(w, 2 * n / 2 - 1), (odd, 2 * n)] {
+        let mut out = vec![0f32; out_len];
+        assert!(matches!(
+            executor.gemm_swiglu(&w, &x, 2, &mut out),
+            Err(KernelError::Shape { .. })
+        ));
+    }
+    let mut out = vec![0f32; n];
+    assert!(matches!(
+        executor.gemm_swiglu(&w, &x[..k + 1], 2, &mut out),
+        Err(KernelError::Shape { .. })
+    ));
 }

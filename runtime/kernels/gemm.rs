@@ -285,6 +285,9 @@ thread_local! {
     static BLOCK_SCRATCH: RefCell<(Vec<f32>, ScalarScratch)> = const {
         RefCell::new((Vec::new(), ScalarScratch { decoded: Vec::new(), tile: Vec::new() }))
     };
+    /// The calling thread's gate‖up product where [`HostExecutor::gemm_swiglu`] cannot pair
+    /// blocks.
+    static GATE_UP_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// How one call's row blocks are handed to the pool threads.
@@ -546,39 +549,162 @@ impl HostExecutor {
         // Each row block's columns of every row are written by the one thread that claimed the block.
         let out = SharedMut::new(y);
         let blocks = w.rows.div_ceil(TILE_ROWS);
-        let run = |act: Option<&QuantizedRows>, x_bf16: &[u16]| {
-            let pool = Pool::global();
-            let schedule = if m == 1 {
-                Schedule::Guided(ChunkCounter::guided(
-                    blocks,
-                    pool.threads(),
-                    self.single_row_min_chunk,
-                ))
-            } else {
-                Schedule::Shares(ShareCounter::new(blocks, pool.threads(), 1))
-            };
-            pool.run(&|thread, _| {
-                BLOCK_SCRATCH.with(|scratch| {
-                    let mut scratch = scratch.borrow_mut();
-                    let (block_out, scalar) = &mut *scratch;
-                    let block_out = padded_scratch(block_out, ROWS_PER_PASS * TILE_ROWS);
-                    while let Some(range) = schedule.claim(thread) {
-                        for block in range {
-                            run_block(
-                                w, kernel, fast, act, x, x_bf16, m, block, block_out, scalar, out,
-                                y_stride,
-                            );
-                        }
-                    }
-                });
+        self.with_activations(w, x, m, kernel, |act, x_bf16| {
+            self.for_each_claimed(blocks, m, 1, |block, block_out, scalar| {
+                run_block(
+                    w, kernel, fast, act, x, x_bf16, m, block, block_out, scalar, out, y_stride,
+                );
             });
-        };
+        });
+        Ok(())
+    }
+
+    /// `out[m × N/2] = silu(x · W_gateᵀ) ⊙ (x · W_upᵀ)` for a fused gate‖up matrix `w` (rows
+    /// `0..N/2` the gate projection, the rest the up projection; `out` is `m × N/2` row-major):
+    /// SwiGLU as the GEMM's epilogue. Each thread computes a gate block and the up block of the
+    /// same columns and writes their SwiGLU, so the `m × N` product is never stored and read back
+    /// (nor read by the other core), and the activation costs no pool dispatch of its own.
+    /// Every output has the bits of [`HostExecutor::gemm`] followed by
+    /// [`super::activation::swiglu`].
+    pub fn gemm_swiglu(
+        &self,
+        w: &WeightMatrix,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let inter = w.rows / 2;
+        if x.len() != m * w.cols {
+            return Err(KernelError::Shape {
+                what: "activations x (m × K)",
+                expected: m * w.cols,
+                got: x.len(),
+            });
+        }
+        if !w.rows.is_multiple_of(2) || out.len() < m * inter {
+            return Err(KernelError::Shape {
+                what: "SwiGLU output (m × N/2, N even)",
+                expected: m * inter,
+                got: out.len(),
+            });
+        }
+        let out = &mut out[..m * inter];
+        // One row streams the weights in order (memory-bound, see `Schedule`), and a block pair
+        // needs whole blocks on both sides: otherwise the product, then the activation.
+        if m < 2 || inter == 0 || !inter.is_multiple_of(TILE_ROWS) {
+            return super::with_scratch(&GATE_UP_SCRATCH, |gate_up| {
+                gate_up.resize(m * w.rows, 0.0);
+                self.gemm(w, x, m, gate_up)?;
+                super::activation::swiglu(gate_up, inter, out);
+                Ok(())
+            });
+        }
+        w.check_bytes()?;
+        let fast = self.int_dot();
+        let kernel = fast_kernel(w.format, w.packing);
+        // Each block pair's columns of every row are written by the one thread that claimed it.
+        let shared_out = SharedMut::new(out);
+        let pairs = inter / TILE_ROWS;
+        self.with_activations(w, x, m, kernel, |act, x_bf16| {
+            self.for_each_claimed(pairs, m, 2, |pair, both, scalar| {
+                let (gate, up) = both.split_at_mut(ROWS_PER_PASS * TILE_ROWS);
+                let n0 = pair * TILE_ROWS;
+                let mut row0 = 0;
+                while row0 < m {
+                    let pass = (m - row0).min(ROWS_PER_PASS);
+                    let rows = row0..row0 + pass;
+                    prefetch_output(shared_out, rows.clone(), inter, n0, TILE_ROWS);
+                    let (gate, up) = (&mut gate[..pass * TILE_ROWS], &mut up[..pass * TILE_ROWS]);
+                    let up_block = pairs + pair;
+                    compute_block(
+                        w,
+                        kernel,
+                        fast,
+                        act,
+                        x,
+                        x_bf16,
+                        rows.clone(),
+                        pair,
+                        gate,
+                        scalar,
+                    );
+                    compute_block(w, kernel, fast, act, x, x_bf16, rows, up_block, up, scalar);
+                    for (i, (g, u)) in gate
+                        .chunks_exact(TILE_ROWS)
+                        .zip(up.chunks_exact(TILE_ROWS))
+                        .enumerate()
+                    {
+                        let at = (row0 + i) * inter + n0;
+                        // SAFETY: row0 + i < m and n0 + 32 ≤ inter, so the span is inside `out`
+                        // (m × inter); the pair's columns are this thread's alone (claimed once).
+                        let span = unsafe { shared_out.slice_mut(at..at + TILE_ROWS) };
+                        super::fastexp::silu_mul(g, u, span);
+                    }
+                    row0 += pass;
+                }
+            });
+        });
+        Ok(())
+    }
+
+    /// `work(item, block_scratch, scalar_scratch)` for every item of `0..items` over the pool,
+    /// each item claimed by one thread ([`Schedule`] for an `m`-row call), with that thread's
+    /// padded scratch for `blocks_per_item` blocks of [`ROWS_PER_PASS`] rows.
+    fn for_each_claimed(
+        &self,
+        items: usize,
+        m: usize,
+        blocks_per_item: usize,
+        work: impl Fn(usize, &mut [f32], &mut ScalarScratch) + Sync,
+    ) {
+        let pool = Pool::global();
+        let schedule = self.schedule(items, m, pool);
+        pool.run(&|thread, _| {
+            BLOCK_SCRATCH.with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                let (block_out, scalar) = &mut *scratch;
+                let block_out =
+                    padded_scratch(block_out, blocks_per_item * ROWS_PER_PASS * TILE_ROWS);
+                while let Some(range) = schedule.claim(thread) {
+                    for item in range {
+                        work(item, block_out, scalar);
+                    }
+                }
+            });
+        });
+    }
+
+    /// How one call's `blocks` work items are handed to the pool threads (see [`Schedule`]).
+    fn schedule(&self, blocks: usize, m: usize, pool: &Pool) -> Schedule {
+        if m == 1 {
+            Schedule::Guided(ChunkCounter::guided(
+                blocks,
+                pool.threads(),
+                self.single_row_min_chunk,
+            ))
+        } else {
+            Schedule::Shares(ShareCounter::new(blocks, pool.threads(), 1))
+        }
+    }
+
+    /// Run `body` with `x` in the form the kernels of `w` read: q8 groups for tile and ggml
+    /// formats (`act`), bf16 for bf16 weights on `vdpbf16ps` (`x_bf16`), else neither (the f32
+    /// rows themselves).
+    fn with_activations(
+        &self,
+        w: &WeightMatrix,
+        x: &[f32],
+        m: usize,
+        kernel: FastKernel,
+        body: impl FnOnce(Option<&QuantizedRows>, &[u16]),
+    ) {
+        let fast = self.int_dot();
         // ggml blocks always take q8 activations (their scalar reference too, as ggml's do).
         let ggml = matches!(w.format, WeightFormat::Ggml(_));
         if (w.format.tile_bytes().is_some() && fast.is_some()) || ggml {
             super::with_scratch(&ACTIVATIONS, |act| {
                 act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
-                run(Some(act), &[]);
+                body(Some(act), &[]);
             });
         } else if matches!(kernel, FastKernel::Plain(avx2::PlainKind::Bf16))
             && self.rounds_bf16_activations()
@@ -598,12 +724,11 @@ impl HostExecutor {
                 unsafe {
                     super::avx512::round_to_bf16(x, x_bf16)
                 };
-                run(None, x_bf16);
+                body(None, x_bf16);
             });
         } else {
-            run(None, &[]);
+            body(None, &[]);
         }
-        Ok(())
     }
 }
 

@@ -25,7 +25,7 @@ use super::load_hybrid::stacked;
 use super::ops;
 use super::ModelError;
 use crate::kernels::attention::{attend_rows, AttentionRow, AttentionShape};
-use crate::kernels::{activation, Executor, HostExecutor, RowFamily};
+use crate::kernels::{Executor, HostExecutor, RowFamily};
 use crate::weights::{Dflash2Params, DflashParams, ModelConfig, Package};
 
 /// Most rows one projection call takes (the `m128` family).
@@ -508,10 +508,15 @@ impl DflashDraft {
             if let (Some(g), Some([_, ffn_conv])) = (generation2, &layer.conv) {
                 conv_input(ffn_conv, g, rows, h, family, s)?;
             }
-            let gu = sized(&mut s.gate_up, rows * 2 * inter);
-            layer.gate_up.gemm(&s.xn[..rows * h], rows, gu, family)?;
-            let act = sized(&mut s.act, rows * inter);
-            activation::swiglu(&s.gate_up[..rows * 2 * inter], inter, act);
+            sized(&mut s.gate_up, rows * 2 * inter);
+            sized(&mut s.act, rows * inter);
+            layer.gate_up.gemm_swiglu(
+                &s.xn[..rows * h],
+                rows,
+                &mut s.gate_up,
+                &mut s.act,
+                family,
+            )?;
             let o = sized(&mut s.o, rows * h);
             layer.down.gemm(&s.act[..rows * inter], rows, o, family)?;
             if let (Some(g), Some([_, ffn_conv])) = (generation2, &layer.conv) {

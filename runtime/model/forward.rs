@@ -18,7 +18,7 @@ use super::ops;
 use super::sequence::CommitFault;
 use super::sequence::{commit_sequence_state, InjectedFaults, Pending, ReplayMode, SequenceState};
 use super::ModelError;
-use crate::kernels::{activation, attention, RowFamily};
+use crate::kernels::{attention, RowFamily};
 use crate::weights::ModelConfig;
 use half::f16;
 
@@ -1113,19 +1113,16 @@ impl ForwardPass<'_> {
             self.eps,
             &mut s.xn[..rows * hidden],
         );
-        timed_gemm(
-            gate_up,
+        let start = Instant::now();
+        let result = gate_up.gemm_swiglu(
             &s.xn[..rows * hidden],
             rows,
             &mut s.gate_up[..rows * 2 * intermediate],
-            self.family,
-            &mut self.stats.projection_time,
-        )?;
-        activation::swiglu(
-            &s.gate_up[..rows * 2 * intermediate],
-            intermediate,
             &mut s.act[..rows * intermediate],
+            self.family,
         );
+        self.stats.projection_time += start.elapsed();
+        result?;
         project_into_residual(
             down,
             &s.act[..rows * intermediate],

@@ -22,6 +22,46 @@ pub trait Projection: Send + Sync {
     fn tiled_format(&self) -> Option<crate::tiles::WeightFormat> {
         None
     }
+    /// SwiGLU of a fused gate‖up matrix (rows `0..N/2` the gate, the rest the up projection):
+    /// `out[m × N/2] = silu(x · W_gateᵀ) ⊙ (x · W_upᵀ)`. `gate_up` (`m × N`) is scratch for
+    /// executors that store the product first; this default does, and the host executor's
+    /// matrices fuse the activation into the GEMM instead, with the same bits.
+    fn gemm_swiglu(
+        &self,
+        x: &[f32],
+        m: usize,
+        gate_up: &mut [f32],
+        out: &mut [f32],
+        family: RowFamily,
+    ) -> Result<(), ModelError> {
+        swiglu_after_gemm(self, x, m, gate_up, out, family)
+    }
+}
+
+/// [`Projection::gemm_swiglu`] in two steps: the gate‖up product into `gate_up`, then SwiGLU.
+pub fn swiglu_after_gemm<P: Projection + ?Sized>(
+    p: &P,
+    x: &[f32],
+    m: usize,
+    gate_up: &mut [f32],
+    out: &mut [f32],
+    family: RowFamily,
+) -> Result<(), ModelError> {
+    let inter = p.rows() / 2;
+    let (Some(gate_up), Some(out)) = (gate_up.get_mut(..m * 2 * inter), out.get_mut(..m * inter))
+    else {
+        return Err(ModelError::Shape {
+            what: format!(
+                "SwiGLU buffers: {} and {} floats for {m} × {} and {m} × {inter}",
+                gate_up.len(),
+                out.len(),
+                2 * inter
+            ),
+        });
+    };
+    p.gemm(x, m, gate_up, family)?;
+    crate::kernels::activation::swiglu(gate_up, inter, out);
+    Ok(())
 }
 
 /// The token embedding table, decoded one row at a time.

@@ -14,7 +14,7 @@
 //! shape the model needs must be present; the error names every missing file. The xdna backend
 //! needs one. The model layer never touches the device itself: it only calls kernels-layer APIs.
 
-use super::layers::{Embedding, Layer, LayerWeights, ModelWeights, Projection};
+use super::layers::{swiglu_after_gemm, Embedding, Layer, LayerWeights, ModelWeights, Projection};
 use super::ModelError;
 use crate::kernels::host_layout::{self, append_group_records, Packing};
 use crate::kernels::{
@@ -244,6 +244,21 @@ impl Projection for KernelProjection {
             }
         }
         Ok(())
+    }
+    fn gemm_swiglu(
+        &self,
+        x: &[f32],
+        m: usize,
+        gate_up: &mut [f32],
+        out: &mut [f32],
+        family: RowFamily,
+    ) -> Result<(), ModelError> {
+        match (&self.store, &*self.exec) {
+            (Store::Host(_), Executor::Host(host)) if !self.exact => {
+                Ok(host.gemm_swiglu(&self.matrix()?, x, m, out)?)
+            }
+            _ => swiglu_after_gemm(self, x, m, gate_up, out, family),
+        }
     }
 }
 
