@@ -832,7 +832,10 @@ fn swiglu_epilogue_gives_the_product_then_swiglu_bits() {
                         let mut expected = vec![f32::NAN; m * inter];
                         xdna::kernels::activation::swiglu(&product, inter, &mut expected);
                         let mut fused = vec![f32::NAN; m * inter];
-                        executor.gemm_swiglu(&w, &x, m, &mut fused).expect("fused");
+                        let mut scratch = vec![f32::NAN; m * n];
+                        executor
+                            .gemm_swiglu(&w, &x, m, &mut scratch, &mut fused)
+                            .expect("fused");
                         let same = expected
                             .iter()
                             .zip(&fused)
@@ -856,16 +859,22 @@ fn swiglu_epilogue_gives_the_product_then_swiglu_bits() {
     let odd = WeightMatrix::new(WeightFormat::F32, n - 1, k, &data[..(n - 1) * k * 4]).expect("ok");
     let x = vec![1.0f32; 2 * k];
     let executor = HostExecutor::new();
+    let mut scratch = vec![0f32; 2 * n];
     for (w, out_len) in [(w, 2 * n / 2 - 1), (odd, 2 * n)] {
         let mut out = vec![0f32; out_len];
         assert!(matches!(
-            executor.gemm_swiglu(&w, &x, 2, &mut out),
+            executor.gemm_swiglu(&w, &x, 2, &mut scratch, &mut out),
             Err(KernelError::Shape { .. })
         ));
     }
     let mut out = vec![0f32; n];
     assert!(matches!(
-        executor.gemm_swiglu(&w, &x[..k + 1], 2, &mut out),
+        executor.gemm_swiglu(&w, &x[..k + 1], 2, &mut scratch, &mut out),
+        Err(KernelError::Shape { .. })
+    ));
+    // One row stores the product first: a scratch too short for it is an error, not a panic.
+    assert!(matches!(
+        executor.gemm_swiglu(&w, &x[..k], 1, &mut scratch[..n - 1], &mut out),
         Err(KernelError::Shape { .. })
     ));
 }

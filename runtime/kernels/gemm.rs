@@ -285,9 +285,6 @@ thread_local! {
     static BLOCK_SCRATCH: RefCell<(Vec<f32>, ScalarScratch)> = const {
         RefCell::new((Vec::new(), ScalarScratch { decoded: Vec::new(), tile: Vec::new() }))
     };
-    /// The calling thread's gate‖up product where [`HostExecutor::gemm_swiglu`] cannot pair
-    /// blocks.
-    static GATE_UP_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// How one call's row blocks are handed to the pool threads.
@@ -520,13 +517,7 @@ impl HostExecutor {
         y: &mut [f32],
         y_stride: usize,
     ) -> Result<(), KernelError> {
-        if x.len() != m * w.cols {
-            return Err(KernelError::Shape {
-                what: "activations x (m × K)",
-                expected: m * w.cols,
-                got: x.len(),
-            });
-        }
+        check_activations(w, x, m)?;
         let needed = if m == 0 {
             0
         } else {
@@ -565,22 +556,18 @@ impl HostExecutor {
     /// same columns and writes their SwiGLU, so the `m × N` product is never stored and read back
     /// (nor read by the other core), and the activation costs no pool dispatch of its own.
     /// Every output has the bits of [`HostExecutor::gemm`] followed by
-    /// [`super::activation::swiglu`].
+    /// [`super::activation::swiglu`]. `gate_up` (`m × N`) holds the product where blocks cannot
+    /// be paired (below); the fused path leaves it untouched.
     pub fn gemm_swiglu(
         &self,
         w: &WeightMatrix,
         x: &[f32],
         m: usize,
+        gate_up: &mut [f32],
         out: &mut [f32],
     ) -> Result<(), KernelError> {
         let inter = w.rows / 2;
-        if x.len() != m * w.cols {
-            return Err(KernelError::Shape {
-                what: "activations x (m × K)",
-                expected: m * w.cols,
-                got: x.len(),
-            });
-        }
+        check_activations(w, x, m)?;
         if !w.rows.is_multiple_of(2) || out.len() < m * inter {
             return Err(KernelError::Shape {
                 what: "SwiGLU output (m × N/2, N even)",
@@ -592,12 +579,16 @@ impl HostExecutor {
         // One row streams the weights in order (memory-bound, see `Schedule`), and a block pair
         // needs whole blocks on both sides: otherwise the product, then the activation.
         if m < 2 || inter == 0 || !inter.is_multiple_of(TILE_ROWS) {
-            return super::with_scratch(&GATE_UP_SCRATCH, |gate_up| {
-                gate_up.resize(m * w.rows, 0.0);
-                self.gemm(w, x, m, gate_up)?;
-                super::activation::swiglu(gate_up, inter, out);
-                Ok(())
-            });
+            let Some(gate_up) = gate_up.get_mut(..m * w.rows) else {
+                return Err(KernelError::Shape {
+                    what: "gate‖up scratch (m × N)",
+                    expected: m * w.rows,
+                    got: gate_up.len(),
+                });
+            };
+            self.gemm(w, x, m, gate_up)?;
+            super::activation::swiglu(gate_up, inter, out);
+            return Ok(());
         }
         w.check_bytes()?;
         let fast = self.int_dot();
@@ -730,6 +721,18 @@ impl HostExecutor {
             body(None, &[]);
         }
     }
+}
+
+/// `x` holds `m` rows of the matrix's K columns, or a shape error says what it holds.
+fn check_activations(w: &WeightMatrix, x: &[f32], m: usize) -> Result<(), KernelError> {
+    if x.len() != m * w.cols {
+        return Err(KernelError::Shape {
+            what: "activations x (m × K)",
+            expected: m * w.cols,
+            got: x.len(),
+        });
+    }
+    Ok(())
 }
 
 /// Is the AVX2 path usable on this CPU?

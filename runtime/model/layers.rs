@@ -24,8 +24,8 @@ pub trait Projection: Send + Sync {
     }
     /// SwiGLU of a fused gate‖up matrix (rows `0..N/2` the gate, the rest the up projection):
     /// `out[m × N/2] = silu(x · W_gateᵀ) ⊙ (x · W_upᵀ)`. `gate_up` (`m × N`) is scratch for
-    /// executors that store the product first; this default does, and the host executor's
-    /// matrices fuse the activation into the GEMM instead, with the same bits.
+    /// the product where it is stored first: by this default always, by the host executor where
+    /// it cannot fuse the activation into the GEMM (same bits either way).
     fn gemm_swiglu(
         &self,
         x: &[f32],

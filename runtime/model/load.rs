@@ -255,7 +255,7 @@ impl Projection for KernelProjection {
     ) -> Result<(), ModelError> {
         match (&self.store, &*self.exec) {
             (Store::Host(_), Executor::Host(host)) if !self.exact => {
-                Ok(host.gemm_swiglu(&self.matrix()?, x, m, out)?)
+                Ok(host.gemm_swiglu(&self.matrix()?, x, m, gate_up, out)?)
             }
             _ => swiglu_after_gemm(self, x, m, gate_up, out, family),
         }
