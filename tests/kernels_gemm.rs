@@ -320,6 +320,72 @@ fn plain_register_tiles_give_the_row_dot_bits() {
     }
 }
 
+/// Bf16 matrices on AMX-BF16 tiles: every output of a whole 32-row block with K in whole
+/// 32-value chunks has the bits of `amx_bf16::reference_dot` (the instruction's order of f32
+/// operations, scalar) on the activations rounded to bf16, whatever the row count, the pass of
+/// 128 rows it falls in, or its place in a tile; blocks that are not whole tiles (the last 5
+/// rows of 37) and K that is not whole chunks take `vdpbf16ps` and keep their own bits alone.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn bf16_tiles_give_the_reference_chain_bits() {
+    use xdna::kernels::amx_bf16;
+    let exec = HostExecutor::new();
+    if !exec.bf16_tiles(576) {
+        eprintln!("no AMX-BF16 (or it is turned off) on this CPU: bf16 runs on vdpbf16ps");
+        return;
+    }
+    let mut rng = Rng(0xb16a);
+    for (n, k) in [(64usize, 576usize), (37, 96), (32, 1536), (32, 40)] {
+        let weights: Vec<f32> = (0..n * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
+        let data = encode(WeightFormat::Bf16, &weights, n, k);
+        let w = WeightMatrix::new(WeightFormat::Bf16, n, k, &data).expect("matrix");
+        let w_bits: Vec<u16> = data
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        for m in [1usize, 5, 16, 17, 130] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+            let x_bits: Vec<u16> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let mut y = vec![f32::NAN; m * n];
+            exec.gemm(&w, &x, m, &mut y).expect("gemm");
+            let tiled_rows = if k % amx_bf16::CHUNK == 0 {
+                n / 32 * 32
+            } else {
+                0
+            };
+            let mut differ = 0;
+            for i in 0..m {
+                let mut alone = vec![0f32; n];
+                exec.gemm(&w, &x[i * k..(i + 1) * k], 1, &mut alone)
+                    .expect("gemm");
+                for r in 0..n {
+                    let got = y[i * n + r];
+                    assert_eq!(
+                        got.to_bits(),
+                        alone[r].to_bits(),
+                        "{n}x{k} m={m}: row {i} weight {r} differs alone"
+                    );
+                    if r < tiled_rows {
+                        let want = amx_bf16::reference_dot(
+                            &w_bits[r * k..(r + 1) * k],
+                            &x_bits[i * k..(i + 1) * k],
+                            k,
+                        );
+                        differ += usize::from(got.to_bits() != want.to_bits());
+                    }
+                }
+            }
+            assert_eq!(
+                differ, 0,
+                "{n}x{k} m={m}: outputs differ from the reference chain"
+            );
+        }
+    }
+}
+
 /// candle's `ggml_matmul_error_test`: |quantized dot − f32 dot| / len within ggml's per-type bound
 /// (times `err_m`), on ggml's test vectors: length 32·128, `0.1 + 2·cos(i + offset)`, and a ramp.
 #[test]

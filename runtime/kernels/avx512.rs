@@ -1164,8 +1164,8 @@ mod imp {
     /// Tiles of 4 weight rows × 3 activation rows keep 12 accumulators in registers; the last
     /// `k mod 32` elements take one masked step (zeros beyond add nothing), and each sum is the
     /// 16 lanes added in one fixed order, so a row's result does not depend on the tile it ran
-    /// in: batched rows have the bits of single rows. Same value as [`bf16_dot_reference`] up
-    /// to float summation order.
+    /// in: batched rows have the bits of single rows. Same value as
+    /// `kernels::reference::gemm_reference_bf16_activations` up to float summation order.
     ///
     /// # Safety
     /// AVX-512 F, BW and BF16 ([`bf16_dot_available`]); `w` holds `rows` rows of `k` bf16; `x`

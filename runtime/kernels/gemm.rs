@@ -23,6 +23,8 @@ use crate::tiles::{self, ScaleType, TileOrder, WeightFormat, GROUP, TILE_ROWS};
 
 /// Activation rows handed to one block-kernel call: bounds the per-thread scratch (128 × 32 f32).
 const ROWS_PER_PASS: usize = 128;
+// A pass starts on a whole AMX activation tile (`amx_bf16::rows`).
+const _: () = assert!(ROWS_PER_PASS.is_multiple_of(16));
 
 /// Activation rows from which plain (f32 / f16 / bf16) matrices run `avx512::plain_rows`.
 const PLAIN_TILE_MIN_ROWS: usize = 4;
@@ -279,8 +281,10 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
 thread_local! {
     /// The calling thread's quantized activations (reused across calls: no steady-state allocation).
     static ACTIVATIONS: RefCell<QuantizedRows> = RefCell::new(QuantizedRows::default());
-    /// The calling thread's activations rounded to bf16, for bf16 weights on `vdpbf16ps`.
-    static BF16_ACTIVATIONS: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's activations rounded to bf16 (row-major, for `vdpbf16ps`) and as AMX
+    /// B tiles (`amx_bf16::pair_tiles`), for bf16 weights.
+    static BF16_ACTIVATIONS: RefCell<(Vec<u16>, Vec<u16>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
     /// Each thread's block output / accumulator scratch, and the scalar path's tile scratch.
     static BLOCK_SCRATCH: RefCell<(Vec<f32>, ScalarScratch)> = const {
         RefCell::new((Vec::new(), ScalarScratch { decoded: Vec::new(), tile: Vec::new() }))
@@ -418,6 +422,22 @@ impl HostExecutor {
         }
     }
 
+    /// Does this executor take bf16 matrices of `k` columns as AMX-BF16 tile products
+    /// (`amx_bf16`, every call and row count alike) where a block is whole tiles?
+    pub fn bf16_tiles(&self, k: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.rounds_bf16_activations()
+                && super::amx_bf16::available()
+                && super::amx_bf16::fits(TILE_ROWS, k)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = k;
+            false
+        }
+    }
+
     /// Whether this executor runs `format` from interleaved rows (`host_layout`,
     /// [`Packing::InterleavedRows`]): IQ4_NL, Q5_0 and Q5_1 on the AVX-512 VNNI path. The loader
     /// lays such matrices out so; every path runs either layout.
@@ -437,6 +457,12 @@ impl HostExecutor {
         match fast_kernel(format, Packing::Tiles) {
             FastKernel::Q4(_) => format!("q4 tile dot on q8 activations ({int_dot})"),
             FastKernel::Q8(_) => format!("q8 tile dot on q8 activations ({int_dot})"),
+            // Whether a K of whole chunks runs on tiles; the text names the exception.
+            FastKernel::Plain(avx2::PlainKind::Bf16) if self.bf16_tiles(TILE_ROWS) => {
+                "bf16 AMX tile products on bf16 activations (AMX-BF16; vdpbf16ps where K is not \
+                 whole 32-value chunks)"
+                    .into()
+            }
             FastKernel::Plain(avx2::PlainKind::Bf16) if self.rounds_bf16_activations() => {
                 "bf16 row dots in 4 x 3 register tiles on bf16 activations (AVX-512 BF16)".into()
             }
@@ -679,15 +705,15 @@ impl HostExecutor {
     }
 
     /// Run `body` with `x` in the form the kernels of `w` read: q8 groups for tile and ggml
-    /// formats (`act`), bf16 for bf16 weights on `vdpbf16ps` (`x_bf16`), else neither (the f32
-    /// rows themselves).
+    /// formats (`act`), bf16 for bf16 weights on `vdpbf16ps` or AMX tiles (`x_bf16`), else
+    /// neither (the f32 rows themselves).
     fn with_activations(
         &self,
         w: &WeightMatrix,
         x: &[f32],
         m: usize,
         kernel: FastKernel,
-        body: impl FnOnce(Option<&QuantizedRows>, &[u16]),
+        body: impl FnOnce(Option<&QuantizedRows>, Bf16Activations<'_>),
     ) {
         let fast = self.int_dot();
         // ggml blocks always take q8 activations (their scalar reference too, as ggml's do).
@@ -695,32 +721,60 @@ impl HostExecutor {
         if (w.format.tile_bytes().is_some() && fast.is_some()) || ggml {
             super::with_scratch(&ACTIVATIONS, |act| {
                 act.quantize(x, m, w.cols, ActivationScale::for_format(w.format));
-                body(Some(act), &[]);
+                body(Some(act), Bf16Activations::default());
             });
         } else if matches!(kernel, FastKernel::Plain(avx2::PlainKind::Bf16))
             && self.rounds_bf16_activations()
         {
-            super::with_scratch(&BF16_ACTIVATIONS, |buf| {
-                // Rows start on a cache line (the kernel's 64-byte loads never straddle two):
-                // reserved in full, then the buffer's aligned part.
-                const LINE_ELEMS: usize = 32;
-                buf.clear();
-                buf.reserve(x.len() + LINE_ELEMS - 1);
-                let start = buf.as_ptr().align_offset(64).min(LINE_ELEMS - 1);
-                buf.resize(start + x.len(), 0);
-                let x_bf16 = &mut buf[start..];
+            let tiles = self.bf16_tiles(w.cols);
+            super::with_scratch(&BF16_ACTIVATIONS, |(rounded, paired)| {
+                let x_bf16 = line_aligned(rounded, x.len());
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `rounds_bf16_activations` means AVX-512 F, BW and BF16 are available;
                 // `x_bf16` was just sized to `x`.
                 unsafe {
                     super::avx512::round_to_bf16(x, x_bf16)
                 };
-                body(None, x_bf16);
+                let mut pairs: &[u16] = &[];
+                #[cfg(target_arch = "x86_64")]
+                if tiles {
+                    let out = line_aligned(paired, super::amx_bf16::pair_tiles_len(m, w.cols));
+                    // SAFETY: `bf16_tiles` means AMX-BF16 and AVX-512 F are available and K is
+                    // whole chunks; `x_bf16` holds m rows of K and `out` was sized for them.
+                    unsafe { super::amx_bf16::pair_tiles(x_bf16, m, w.cols, out) };
+                    pairs = out;
+                }
+                body(
+                    None,
+                    Bf16Activations {
+                        rows: x_bf16,
+                        pairs,
+                    },
+                );
             });
         } else {
-            body(None, &[]);
+            body(None, Bf16Activations::default());
         }
     }
+}
+
+/// A call's activations rounded to bf16, for a bf16 matrix: `rows` row-major (empty where the
+/// matrix takes f32 or q8 activations) and `pairs` as AMX B tiles (empty where it takes no tiles).
+#[derive(Clone, Copy, Default)]
+struct Bf16Activations<'a> {
+    rows: &'a [u16],
+    pairs: &'a [u16],
+}
+
+/// The first `len` elements of `buf` from its first cache line boundary: rows start on a line,
+/// so the kernels' 64-byte loads (and tile rows) never straddle two.
+fn line_aligned(buf: &mut Vec<u16>, len: usize) -> &mut [u16] {
+    const LINE_ELEMS: usize = 32;
+    buf.clear();
+    buf.reserve(len + LINE_ELEMS - 1);
+    let start = buf.as_ptr().align_offset(64).min(LINE_ELEMS - 1);
+    buf.resize(start + len, 0);
+    &mut buf[start..]
 }
 
 /// `x` holds `m` rows of the matrix's K columns, or a shape error says what it holds.
@@ -756,7 +810,7 @@ fn run_block(
     fast: Option<avx2::IntDot>,
     act: Option<&QuantizedRows>,
     x: &[f32],
-    x_bf16: &[u16],
+    x_bf16: Bf16Activations<'_>,
     m: usize,
     block: usize,
     block_out: &mut [f32],
@@ -855,7 +909,7 @@ fn compute_block(
     fast: Option<avx2::IntDot>,
     act: Option<&QuantizedRows>,
     x: &[f32],
-    x_bf16: &[u16],
+    x_bf16: Bf16Activations<'_>,
     rows: std::ops::Range<usize>,
     block: usize,
     out: &mut [f32],
@@ -917,15 +971,27 @@ fn compute_block(
     let n0 = block * TILE_ROWS;
     let rows_here = (w.rows - n0).min(TILE_ROWS);
     #[cfg(target_arch = "x86_64")]
-    if !x_bf16.is_empty() {
+    if !x_bf16.rows.is_empty() {
         let data = &w.data[n0 * k * elem..(n0 + rows_here) * k * elem];
+        if !x_bf16.pairs.is_empty() && super::amx_bf16::fits(rows_here, k) {
+            // SAFETY: activations come paired only when `bf16_tiles` (AMX-BF16 available, K
+            // whole chunks); the block is whole tiles (`fits`), `data` holds its rows_here rows
+            // of k bf16, `pairs` all m rows, `rows` starts on a multiple of ROWS_PER_PASS (so of
+            // 16), and `out` holds TILE_ROWS floats per row of `rows`.
+            unsafe {
+                super::amx_bf16::rows(data, rows_here, k, x_bf16.pairs, rows, out, TILE_ROWS)
+            };
+            return;
+        }
         // SAFETY: activations come rounded only when `rounds_bf16_activations` (AVX-512 F, BW
         // and BF16) chose this path for a bf16 matrix; `data` holds rows_here rows of k bf16,
         // `x_bf16` k elements per activation row (rows ⊂ 0..m), and `out` TILE_ROWS floats per
         // row of `rows`.
         if rows.len() >= PLAIN_TILE_MIN_ROWS {
             // SAFETY: as above.
-            unsafe { super::avx512::bf16_rows(data, rows_here, k, x_bf16, rows, out, TILE_ROWS) };
+            unsafe {
+                super::avx512::bf16_rows(data, rows_here, k, x_bf16.rows, rows, out, TILE_ROWS)
+            };
             return;
         }
         for r in 0..rows_here {
@@ -933,7 +999,7 @@ fn compute_block(
             for (slot, i) in rows.clone().enumerate() {
                 // SAFETY: as above; wrow holds k bf16 and the slice k elements.
                 out[slot * TILE_ROWS + r] =
-                    unsafe { super::avx512::bf16_dot(wrow, &x_bf16[i * k..(i + 1) * k], k) };
+                    unsafe { super::avx512::bf16_dot(wrow, &x_bf16.rows[i * k..(i + 1) * k], k) };
             }
         }
         return;

@@ -40,6 +40,8 @@
 pub mod activation;
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
+#[cfg(target_arch = "x86_64")]
+pub mod amx_bf16;
 pub mod attention;
 pub mod avx2;
 pub mod avx512;
