@@ -18,6 +18,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::amx::{self, Tiles, TILE_BYTES, TILE_ROWS, TILE_ROW_BYTES};
+use super::ggml_dot::transpose16;
 
 /// Values of `k` in one tile product (16 pairs).
 pub const CHUNK: usize = 32;
@@ -69,7 +70,7 @@ pub unsafe fn pair_tiles(x: &[u16], m: usize, k: usize, out: &mut [u16]) {
                     *v = _mm512_loadu_si512(x.as_ptr().add(row * k + c * CHUNK) as *const _);
                 }
             }
-            let t = transpose_16x16(v);
+            let t = transpose16(&v);
             let dst = out.as_mut_ptr().add((g * chunks + c) * (TILE_BYTES / 2));
             for (p, t) in t.iter().enumerate() {
                 _mm512_storeu_si512(dst.add(p * (TILE_ROW_BYTES / 2)) as *mut _, *t);
@@ -153,7 +154,7 @@ struct CTiles([f32; 4 * TILE_BYTES / 4]);
 /// The C tiles of one or two weight tiles (`a`, 16 rows each, the second `16·a_stride` bytes on)
 /// by one or two activation tiles (`b`, the second `chunks` tiles on), over every chunk, into
 /// `c` (`[g tile][w tile]`). With `prefetch`, each step first asks for the lines its rows need
-/// [`PREFETCH_CHUNKS`] steps later (past the last chunk: the same lines of the next 32 rows).
+/// [`PREFETCH_CHUNKS`] steps later (past the last chunk: the same lines of the rows after `a`'s).
 ///
 /// # Safety
 /// Tiles configured by [`rows`]; `a` holds 16 or 32 rows of `64·chunks` bytes `a_stride` apart,
@@ -174,7 +175,7 @@ unsafe fn products(
     let a_high = a.add(LANES * a_stride);
     let b_next = b.add(chunks * TILE_BYTES);
     let line = TILE_ROW_BYTES;
-    // SAFETY (every block below): the tiles are configured (the caller's contract); each load
+    // SAFETY (every asm block below): the tiles are configured (the caller's contract); each load
     // reads 16 rows of 64 bytes inside `a` or `b`, and each store writes one 1 KiB quarter of `c`.
     asm!(
         "tilezero tmm0",
@@ -194,7 +195,7 @@ unsafe fn products(
             let (base, column) = if ahead < chunks {
                 (a, ahead)
             } else {
-                (a.wrapping_add(2 * LANES * a_stride), ahead - chunks)
+                (a.wrapping_add(rows * a_stride), ahead - chunks)
             };
             for r in 0..rows {
                 let at = base.wrapping_add(r * a_stride + column * line);
@@ -251,7 +252,7 @@ unsafe fn store_transposed(tile: &[f32], acts: usize, dst: *mut f32, stride: usi
     if acts == LANES {
         let v: [__m512i; LANES] =
             std::array::from_fn(|r| _mm512_loadu_si512(tile.as_ptr().add(r * LANES) as *const _));
-        for (j, t) in transpose_16x16(v).iter().enumerate() {
+        for (j, t) in transpose16(&v).iter().enumerate() {
             _mm512_storeu_si512(dst.add(j * stride) as *mut _, *t);
         }
         return;
@@ -261,44 +262,6 @@ unsafe fn store_transposed(tile: &[f32], acts: usize, dst: *mut f32, stride: usi
             *dst.add(j * stride + r) = tile[r * LANES + j];
         }
     }
-}
-
-/// The 16 × 16 transpose of 32-bit elements: `out[j]` lane `i` is `v[i]` lane `j`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn transpose_16x16(v: [__m512i; 16]) -> [__m512i; 16] {
-    // Pairs of rows interleaved by 32 bits, then by 64: each 128-bit lane L of `u[4q + j]` holds
-    // rows 4q .. 4q + 4 of column 4L + j.
-    let mut t = [_mm512_setzero_si512(); 16];
-    for q in 0..8 {
-        t[2 * q] = _mm512_unpacklo_epi32(v[2 * q], v[2 * q + 1]);
-        t[2 * q + 1] = _mm512_unpackhi_epi32(v[2 * q], v[2 * q + 1]);
-    }
-    let mut u = [_mm512_setzero_si512(); 16];
-    for q in 0..4 {
-        let (lo, hi, lo2, hi2) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
-        u[4 * q] = _mm512_unpacklo_epi64(lo, lo2);
-        u[4 * q + 1] = _mm512_unpackhi_epi64(lo, lo2);
-        u[4 * q + 2] = _mm512_unpacklo_epi64(hi, hi2);
-        u[4 * q + 3] = _mm512_unpackhi_epi64(hi, hi2);
-    }
-    // 128-bit lanes: rows 0-7 and 8-15 of columns j, 4 + j, 8 + j, 12 + j, then all 16 rows.
-    let mut out = [_mm512_setzero_si512(); 16];
-    for j in 0..4 {
-        let (x_low, y_low) = (
-            _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]),
-            _mm512_shuffle_i32x4::<0xdd>(u[j], u[4 + j]),
-        );
-        let (x_high, y_high) = (
-            _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]),
-            _mm512_shuffle_i32x4::<0xdd>(u[8 + j], u[12 + j]),
-        );
-        out[j] = _mm512_shuffle_i32x4::<0x88>(x_low, x_high);
-        out[8 + j] = _mm512_shuffle_i32x4::<0xdd>(x_low, x_high);
-        out[4 + j] = _mm512_shuffle_i32x4::<0x88>(y_low, y_high);
-        out[12 + j] = _mm512_shuffle_i32x4::<0xdd>(y_low, y_high);
-    }
-    out
 }
 
 /// One output of [`rows`], scalar, as `tdpbf16ps` computes it: per chunk of 32 values, the
@@ -336,27 +299,6 @@ mod tests {
                 half::bf16::from_f32(v).to_bits()
             })
             .collect()
-    }
-
-    #[test]
-    fn transpose_moves_every_element_once() {
-        if !is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let v: [__m512i; 16] = std::array::from_fn(|i| {
-            let lanes: [i32; 16] = std::array::from_fn(|j| (i * 16 + j) as i32);
-            // SAFETY: AVX-512 F was detected; the array is 64 bytes.
-            unsafe { _mm512_loadu_si512(lanes.as_ptr() as *const _) }
-        });
-        // SAFETY: as above.
-        let t = unsafe { transpose_16x16(v) };
-        for (j, t) in t.iter().enumerate() {
-            let mut lanes = [0i32; 16];
-            // SAFETY: as above.
-            unsafe { _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, *t) };
-            let want: [i32; 16] = std::array::from_fn(|i| (i * 16 + j) as i32);
-            assert_eq!(lanes, want, "column {j}");
-        }
     }
 
     #[test]

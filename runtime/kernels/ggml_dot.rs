@@ -595,6 +595,8 @@ mod vnni {
 /// speeds).
 #[cfg(target_arch = "x86_64")]
 mod lanes;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use lanes::transpose16;
 
 #[cfg(target_arch = "x86_64")]
 mod amx_rows;

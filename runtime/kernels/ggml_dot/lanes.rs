@@ -187,7 +187,7 @@ pub(super) unsafe fn iq4_table() -> __m512i {
 /// 128-bit lane shuffles).
 #[inline]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn transpose16(rows: &[__m512i; 16]) -> [__m512i; 16] {
+pub(crate) unsafe fn transpose16(rows: &[__m512i; 16]) -> [__m512i; 16] {
     let mut t = [_mm512_setzero_si512(); 16];
     for i in 0..8 {
         t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
