@@ -158,7 +158,7 @@ pub struct AttentionRow<'a, T> {
 /// ONE dispatch (a per-row dispatch would cost `rows` pool handoffs per layer), a group per claim
 /// (a decode row's groups are shared by the threads); a batch with fewer groups than threads is
 /// split finer, by positions and columns (`attend_rows_split`); a batch of
-/// [`WHOLE_ROW_CLAIMS_MIN_ROWS`] or more on the AVX2 path claims whole rows, so a row's keys are
+/// `WHOLE_ROW_CLAIMS_MIN_ROWS` or more on the AVX2 path claims whole rows, so a row's keys are
 /// read in cache-row order (`attend_rows_whole`); tiny totals run on the caller. Every head's
 /// arithmetic is the same whichever path, thread or batch computes it, so a row's result does not
 /// depend on its batch.

@@ -321,7 +321,7 @@ fn fill_code_sums16(codes: &[i8], out: &mut [i16]) {
     code_sums16_reference(codes, out);
 }
 
-/// The scalar reference of [`fill_code_sums16`].
+/// The scalar reference of `fill_code_sums16` (the per-16 code sums).
 pub fn code_sums16_reference(codes: &[i8], out: &mut [i16]) {
     for (sum, run) in out.iter_mut().zip(codes.chunks_exact(16)) {
         // |Σ| ≤ 16 · 128 fits i16.
