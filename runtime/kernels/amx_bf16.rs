@@ -108,7 +108,8 @@ pub unsafe fn rows(
     let groups = act_rows.start / LANES..act_rows.end.div_ceil(LANES);
     // SAFETY: `available()` (the caller's contract); every tile is 16 rows of 64 bytes.
     let _tiles = Tiles::configure([TILE_ROWS as u8; 8]);
-    let mut c_tiles = CTiles([0.0; 4 * TILE_BYTES / 4]);
+    // Every `products` call stores all four C tiles before any is read: nothing to zero.
+    let mut c_tiles = std::mem::MaybeUninit::<CTiles>::uninit();
     for r0 in (0..rows).step_by(2 * LANES) {
         let two_w = rows - r0 >= 2 * LANES;
         let a = w.as_ptr().add(r0 * row_bytes);
@@ -127,9 +128,11 @@ pub unsafe fn rows(
                 two_w,
                 two_g,
                 prefetch,
-                &mut c_tiles,
+                c_tiles.as_mut_ptr(),
             );
-            for (t, tile) in c_tiles.0.chunks_exact(TILE_BYTES / 4).enumerate() {
+            // SAFETY: `products` just stored all four tiles.
+            let c = c_tiles.assume_init_ref();
+            for (t, tile) in c.0.chunks_exact(TILE_BYTES / 4).enumerate() {
                 let (wt, gt) = (t % 2, t / 2);
                 if (wt == 1 && !two_w) || (gt == 1 && !two_g) {
                     continue;
@@ -153,12 +156,12 @@ struct CTiles([f32; 4 * TILE_BYTES / 4]);
 
 /// The C tiles of one or two weight tiles (`a`, 16 rows each, the second `16·a_stride` bytes on)
 /// by one or two activation tiles (`b`, the second `chunks` tiles on), over every chunk, into
-/// `c` (`[g tile][w tile]`). With `prefetch`, each step first asks for the lines its rows need
+/// `c` (`[g tile][w tile]`, all four stored, zero where a tile is absent). With `prefetch`, each step first asks for the lines its rows need
 /// [`PREFETCH_CHUNKS`] steps later (past the last chunk: the same lines of the rows after `a`'s).
 ///
 /// # Safety
 /// Tiles configured by [`rows`]; `a` holds 16 or 32 rows of `64·chunks` bytes `a_stride` apart,
-/// `b` one or two groups of `chunks` tiles.
+/// `b` one or two groups of `chunks` tiles, `c` writable for a [`CTiles`].
 #[allow(clippy::too_many_arguments)] // one tile step's context
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -170,7 +173,7 @@ unsafe fn products(
     two_w: bool,
     two_g: bool,
     prefetch: bool,
-    c: &mut CTiles,
+    c: *mut CTiles,
 ) {
     let a_high = a.add(LANES * a_stride);
     let b_next = b.add(chunks * TILE_BYTES);
@@ -230,7 +233,7 @@ unsafe fn products(
             }
         }
     }
-    let out = c.0.as_mut_ptr() as *mut u8;
+    let out = c as *mut u8;
     asm!(
         "tilestored [{c} + {l}*1], tmm0",
         "tilestored [{c} + {l}*1 + 1024], tmm1",
@@ -307,6 +310,7 @@ mod tests {
             eprintln!("no AMX-BF16 here: nothing to run");
             return;
         }
+        let mut total = (0usize, 0usize);
         for (rows, k, m) in [
             (32usize, 576usize, 37usize),
             (16, 32, 1),
@@ -326,11 +330,15 @@ mod tests {
                 let mut out = vec![f32::NAN; (m - start) * rows];
                 // SAFETY: `available`, `fits`, and every length as `rows` asks.
                 unsafe { super::rows(&wb, rows, k, &pairs, start..m, &mut out, rows) };
-                let mut differ = 0;
+                let (mut differ, mut one_chain_differs) = (0, 0);
                 for i in start..m {
                     for r in 0..rows {
-                        let want = reference_dot(&w[r * k..(r + 1) * k], &x[i * k..(i + 1) * k], k);
+                        let (wr, xr) = (&w[r * k..(r + 1) * k], &x[i * k..(i + 1) * k]);
+                        let want = reference_dot(wr, xr, k);
                         let got = out[(i - start) * rows + r];
+                        if got.to_bits() != one_chain_dot(wr, xr).to_bits() {
+                            one_chain_differs += 1;
+                        }
                         if got.to_bits() != want.to_bits() {
                             differ += 1;
                             if differ < 5 {
@@ -340,7 +348,30 @@ mod tests {
                     }
                 }
                 assert_eq!(differ, 0, "{rows}x{k} m={m} from {start}");
+                eprintln!(
+                    "{rows}x{k} m={m} from {start}: one chain gives other bits in {one_chain_differs} of {} outputs",
+                    (m - start) * rows
+                );
+                total.0 += one_chain_differs;
+                total.1 += (m - start) * rows;
             }
         }
+        // The order matters: one chain of multiply-adds over all the values (the order of
+        // Intel's pseudo-code) gives other bits in many outputs.
+        assert!(
+            4 * total.0 > total.1,
+            "one chain differs in {} of {}",
+            total.0,
+            total.1
+        );
+    }
+
+    /// Every product added in turn to one running sum, flushing as the instruction does.
+    fn one_chain_dot(w: &[u16], x: &[u16]) -> f32 {
+        let flush = |v: f32| if v.is_subnormal() { 0.0 } else { v };
+        let value = |bits: u16| flush(f32::from_bits(u32::from(bits) << 16));
+        w.iter()
+            .zip(x)
+            .fold(0f32, |sum, (&w, &x)| flush(value(w).mul_add(value(x), sum)))
     }
 }

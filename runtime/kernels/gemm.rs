@@ -766,19 +766,24 @@ struct Bf16Activations<'a> {
     pairs: &'a [u16],
 }
 
-/// The first `len` elements of `buf` from its first cache line boundary: rows start on a line,
-/// so the kernels' 64-byte loads (and tile rows) never straddle two.
+/// `len` elements of `buf` from its first cache line boundary: rows start on a line, so the
+/// kernels' 64-byte loads (and tile rows) never straddle two. The caller overwrites them all, so
+/// only a grown buffer is filled (once).
 fn line_aligned(buf: &mut Vec<u16>, len: usize) -> &mut [u16] {
     const LINE_ELEMS: usize = 32;
-    buf.clear();
-    buf.reserve(len + LINE_ELEMS - 1);
+    if buf.capacity() < len + LINE_ELEMS - 1 {
+        buf.clear();
+        buf.reserve(len + LINE_ELEMS - 1);
+    }
     let start = buf.as_ptr().align_offset(64).min(LINE_ELEMS - 1);
-    buf.resize(start + len, 0);
-    &mut buf[start..]
+    if buf.len() < start + len {
+        buf.resize(start + len, 0);
+    }
+    &mut buf[start..start + len]
 }
 
 /// `x` holds `m` rows of the matrix's K columns, or a shape error says what it holds.
-fn check_activations(w: &WeightMatrix, x: &[f32], m: usize) -> Result<(), KernelError> {
+pub(super) fn check_activations(w: &WeightMatrix, x: &[f32], m: usize) -> Result<(), KernelError> {
     if x.len() != m * w.cols {
         return Err(KernelError::Shape {
             what: "activations x (m × K)",

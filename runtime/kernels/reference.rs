@@ -120,13 +120,7 @@ pub(crate) fn check_shapes(
     m: usize,
     y: &[f32],
 ) -> Result<(), KernelError> {
-    if x.len() != m * w.cols {
-        return Err(KernelError::Shape {
-            what: "activations x (m × K)",
-            expected: m * w.cols,
-            got: x.len(),
-        });
-    }
+    super::gemm::check_activations(w, x, m)?;
     if y.len() != m * w.rows {
         return Err(KernelError::Shape {
             what: "output y (m × N)",
