@@ -1,7 +1,9 @@
 //! `xdna bench verify`: the cost of a verify pass of M = 1..=16 rows relative to one decode step
 //! (a 1-row pass + commit), and the cost of `commit_verify_rows(n)` after a 16-row pass: keeping
 //! the batch state (n = 16) vs restoring the snapshot and replaying n rows through the recurrent
-//! layers. Every timed pass starts from a freshly prefilled sequence at the same position.
+//! layers. Every timed pass starts from a freshly prefilled sequence at the same position. Each
+//! M's passes alternate with steps, and its ratio is taken to the steps timed beside it, so a
+//! machine whose speed drifts between minutes (a shared last-level cache) moves both alike.
 
 use std::time::Instant;
 use xdna::cli::ModelArgs;
@@ -35,6 +37,24 @@ fn fresh(model: &mut Model, prefix: &[u32], ctx: usize) -> xdna::Result<Sequence
     Ok(seq)
 }
 
+/// Seconds of (a pass of `m` rows, the commit of `n`) on a fresh sequence.
+fn time_once(
+    model: &mut Model,
+    prefix: &[u32],
+    drafts: &[u32],
+    m: usize,
+    n: usize,
+    ctx: usize,
+) -> xdna::Result<(f64, f64)> {
+    let mut seq = fresh(model, prefix, ctx)?;
+    let t0 = Instant::now();
+    model.step_sequences(&mut [(&mut seq, &drafts[..m])])?;
+    let t1 = Instant::now();
+    model.commit_sequence(&mut seq, n)?;
+    let t2 = Instant::now();
+    Ok(((t1 - t0).as_secs_f64(), (t2 - t1).as_secs_f64()))
+}
+
 /// Median seconds of (pass of `m` rows, commit of `n`) over `runs` fresh sequences.
 fn time_round(
     model: &mut Model,
@@ -47,16 +67,34 @@ fn time_round(
 ) -> xdna::Result<(f64, f64)> {
     let (mut pass, mut commit) = (Vec::new(), Vec::new());
     for _ in 0..runs {
-        let mut seq = fresh(model, prefix, ctx)?;
-        let t0 = Instant::now();
-        model.step_sequences(&mut [(&mut seq, &drafts[..m])])?;
-        let t1 = Instant::now();
-        model.commit_sequence(&mut seq, n)?;
-        let t2 = Instant::now();
-        pass.push((t1 - t0).as_secs_f64());
-        commit.push((t2 - t1).as_secs_f64());
+        let (p, c) = time_once(model, prefix, drafts, m, n, ctx)?;
+        pass.push(p);
+        commit.push(c);
     }
     Ok((median(&mut pass), median(&mut commit)))
+}
+
+/// The passes of `m` rows (each with the commit of all `m`) and as many steps, in alternation:
+/// medians of (step, pass, commit) seconds.
+fn time_beside_steps(
+    model: &mut Model,
+    prefix: &[u32],
+    drafts: &[u32],
+    m: usize,
+    runs: usize,
+    ctx: usize,
+    all_steps: &mut Vec<f64>,
+) -> xdna::Result<(f64, f64, f64)> {
+    let (mut steps, mut pass, mut commit) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let (sp, sc) = time_once(model, prefix, drafts, 1, 1, ctx)?;
+        steps.push(sp + sc);
+        let (p, c) = time_once(model, prefix, drafts, m, m, ctx)?;
+        pass.push(p);
+        commit.push(c);
+    }
+    all_steps.extend_from_slice(&steps);
+    Ok((median(&mut steps), median(&mut pass), median(&mut commit)))
 }
 
 pub fn run(args: Args) -> xdna::Result<()> {
@@ -77,16 +115,18 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let runs = args.runs.max(1);
     // Warm-up (page in the weights, spin up the pool).
     time_round(&mut model, prefix, drafts, MAX_VERIFY_ROWS, 1, 1, ctx)?;
-    let (step_pass, step_commit) = time_round(&mut model, prefix, drafts, 1, 1, runs, ctx)?;
-    let step = step_pass + step_commit;
     let mut rows = Vec::new();
+    let mut all_steps = Vec::new();
     for m in 1..=MAX_VERIFY_ROWS {
-        let (p, c) = time_round(&mut model, prefix, drafts, m, m, runs, ctx)?;
+        let (step_here, p, c) =
+            time_beside_steps(&mut model, prefix, drafts, m, runs, ctx, &mut all_steps)?;
         rows.push(serde_json::json!({
             "m": m, "pass_ms": p * 1e3, "commit_full_ms": c * 1e3,
-            "relative_to_step": p / step,
+            "step_ms": step_here * 1e3, "relative_to_step": p / step_here,
         }));
     }
+    // The commits' costs are put against the median of every step timed above.
+    let step = median(&mut all_steps);
     let mut commits = Vec::new();
     for n in 1..=MAX_VERIFY_ROWS {
         let (_, c) = time_round(&mut model, prefix, drafts, MAX_VERIFY_ROWS, n, runs, ctx)?;
@@ -132,17 +172,22 @@ pub fn run(args: Args) -> xdna::Result<()> {
         );
     } else {
         println!(
-            "{} ({kind}, {} layers), step {:.3} ms (1-row pass + commit), median of {runs}",
+            "{} ({kind}, {} layers), step {:.3} ms (1-row pass + commit; median of all steps), \
+             medians of {runs}; each M against the steps timed in alternation with it",
             pkg.dir().display(),
             c.layers,
             step * 1e3
         );
-        println!("{:>3} {:>10} {:>10}", "M", "pass ms", "× step");
+        println!(
+            "{:>3} {:>10} {:>10} {:>10}",
+            "M", "pass ms", "step ms", "× step"
+        );
         for r in &rows {
             println!(
-                "{:>3} {:>10.3} {:>10.2}",
+                "{:>3} {:>10.3} {:>10.3} {:>10.2}",
                 r["m"],
                 r["pass_ms"].as_f64().unwrap_or(0.0),
+                r["step_ms"].as_f64().unwrap_or(0.0),
                 r["relative_to_step"].as_f64().unwrap_or(0.0)
             );
         }
