@@ -156,8 +156,9 @@ struct CTiles([f32; 4 * TILE_BYTES / 4]);
 
 /// The C tiles of one or two weight tiles (`a`, 16 rows each, the second `16·a_stride` bytes on)
 /// by one or two activation tiles (`b`, the second `chunks` tiles on), over every chunk, into
-/// `c` (`[g tile][w tile]`, all four stored, zero where a tile is absent). With `prefetch`, each step first asks for the lines its rows need
-/// [`PREFETCH_CHUNKS`] steps later (past the last chunk: the same lines of the rows after `a`'s).
+/// `c` (`[g tile][w tile]`; all four are stored, zero where a tile is absent). With `prefetch`,
+/// each step first asks for the lines its rows need [`PREFETCH_CHUNKS`] steps later (past the
+/// last chunk: the same lines of the rows after `a`'s).
 ///
 /// # Safety
 /// Tiles configured by [`rows`]; `a` holds 16 or 32 rows of `64·chunks` bytes `a_stride` apart,
