@@ -387,3 +387,47 @@ fn bench_spec_json_lists_every_prompt() {
         assert_eq!(p["identical"], true, "{p}");
     }
 }
+
+#[test]
+fn bench_verify_puts_each_pass_against_the_steps_timed_beside_it() {
+    let Some(g) = common::smollm2_gguf() else {
+        return;
+    };
+    let g = g.to_string_lossy().into_owned();
+    let (ok, out, err) = xdna(&[
+        "bench",
+        "verify",
+        "--model",
+        &g,
+        "--backend",
+        "host",
+        "--runs",
+        "3",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let value: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let rows = value["rows"].as_array().expect("rows");
+    let ms: Vec<u64> = rows.iter().map(|r| r["m"].as_u64().unwrap()).collect();
+    assert_eq!(ms, (1..=16).collect::<Vec<u64>>());
+    let mut steps = Vec::new();
+    for r in rows {
+        let (pass, step) = (
+            r["pass_ms"].as_f64().unwrap(),
+            r["step_ms"].as_f64().unwrap(),
+        );
+        assert!(pass > 0.0 && step > 0.0, "{r}");
+        assert!(
+            (r["relative_to_step"].as_f64().unwrap() - pass / step).abs() < 1e-9,
+            "{r}"
+        );
+        steps.push(step);
+    }
+    // The overall step is the median of every step timed, so it lies among the rows' medians.
+    let all = value["step_ms"].as_f64().unwrap();
+    let (lo, hi) = steps
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+    assert!(lo <= all && all <= hi, "{all} outside {lo}..{hi}");
+    assert_eq!(value["commits"].as_array().expect("commits").len(), 16);
+}
