@@ -193,8 +193,7 @@ unsafe fn products(
         if prefetch {
             // A tile register is not renamed: the next chunk's load waits for this chunk's
             // product, which waits for this chunk's load, so a line missed by a tile load stalls
-            // the whole chain. Asked for ahead, a one-row sweep of SmolLM2's bf16 projections took
-            // 18 % less time (`xdna bench gemm --wfmt bf16 --head-wfmt bf16 --m 1`).
+            // the whole chain, and decode reads each weight line once: it is asked for ahead.
             let ahead = ch + PREFETCH_CHUNKS;
             let (base, column) = if ahead < chunks {
                 (a, ahead)
