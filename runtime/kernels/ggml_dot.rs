@@ -290,18 +290,13 @@ pub fn block(
             return;
         }
     }
-    // The fused K-quant kernels need AVX2 only; on VNNI CPUs they also beat unpack + vpdpbusd
-    // (module docs), so both vector paths take them. They sum each 256-value block in integers,
-    // which needs the block's activations to share one scale.
+    // The fused super-block kernels (the K-quants and IQ4_XS) need AVX2 only; on VNNI CPUs the
+    // 512-bit ones also beat unpack + vpdpbusd (module docs), so both vector paths take them.
+    // They sum each 256-value block in integers, which needs the block's activations to share
+    // one scale.
     #[cfg(target_arch = "x86_64")]
     if path != Path::Scalar && act.scale == ActivationScale::PerSuperblock {
-        let kind = match ty {
-            GgmlType::Q4_K => Some(x86::KQuant::Q4),
-            GgmlType::Q5_K => Some(x86::KQuant::Q5),
-            GgmlType::Q6_K => Some(x86::KQuant::Q6),
-            _ => None,
-        };
-        if let Some(kind) = kind {
+        if let Some(kind) = x86::KQuant::of(ty) {
             let wide = path == Path::Avx512Vnni;
             // SAFETY: both vector paths are only chosen when AVX2, FMA and F16C are available
             // (`gemm`; `avx2::vnni_available` implies `avx2::available`), and `wide` only when
@@ -318,19 +313,19 @@ pub fn block(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if let (Path::Avx512Vnni, ActivationScale::PerSuperblock, Some(kind)) =
-        (path, act.scale, k512::Super256::of(ty))
+    if let (Path::Avx2, ActivationScale::PerGroup, Some(kind)) =
+        (path, act.scale, x86::Block32::of(ty))
     {
-        // SAFETY: `Path::Avx512Vnni` is only chosen when AVX2, FMA, F16C and AVX-512
-        // F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` holds rows n0 .. n0 +
-        // out_rows of `row_bytes` (cols / 256 whole blocks: validated with the matrix), `act`
-        // holds `cols` codes per superblock-scaled row of `act_rows`, `out` `stride` per row.
+        // SAFETY: `Path::Avx2` is only chosen when AVX2, FMA and F16C are available (`gemm`);
+        // `data` holds rows n0 .. n0 + out_rows of `row_bytes` (cols / 32 whole blocks: the
+        // matrix length and width are validated), `act` holds `cols` codes, scales and sums for
+        // every group-scaled row of `act_rows`, and `out` holds `stride` floats per activation
+        // row.
         unsafe {
-            let rows = k512::WeightRows::new(data, row_bytes, n0, out_rows);
-            by_act_chunks!(act_rows, out, stride, |first, out| k512::super256_rows(
-                kind, rows, cols, act, first, out, stride
-            ));
-        }
+            x86::block32(
+                kind, data, row_bytes, cols, n0, out_rows, act, act_rows, out, stride,
+            )
+        };
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -606,8 +601,7 @@ mod interleaved;
 
 #[cfg(target_arch = "x86_64")]
 mod k512 {
-    use super::x86::{f16_at, k4_scales_mins};
-    use crate::ggml::GgmlType;
+    use super::x86::{f16_at, iq4xs_scales, k4_scales_mins, q3k_scales16};
     use crate::kernels::quant::QuantizedRows;
     use std::arch::x86_64::*;
 
@@ -618,35 +612,7 @@ mod k512 {
         _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
     }
 
-    /// Weight rows `n0 .. n0 + count` of a matrix whose rows of `row_bytes` start at `data`.
-    #[derive(Clone, Copy)]
-    pub(super) struct WeightRows {
-        pub data: *const u8,
-        pub row_bytes: usize,
-        pub n0: usize,
-        pub count: usize,
-    }
-
-    impl WeightRows {
-        /// Rows `n0 .. n0 + count` of `data`, rows of `row_bytes`.
-        pub(super) fn new(data: &[u8], row_bytes: usize, n0: usize, count: usize) -> Self {
-            Self {
-                data: data.as_ptr(),
-                row_bytes,
-                n0,
-                count,
-            }
-        }
-
-        /// The first byte of row `n0 + r`.
-        ///
-        /// # Safety
-        /// `r < count`, and `data` holds rows `n0 .. n0 + count`.
-        #[inline]
-        pub(super) unsafe fn row(&self, r: usize) -> *const u8 {
-            self.data.add((self.n0 + r) * self.row_bytes)
-        }
-    }
+    pub(super) use super::x86::WeightRows;
 
     /// A `vpshufb` control that puts i16 scale `2c` (of the eight in each 128-bit lane) in every
     /// i16 lane of the low half and scale `2c + 1` in the high half: bytes (4c, 4c + 1) and
@@ -1005,69 +971,7 @@ mod k512 {
         w
     }
 
-    /// IQ4_XS's eight sub-block scales at `p` (6 bits, offset 32): the low nibble from
-    /// `scales_l`, the top two bits from the `scales_h` word.
-    #[inline]
-    pub(super) unsafe fn iq4xs_scales(p: *const u8) -> [i16; 8] {
-        let high = u16::from_le_bytes([*p.add(2), *p.add(3)]);
-        let mut ls = [0i16; 8];
-        for (s, v) in ls.iter_mut().enumerate() {
-            let low = (*p.add(4 + s / 2) >> (4 * (s % 2))) & 0x0F;
-            let top = ((high >> (2 * s)) & 3) as u8;
-            *v = i16::from(low | (top << 4)) - 32;
-        }
-        ls
-    }
-
-    /// The other 256-value super-block types with 512-bit kernels here: the signed-code ones
-    /// ([`signed_rows`]) and Q2_K ([`q2k_rows`]).
-    #[derive(Clone, Copy, PartialEq, Eq)]
-    pub enum Super256 {
-        /// 136 bytes: f16 d, 6-bit scales (offset 32) per 32 values, nibbles into `IQ4_TABLE`.
-        Iq4Xs,
-        /// 110 bytes: 2-bit codes with a high bit (`q − 4` where it is clear), 6-bit scales
-        /// (offset 32) per 16 values, f16 d last.
-        Q3K,
-        /// 84 bytes: per 16 values a 4-bit scale and a 4-bit minimum, 2-bit codes, f16 d and
-        /// dmin last; `w = d·sc·q − dmin·m`.
-        Q2K,
-    }
-
-    impl Super256 {
-        /// The kernel for `ty`, if there is one.
-        pub fn of(ty: GgmlType) -> Option<Self> {
-            match ty {
-                GgmlType::IQ4_XS => Some(Self::Iq4Xs),
-                GgmlType::Q3_K => Some(Self::Q3K),
-                GgmlType::Q2_K => Some(Self::Q2K),
-                _ => None,
-            }
-        }
-    }
-
-    /// The [`Super256`] kernel of `kind` for `N` activation rows.
-    ///
-    /// # Safety
-    /// As [`k45_rows`].
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn super256_rows<const N: usize>(
-        kind: Super256,
-        rows: WeightRows,
-        cols: usize,
-        act: &QuantizedRows,
-        first: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
-        match kind {
-            Super256::Iq4Xs => signed_rows::<N, SIGNED_IQ4_XS>(rows, cols, act, first, out, stride),
-            Super256::Q3K => signed_rows::<N, SIGNED_Q3_K>(rows, cols, act, first, out, stride),
-            Super256::Q2K => q2k_rows::<N>(rows, cols, act, first, out, stride),
-        }
-    }
-
-    /// The K-quant kernel of `kind` for `N` activation rows.
+    /// The super-block kernel of `kind` for `N` activation rows.
     ///
     /// # Safety
     /// As [`k45_rows`].
@@ -1087,12 +991,15 @@ mod k512 {
             KQuant::Q4 => k45_rows::<N, false>(rows, cols, act, first, out, stride),
             KQuant::Q5 => k45_rows::<N, true>(rows, cols, act, first, out, stride),
             KQuant::Q6 => q6k_rows::<N>(rows, cols, act, first, out, stride),
+            KQuant::Q2 => q2k_rows::<N>(rows, cols, act, first, out, stride),
+            KQuant::Q3 => signed_rows::<N, SIGNED_Q3_K>(rows, cols, act, first, out, stride),
+            KQuant::Iq4Xs => signed_rows::<N, SIGNED_IQ4_XS>(rows, cols, act, first, out, stride),
         }
     }
 
-    /// [`Super256::Iq4Xs`] as [`signed_rows`]'s const-generic argument.
+    /// [`super::x86::KQuant::Iq4Xs`] as [`signed_rows`]'s const-generic argument.
     const SIGNED_IQ4_XS: u8 = 0;
-    /// [`Super256::Q3K`] as [`signed_rows`]'s const-generic argument.
+    /// [`super::x86::KQuant::Q3`] as [`signed_rows`]'s const-generic argument.
     const SIGNED_Q3_K: u8 = 1;
 
     /// One block of a signed-code type, four 64-value pairs: `|w|`, the mask of negative `w`,
@@ -1138,24 +1045,6 @@ mod k512 {
             scales: scale_lanes.map(|lanes| _mm512_permutexvar_epi16(lanes, sub_scales)),
             d: f16_at(p.add(108)),
         }
-    }
-
-    /// `ggml::q3k_scales` of the 12 bytes at `p`, as 16 i16 lanes, in a few word operations:
-    /// scale `j`'s low nibble is byte `j % 8`'s (low for `j < 8`, high after), its top two bits
-    /// are bits `2(j / 4)` of byte `8 + j % 4`, so each run of four scales takes the four high
-    /// bytes shifted by `2(j / 4)` at once.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q3k_scales16(p: *const u8) -> __m256i {
-        const NIBBLES: u64 = 0x0F0F_0F0F_0F0F_0F0F;
-        const PAIRS: u32 = 0x0303_0303;
-        let low = (p as *const u64).read_unaligned();
-        let top = (p.add(8) as *const u32).read_unaligned();
-        let tops = |t: u32| u64::from((top >> (2 * t)) & PAIRS);
-        let first = (low & NIBBLES) | ((tops(0) | (tops(1) << 32)) << 4);
-        let second = ((low >> 4) & NIBBLES) | ((tops(2) | (tops(3) << 32)) << 4);
-        let bytes = _mm_set_epi64x(second as i64, first as i64);
-        _mm256_cvtepi8_epi16(_mm_sub_epi8(bytes, _mm_set1_epi8(32)))
     }
 
     /// Rows of a signed-code type (`KIND`: [`SIGNED_IQ4_XS`] or [`SIGNED_Q3_K`]) against
@@ -1485,6 +1374,85 @@ mod x86 {
         )
     }
 
+    /// `ggml::q3k_scales` of the 12 bytes at `p`, as 16 i16 lanes, in a few word operations:
+    /// scale `j`'s low nibble is byte `j % 8`'s (low for `j < 8`, high after), its top two bits
+    /// are bits `2(j / 4)` of byte `8 + j % 4`, so each run of four scales takes the four high
+    /// bytes shifted by `2(j / 4)` at once.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn q3k_scales16(p: *const u8) -> __m256i {
+        const NIBBLES: u64 = 0x0F0F_0F0F_0F0F_0F0F;
+        const PAIRS: u32 = 0x0303_0303;
+        let low = (p as *const u64).read_unaligned();
+        let top = (p.add(8) as *const u32).read_unaligned();
+        let tops = |t: u32| u64::from((top >> (2 * t)) & PAIRS);
+        let first = (low & NIBBLES) | ((tops(0) | (tops(1) << 32)) << 4);
+        let second = ((low >> 4) & NIBBLES) | ((tops(2) | (tops(3) << 32)) << 4);
+        let bytes = _mm_set_epi64x(second as i64, first as i64);
+        _mm256_cvtepi8_epi16(_mm_sub_epi8(bytes, _mm_set1_epi8(32)))
+    }
+
+    /// IQ4_XS's eight sub-block scales at `p` (6 bits, offset 32): the low nibble from
+    /// `scales_l`, the top two bits from the `scales_h` word.
+    #[inline]
+    pub(super) unsafe fn iq4xs_scales(p: *const u8) -> [i16; 8] {
+        let high = u16::from_le_bytes([*p.add(2), *p.add(3)]);
+        let mut ls = [0i16; 8];
+        for (s, v) in ls.iter_mut().enumerate() {
+            let low = (*p.add(4 + s / 2) >> (4 * (s % 2))) & 0x0F;
+            let top = ((high >> (2 * s)) & 3) as u8;
+            *v = i16::from(low | (top << 4)) - 32;
+        }
+        ls
+    }
+
+    /// Weight rows `n0 .. n0 + count` of a matrix whose rows of `row_bytes` start at `data`.
+    #[derive(Clone, Copy)]
+    pub(super) struct WeightRows {
+        pub data: *const u8,
+        pub row_bytes: usize,
+        pub n0: usize,
+        pub count: usize,
+    }
+
+    impl WeightRows {
+        /// Rows `n0 .. n0 + count` of `data`, rows of `row_bytes`.
+        pub(super) fn new(data: &[u8], row_bytes: usize, n0: usize, count: usize) -> Self {
+            Self {
+                data: data.as_ptr(),
+                row_bytes,
+                n0,
+                count,
+            }
+        }
+
+        /// The first byte of row `n0 + r`.
+        ///
+        /// # Safety
+        /// `r < count`, and `data` holds rows `n0 .. n0 + count`.
+        #[inline]
+        pub(super) unsafe fn row(&self, r: usize) -> *const u8 {
+            self.data.add((self.n0 + r) * self.row_bytes)
+        }
+    }
+
+    /// Calls `$rows!(N)` with the literal `N` equal to `$n` (1..=8): the kernels keep `N`
+    /// accumulators in registers.
+    macro_rules! by_row_count {
+        ($n:expr, $rows:ident) => {
+            match $n {
+                1 => $rows!(1),
+                2 => $rows!(2),
+                3 => $rows!(3),
+                4 => $rows!(4),
+                5 => $rows!(5),
+                6 => $rows!(6),
+                7 => $rows!(7),
+                _ => $rows!(8),
+            }
+        };
+    }
+
     /// Activation rows whose accumulators one pass over a weight row's blocks keeps.
     const K_ACT_CHUNK: usize = 8;
 
@@ -1497,6 +1465,30 @@ mod x86 {
         Q5,
         /// Q6_K: 210-byte blocks, 6-bit codes centred on 32, an i8 scale per 16 values.
         Q6,
+        /// Q2_K: 84 bytes, per 16 values a 4-bit scale and a 4-bit minimum, 2-bit codes, f16 d
+        /// and dmin last; `w = d·sc·q − dmin·m`.
+        Q2,
+        /// Q3_K: 110 bytes, 2-bit codes with a high bit (`q − 4` where it is clear), 6-bit
+        /// scales (offset 32) per 16 values, f16 d last.
+        Q3,
+        /// IQ4_XS: 136 bytes, f16 d, 6-bit scales (offset 32) per 32 values, nibbles into
+        /// `IQ4_TABLE`.
+        Iq4Xs,
+    }
+
+    impl KQuant {
+        /// The fused kernel for `ty`, if there is one.
+        pub fn of(ty: GgmlType) -> Option<Self> {
+            match ty {
+                GgmlType::Q4_K => Some(Self::Q4),
+                GgmlType::Q5_K => Some(Self::Q5),
+                GgmlType::Q6_K => Some(Self::Q6),
+                GgmlType::Q2_K => Some(Self::Q2),
+                GgmlType::Q3_K => Some(Self::Q3),
+                GgmlType::IQ4_XS => Some(Self::Iq4Xs),
+                _ => None,
+            }
+        }
     }
 
     /// Q4_K / Q5_K / Q6_K rows dotted straight from their bytes, no unpacked scratch row, against
@@ -1540,9 +1532,6 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        // Activation chunks outside, weight rows inside: a chunk's codes stay in L1 across the
-        // block's weight rows (taken the other way round, every weight row streamed all the
-        // activation rows from L2, one byte per multiply-add, and L2 was the bound).
         if wide {
             let rows = super::k512::WeightRows::new(data, row_bytes, n0, out_rows);
             by_act_chunks!(
@@ -1553,34 +1542,243 @@ mod x86 {
             );
             return;
         }
+        let rows = WeightRows::new(data, row_bytes, n0, out_rows);
+        each_row_chunk(rows, act_rows, out, stride, |row, first, n, sums| {
+            macro_rules! rows {
+                ($n:literal) => {
+                    // SAFETY: as `k_block`'s contract: `row` holds `cols / 256` blocks of
+                    // `kind`, `act` rows `first .. first + n`.
+                    unsafe {
+                        match kind {
+                            KQuant::Q4 => k45_rows::<$n, false>(row, cols, act, first, sums),
+                            KQuant::Q5 => k45_rows::<$n, true>(row, cols, act, first, sums),
+                            KQuant::Q6 => q6k_rows::<$n>(row, cols, act, first, sums),
+                            KQuant::Q2 => q2k_rows::<$n>(row, cols, act, first, sums),
+                            KQuant::Q3 => q3k_rows::<$n>(row, cols, act, first, sums),
+                            KQuant::Iq4Xs => iq4xs_rows::<$n>(row, cols, act, first, sums),
+                        }
+                    }
+                };
+            }
+            by_row_count!(n, rows)
+        });
+    }
+
+    /// Runs `one_row(row, first, n, sums)` for every weight row of `rows` and every chunk of
+    /// up to [`K_ACT_CHUNK`] activation rows of `act_rows` (`first` the chunk's first, `n` its
+    /// count), and stores the chunk's `sums[..n]` at `out[slot · stride + r]`. Activation chunks
+    /// outside, weight rows inside: a chunk's codes stay in L1 across the weight rows (taken
+    /// the other way round, every weight row streamed all the activation rows from L2, one byte
+    /// per multiply-add, and L2 was the bound).
+    ///
+    /// # Safety
+    /// `rows` are readable; `out` holds `(act_rows.len() − 1) · stride + rows.count` floats.
+    unsafe fn each_row_chunk(
+        rows: WeightRows,
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+        one_row: impl Fn(*const u8, usize, usize, &mut [f32; K_ACT_CHUNK]),
+    ) {
         for first in act_rows.clone().step_by(K_ACT_CHUNK) {
             let n = (act_rows.end - first).min(K_ACT_CHUNK);
-            for r in 0..out_rows {
-                let row = data.as_ptr().add((n0 + r) * row_bytes);
+            for r in 0..rows.count {
                 let mut sums = [0f32; K_ACT_CHUNK];
-                macro_rules! rows {
-                    ($n:literal) => {
-                        match kind {
-                            KQuant::Q4 => k45_rows::<$n, false>(row, cols, act, first, &mut sums),
-                            KQuant::Q5 => k45_rows::<$n, true>(row, cols, act, first, &mut sums),
-                            KQuant::Q6 => q6k_rows::<$n>(row, cols, act, first, &mut sums),
-                        }
-                    };
-                }
-                match n {
-                    1 => rows!(1),
-                    2 => rows!(2),
-                    3 => rows!(3),
-                    4 => rows!(4),
-                    5 => rows!(5),
-                    6 => rows!(6),
-                    7 => rows!(7),
-                    _ => rows!(8),
-                }
+                one_row(rows.row(r), first, n, &mut sums);
                 for (slot, sum) in sums.iter().take(n).enumerate() {
                     out[(first + slot - act_rows.start) * stride + r] = *sum;
                 }
             }
+        }
+    }
+
+    /// Which 32-value block type [`block32`] reads.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub enum Block32 {
+        /// 18 bytes: f16 d, 4-bit codes `q − 8`.
+        Q4_0,
+        /// 20 bytes: f16 d and m, 4-bit codes: `d·q + m`.
+        Q4_1,
+        /// 22 bytes: f16 d, a fifth bit per value, 4-bit codes `q − 16`.
+        Q5_0,
+        /// 24 bytes: f16 d and m, a fifth bit per value, 4-bit codes: `d·q + m`.
+        Q5_1,
+        /// 34 bytes: f16 d, i8 codes.
+        Q8_0,
+        /// 18 bytes: f16 d, nibbles into `IQ4_TABLE`.
+        Iq4Nl,
+    }
+
+    impl Block32 {
+        /// The fused kernel for `ty`, if there is one.
+        pub fn of(ty: GgmlType) -> Option<Self> {
+            match ty {
+                GgmlType::Q4_0 => Some(Self::Q4_0),
+                GgmlType::Q4_1 => Some(Self::Q4_1),
+                GgmlType::Q5_0 => Some(Self::Q5_0),
+                GgmlType::Q5_1 => Some(Self::Q5_1),
+                GgmlType::Q8_0 => Some(Self::Q8_0),
+                GgmlType::IQ4_NL => Some(Self::Iq4Nl),
+                _ => None,
+            }
+        }
+    }
+
+    /// Rows of a 32-value block type dotted straight from their bytes, no unpacked scratch row,
+    /// against activations with one scale per 32 values (`ActivationScale::PerGroup`). Per
+    /// group one `maddubs` of the codes against the activation codes, widened by `madd`,
+    /// converted, and one FMA with `d·d_act`: the unsigned-code types (Q4_0, Q4_1, Q5_0, Q5_1:
+    /// `u ≤ 31`, pairs inside i16) take `u` as it is and their addend `m` (Q4_0: `−8d`, Q5_0:
+    /// `−16d`) as `m·(d_act·Σc)` (`act.sums`) into a scalar sum; the signed ones (Q8_0,
+    /// IQ4_NL) take ggml's sign trick `maddubs(|w|, sign(c, w))` (|w| ≤ 128: pairs ≤
+    /// 2·128·127). A block's codes are split once for up to [`K_ACT_CHUNK`] activation rows,
+    /// and every activation row runs the same operations whatever the other rows are: batched
+    /// rows keep the bits of single rows. Same value as [`super::dot_reference`] up to float
+    /// summation order.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; `data` holds rows `n0 .. n0 + out_rows` of `row_bytes` (`cols / 32`
+    /// blocks of `kind`), `act` holds `cols` codes and `cols / 32` scales and sums for each row
+    /// of `act_rows`, `out` holds `(act_rows.len() − 1) · stride + out_rows` floats.
+    #[allow(clippy::too_many_arguments)] // one work item's context
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn block32(
+        kind: Block32,
+        data: &[u8],
+        row_bytes: usize,
+        cols: usize,
+        n0: usize,
+        out_rows: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let rows = WeightRows::new(data, row_bytes, n0, out_rows);
+        each_row_chunk(rows, act_rows, out, stride, |row, first, n, sums| {
+            macro_rules! rows {
+                ($n:literal) => {
+                    // SAFETY: as `block32`'s contract: `row` holds `cols / 32` blocks of
+                    // `kind`, `act` rows `first .. first + n`.
+                    unsafe {
+                        match kind {
+                            Block32::Q4_0 => block32_rows::<$n, 0>(row, cols, act, first, sums),
+                            Block32::Q4_1 => block32_rows::<$n, 1>(row, cols, act, first, sums),
+                            Block32::Q5_0 => block32_rows::<$n, 2>(row, cols, act, first, sums),
+                            Block32::Q5_1 => block32_rows::<$n, 3>(row, cols, act, first, sums),
+                            Block32::Q8_0 => block32_rows::<$n, 4>(row, cols, act, first, sums),
+                            Block32::Iq4Nl => block32_rows::<$n, 5>(row, cols, act, first, sums),
+                        }
+                    }
+                };
+            }
+            by_row_count!(n, rows)
+        });
+    }
+
+    /// One block of [`Block32`] `KIND` (its index as a const) at `p`: the 32 codes in value
+    /// order (unsigned for Q4_0 … Q5_1, signed for Q8_0 and IQ4_NL), `d`, and the addend `m`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn block32_codes<const KIND: u8>(p: *const u8, table: __m256i) -> (__m256i, f32, f32) {
+        let d = f16_at(p);
+        let fifth = |at: usize| {
+            bits_to_0x10(u32::from_le_bytes([
+                *p.add(at),
+                *p.add(at + 1),
+                *p.add(at + 2),
+                *p.add(at + 3),
+            ]))
+        };
+        match KIND {
+            0 => (nibbles16(p.add(2)), d, -8.0 * d),
+            1 => (nibbles16(p.add(4)), d, f16_at(p.add(2))),
+            2 => (_mm256_or_si256(nibbles16(p.add(6)), fifth(2)), d, -16.0 * d),
+            3 => (
+                _mm256_or_si256(nibbles16(p.add(8)), fifth(4)),
+                d,
+                f16_at(p.add(2)),
+            ),
+            4 => (_mm256_loadu_si256(p.add(2) as *const __m256i), d, 0.0),
+            _ => (_mm256_shuffle_epi8(table, nibbles16(p.add(2))), d, 0.0),
+        }
+    }
+
+    /// One row of [`Block32`] `KIND` against activation rows `first .. first + N`: `out[slot]`
+    /// for each, as [`block32`] describes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn block32_rows<const N: usize, const KIND: u8>(
+        row: *const u8,
+        cols: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        const BYTES: [usize; 6] = [18, 20, 22, 24, 34, 18];
+        let signed = KIND >= 4;
+        let bytes = BYTES[KIND as usize];
+        let groups = act.groups();
+        let ones = _mm256_set1_epi16(1);
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+            ggml::IQ4_TABLE.as_ptr() as *const __m128i
+        ));
+        // A group's exact sum against activation row `i`, converted, and `d·d_act`.
+        let group = |q: __m256i, magnitude: __m256i, d: f32, i: usize, g: usize| {
+            let c = _mm256_loadu_si256(
+                act.codes.as_ptr().add(i * act.cols + g * GROUP) as *const __m256i
+            );
+            let c = if signed { _mm256_sign_epi8(c, q) } else { c };
+            let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, c), ones);
+            let scale = _mm256_set1_ps(d * *act.scales.as_ptr().add(i * groups + g));
+            (scale, _mm256_cvtepi32_ps(isum))
+        };
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut offset = [0f32; N];
+        // Groups in pairs, each pair's two products summed before they join the accumulator:
+        // a single row's chain is then one add per 64 values, not one FMA per 32.
+        let count = cols / GROUP;
+        for g in (0..count - count % 2).step_by(2) {
+            let p = row.add(g * bytes);
+            // One prefetch per four blocks (72..136 bytes) keeps a line or two in flight per
+            // step without a prefetch per 18 bytes.
+            if g % 4 == 0 {
+                crate::kernels::avx2::prefetch_ahead(p, 4 * bytes);
+            }
+            let (q0, d0, m0) = block32_codes::<KIND>(p, table);
+            let (q1, d1, m1) = block32_codes::<KIND>(p.add(bytes), table);
+            let (mag0, mag1) = if signed {
+                (_mm256_sign_epi8(q0, q0), _mm256_sign_epi8(q1, q1))
+            } else {
+                (q0, q1)
+            };
+            for slot in 0..N {
+                let i = first + slot;
+                let (s0, x0) = group(q0, mag0, d0, i, g);
+                let (s1, x1) = group(q1, mag1, d1, i, g + 1);
+                acc[slot] =
+                    _mm256_add_ps(acc[slot], _mm256_fmadd_ps(s1, x1, _mm256_mul_ps(s0, x0)));
+                if !signed {
+                    let sums = act.sums.as_ptr().add(i * groups + g);
+                    offset[slot] += m0 * *sums + m1 * *sums.add(1);
+                }
+            }
+        }
+        if count % 2 == 1 {
+            let g = count - 1;
+            let (q, d, m) = block32_codes::<KIND>(row.add(g * bytes), table);
+            let magnitude = if signed { _mm256_sign_epi8(q, q) } else { q };
+            for slot in 0..N {
+                let i = first + slot;
+                let (scale, x) = group(q, magnitude, d, i, g);
+                acc[slot] = _mm256_fmadd_ps(scale, x, acc[slot]);
+                if !signed {
+                    offset[slot] += m * *act.sums.as_ptr().add(i * groups + g);
+                }
+            }
+        }
+        for slot in 0..N {
+            out[slot] = hsum(acc[slot]) + offset[slot];
         }
     }
 
@@ -1636,12 +1834,7 @@ mod x86 {
             for slot in 0..N {
                 let i = first + slot;
                 let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                let mut isum = _mm256_setzero_si256();
-                for g in 0..8 {
-                    let c = _mm256_loadu_si256(codes.add(g * 32) as *const __m256i);
-                    let pairs = _mm256_maddubs_epi16(q[g], c);
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, sc16[g]));
-                }
+                let isum = scaled_block_sum(&q, &sc16, codes);
                 let at = i * groups + b * 8;
                 // One scale for the block's eight groups (per-superblock activations).
                 let act_d = *act.scales.as_ptr().add(at);
@@ -1672,66 +1865,17 @@ mod x86 {
         const BLOCK_BYTES: usize = 210;
         let groups = act.groups();
         let thirty_two = _mm256_set1_epi8(32);
-        // Byte masks that spread i16 lane 2j (into the low 128 bits) and 2j + 1 (into the high)
-        // of a vector holding the same eight i16 scales in each half.
-        let spread = |j: i8| {
-            let (a, b) = (4 * j, 4 * j + 2);
-            _mm256_setr_epi8(
-                a,
-                a + 1,
-                a,
-                a + 1,
-                a,
-                a + 1,
-                a,
-                a + 1,
-                a,
-                a + 1,
-                a,
-                a + 1,
-                a,
-                a + 1,
-                a,
-                a + 1,
-                b,
-                b + 1,
-                b,
-                b + 1,
-                b,
-                b + 1,
-                b,
-                b + 1,
-                b,
-                b + 1,
-                b,
-                b + 1,
-                b,
-                b + 1,
-                b,
-                b + 1,
-            )
-        };
-        let spreads = [spread(0), spread(1), spread(2), spread(3)];
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..cols / 256 {
             let p = row.add(b * BLOCK_BYTES);
             crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
             let d = f16_at(p.add(208));
-            // Sub-block scales as i16: groups 0-3 take theirs from s0..s7, 4-7 from s8..s15,
-            // sub-block 2g in the low half, 2g + 1 in the high half.
-            let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
-            let halves = [
-                _mm256_permute2x128_si256(scales, scales, 0x00),
-                _mm256_permute2x128_si256(scales, scales, 0x11),
-            ];
-            let mut sc = [_mm256_setzero_si256(); 8];
+            let sc = sub16_group_scales(_mm256_cvtepi8_epi16(_mm_loadu_si128(
+                p.add(192) as *const __m128i
+            )));
             let mut q = [_mm256_setzero_si256(); 8];
             for h in 0..2 {
-                let codes = q6k_half_codes(p, h);
-                for k in 0..4 {
-                    q[4 * h + k] = codes[k];
-                    sc[4 * h + k] = _mm256_shuffle_epi8(halves[h], spreads[k]);
-                }
+                q[4 * h..4 * h + 4].copy_from_slice(&q6k_half_codes(p, h));
             }
             for (slot, acc) in acc.iter_mut().enumerate() {
                 let i = first + slot;
@@ -1744,6 +1888,223 @@ mod x86 {
                         _mm256_maddubs_epi16(thirty_two, c),
                     );
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(centred, sc[g]));
+                }
+                // One scale for the block's eight groups (per-superblock activations).
+                let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * act_d), _mm256_cvtepi32_ps(isum), *acc);
+            }
+        }
+        for slot in 0..N {
+            out[slot] = hsum(acc[slot]);
+        }
+    }
+
+    /// The `madd` weights of a block's eight 32-value groups from its sixteen 16-value
+    /// sub-block scales (`scales`, i16 lanes): group `g`'s register holds scale `2g` in its low
+    /// 128 bits (the i16 pair sums of its first 16 values) and `2g + 1` in its high 128 bits.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn sub16_group_scales(scales: __m256i) -> [__m256i; 8] {
+        // Byte masks that spread i16 lane 2k (into the low 128 bits) and 2k + 1 (into the high)
+        // of a vector holding the same eight i16 scales in each half.
+        let spread = |k: i8| {
+            let (a, b) = (4 * k, 4 * k + 2);
+            let (lo, hi) = (
+                i16::from_le_bytes([a as u8, a as u8 + 1]),
+                i16::from_le_bytes([b as u8, b as u8 + 1]),
+            );
+            _mm256_setr_epi16(
+                lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi,
+            )
+        };
+        let halves = [
+            _mm256_permute2x128_si256(scales, scales, 0x00),
+            _mm256_permute2x128_si256(scales, scales, 0x11),
+        ];
+        std::array::from_fn(|g| _mm256_shuffle_epi8(halves[g / 4], spread((g % 4) as i8)))
+    }
+
+    /// `Σ_g madd(maddubs(q[g], c_g), sc[g])` over a block's eight 32-value groups, `c_g` the
+    /// activation codes at `codes + 32g`: unsigned codes `q` (pair sums inside i16 for every
+    /// type that calls it), weighted in the widening `madd`; exact i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn scaled_block_sum(q: &[__m256i; 8], sc: &[__m256i; 8], codes: *const i8) -> __m256i {
+        let mut isum = _mm256_setzero_si256();
+        for g in 0..8 {
+            let c = _mm256_loadu_si256(codes.add(g * 32) as *const __m256i);
+            isum = _mm256_add_epi32(
+                isum,
+                _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], c), sc[g]),
+            );
+        }
+        isum
+    }
+
+    /// The 2-bit codes (0..=3) of a Q2_K / Q3_K block's 64 `qs` bytes at `qs`, group `g = 4n +
+    /// j` (values `32g ..`): bits `2j, 2j + 1` of `qs[32n ..]`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn two_bit_codes(qs: *const u8) -> [__m256i; 8] {
+        let m3 = _mm256_set1_epi8(3);
+        std::array::from_fn(|g| {
+            let (n, j) = (g / 4, g % 4);
+            let run = _mm256_loadu_si256(qs.add(32 * n) as *const __m256i);
+            _mm256_and_si256(_mm256_srl_epi16(run, _mm_cvtsi32_si128(2 * j as i32)), m3)
+        })
+    }
+
+    /// The code sums per 16 values of activation row `i`'s block `b` (ggml's q8_K `bsums`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn code_sums16(
+        act: &crate::kernels::quant::QuantizedRows,
+        i: usize,
+        b: usize,
+    ) -> __m256i {
+        _mm256_loadu_si256(
+            act.code_sums16.as_ptr().add(i * act.cols / 16 + b * 16) as *const __m256i
+        )
+    }
+
+    /// One Q2_K row against activation rows `first .. first + N`: `out[slot]` for each. Per
+    /// block `d·d_act·Σ_g madd(maddubs(q, c), sc)` (|lane| ≤ 8·2·762·15) and the minimums'
+    /// term `−dmin·d_act·Σ m·bsum` from one `madd` of the sixteen minimums against the
+    /// activations' code sums per 16 (`QuantizedRows::code_sums16`), each one FMA into its own
+    /// accumulator.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2k_rows<const N: usize>(
+        row: *const u8,
+        cols: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        const BLOCK_BYTES: usize = 84;
+        let groups = act.groups();
+        let m4 = _mm_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_min = [_mm256_setzero_ps(); N];
+        for b in 0..cols / 256 {
+            let p = row.add(b * BLOCK_BYTES);
+            crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
+            let (d, dmin) = (f16_at(p.add(80)), f16_at(p.add(82)));
+            let packed = _mm_loadu_si128(p as *const __m128i);
+            let sc = sub16_group_scales(_mm256_cvtepu8_epi16(_mm_and_si128(packed, m4)));
+            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
+            let q = two_bit_codes(p.add(16));
+            for slot in 0..N {
+                let i = first + slot;
+                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                let isum = scaled_block_sum(&q, &sc, codes);
+                let msum = _mm256_madd_epi16(mins, code_sums16(act, i, b));
+                // One scale for the block's eight groups (per-superblock activations).
+                let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                acc[slot] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(d * act_d),
+                    _mm256_cvtepi32_ps(isum),
+                    acc[slot],
+                );
+                acc_min[slot] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(-dmin * act_d),
+                    _mm256_cvtepi32_ps(msum),
+                    acc_min[slot],
+                );
+            }
+        }
+        for slot in 0..N {
+            out[slot] = hsum(_mm256_add_ps(acc[slot], acc_min[slot]));
+        }
+    }
+
+    /// One Q3_K row against activation rows `first .. first + N`: `out[slot]` for each. The
+    /// codes go unsigned, `u = q + 4` (0..=7: the 2-bit field plus 4 where bit `g` of
+    /// `hmask[l]` is set, group `g` as [`two_bit_codes`]), so `maddubs(u, c)` needs no sign
+    /// trick; the 4 comes back off as `4·Σ sc·bsum` in one `madd` per block against the code
+    /// sums per 16. The block sum is exact (|lane| ≤ 8·2·1778·32) and takes `d·d_act` in one FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q3k_rows<const N: usize>(
+        row: *const u8,
+        cols: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        const BLOCK_BYTES: usize = 110;
+        let groups = act.groups();
+        let four = _mm256_set1_epi8(4);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..cols / 256 {
+            let p = row.add(b * BLOCK_BYTES);
+            crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
+            let d = f16_at(p.add(108));
+            let scales = q3k_scales16(p.add(96));
+            let sc = sub16_group_scales(scales);
+            let hmask = _mm256_loadu_si256(p as *const __m256i);
+            let mut q = two_bit_codes(p.add(32));
+            for (g, q) in q.iter_mut().enumerate() {
+                let bit = _mm256_set1_epi8((1u8 << g) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
+                *q = _mm256_or_si256(*q, _mm256_and_si256(set, four));
+            }
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                let i = first + slot;
+                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                let offset = _mm256_madd_epi16(scales, code_sums16(act, i, b));
+                let isum = _mm256_sub_epi32(
+                    scaled_block_sum(&q, &sc, codes),
+                    _mm256_slli_epi32::<2>(offset),
+                );
+                // One scale for the block's eight groups (per-superblock activations).
+                let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * act_d), _mm256_cvtepi32_ps(isum), *acc);
+            }
+        }
+        for slot in 0..N {
+            out[slot] = hsum(acc[slot]);
+        }
+    }
+
+    /// One IQ4_XS row against activation rows `first .. first + N`: `out[slot]` for each. The
+    /// values `IQ4_TABLE[nibble]` are signed (down to −127), so ggml's sign trick:
+    /// `maddubs(|w|, sign(c, w))` (pairs ≤ 2·127² < 2¹⁵) weighted by the sub-block's scale in
+    /// the widening `madd`; the block sum is exact (|lane| ≤ 8·2·32258·32 < 2²⁴) and takes
+    /// `d·d_act` in one FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4xs_rows<const N: usize>(
+        row: *const u8,
+        cols: usize,
+        act: &crate::kernels::quant::QuantizedRows,
+        first: usize,
+        out: &mut [f32; K_ACT_CHUNK],
+    ) {
+        const BLOCK_BYTES: usize = 136;
+        let groups = act.groups();
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+            ggml::IQ4_TABLE.as_ptr() as *const __m128i
+        ));
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..cols / 256 {
+            let p = row.add(b * BLOCK_BYTES);
+            crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
+            let d = f16_at(p);
+            let ls = iq4xs_scales(p);
+            // Sub-block s: the low then the high nibbles of qs[16s ..].
+            let w: [__m256i; 8] =
+                std::array::from_fn(|s| _mm256_shuffle_epi8(table, nibbles16(p.add(8 + 16 * s))));
+            let magnitude = w.map(|w| _mm256_sign_epi8(w, w));
+            let sc = ls.map(|v| _mm256_set1_epi16(v));
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                let i = first + slot;
+                let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
+                let mut isum = _mm256_setzero_si256();
+                for s in 0..8 {
+                    let c = _mm256_loadu_si256(codes.add(s * 32) as *const __m256i);
+                    let pairs = _mm256_maddubs_epi16(magnitude[s], _mm256_sign_epi8(c, w[s]));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, sc[s]));
                 }
                 // One scale for the block's eight groups (per-superblock activations).
                 let act_d = *act.scales.as_ptr().add(i * groups + b * 8);

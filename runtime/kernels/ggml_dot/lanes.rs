@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::k512::{self, WeightRows};
-use super::x86::{f16_at, k4_scales_mins};
+use super::x86::{f16_at, iq4xs_scales, k4_scales_mins, q3k_scales16};
 use crate::ggml::GgmlType;
 use crate::kernels::quant::QuantizedRows;
 
@@ -145,7 +145,7 @@ pub(super) unsafe fn decode(
         }
         Kind::Q3K => {
             *codes = k512::q3k_codes(p);
-            let scales = _mm512_cvtepi16_epi32(k512::q3k_scales16(p.add(96)));
+            let scales = _mm512_cvtepi16_epi32(q3k_scales16(p.add(96)));
             _mm512_storeu_si512(ints.scales.as_mut_ptr() as *mut _, scales);
             ints.d = f16_at(p.add(108));
         }
@@ -161,7 +161,7 @@ pub(super) unsafe fn decode(
         Kind::Iq4Xs => {
             let flip = _mm512_set1_epi8(-128);
             *codes = k512::iq4xs_values(p, table).map(|w| _mm512_xor_si512(w, flip));
-            for (s, &v) in k512::iq4xs_scales(p).iter().enumerate() {
+            for (s, &v) in iq4xs_scales(p).iter().enumerate() {
                 ints.scales[s] = i32::from(v);
             }
             ints.d = f16_at(p);
