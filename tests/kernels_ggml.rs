@@ -203,10 +203,12 @@ fn the_512_bit_k_quant_kernels_agree_with_the_avx2_ones() {
     }
 }
 
-/// Interleaved rows are the file's bytes moved: taken back they are the GGUF rows exactly, and
-/// every path that reads rows (AVX2, scalar) gives the bits it gives over the file's layout. A
-/// matrix of 45 rows leaves a part-filled last group of 8; the wrong length is refused, and so is
-/// handing the layout to what takes the stored one, or asking it of a type without it.
+/// Interleaved rows are the file's bytes moved: taken back they are the GGUF rows exactly; the
+/// path that reads rows (scalar) gives the bits it gives over the file's layout, and the AVX2
+/// path's interleaved kernel agrees with its kernel over the file's rows to float rounding (both
+/// sum the same integers per block). A matrix of 45 rows leaves a part-filled last group of 8;
+/// the wrong length is refused, and so is handing the layout to what takes the stored one, or
+/// asking it of a type without it.
 #[test]
 fn interleaved_rows_are_the_file_rows_moved() {
     let mut rng = Rng(0x1a7e);
@@ -239,14 +241,19 @@ fn interleaved_rows_are_the_file_rows_moved() {
                 let (mut file, mut moved) = (vec![0f32; m * n], vec![0f32; m * n]);
                 exec.gemm(&w, &x, m, &mut file).expect("gemm");
                 exec.gemm(&wi, &x, m, &mut moved).expect("gemm");
-                let same = file
-                    .iter()
-                    .zip(&moved)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "{ty:?} {name} m={m}: interleaved rows give other bits"
-                );
+                if *name == "scalar" {
+                    let same = file
+                        .iter()
+                        .zip(&moved)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{ty:?} {name} m={m}: interleaved rows give other bits"
+                    );
+                } else {
+                    let e = rel_err(&moved, &file);
+                    assert!(e < 1e-5, "{ty:?} {name} m={m}: relative difference {e}");
+                }
             }
         }
         assert!(WeightMatrix::interleaved_rows(format, n, k, &packed[1..]).is_err());

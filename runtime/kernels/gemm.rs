@@ -439,10 +439,10 @@ impl HostExecutor {
     }
 
     /// Whether this executor runs `format` from interleaved rows (`host_layout`,
-    /// [`Packing::InterleavedRows`]): IQ4_NL, Q5_0 and Q5_1 on the AVX-512 VNNI path. The loader
-    /// lays such matrices out so; every path runs either layout.
+    /// [`Packing::InterleavedRows`]): IQ4_NL, Q5_0 and Q5_1 on the AVX2 and AVX-512 VNNI paths.
+    /// The loader lays such matrices out so; every path runs either layout.
     pub fn interleaves_rows(&self, format: WeightFormat) -> bool {
-        self.uses_vnni() && host_layout::interleaved_block_bytes(format).is_some()
+        self.int_dot().is_some() && host_layout::interleaved_block_bytes(format).is_some()
     }
 
     /// Which kernel this executor runs a matrix of `format` with on this CPU, in words (`xdna
@@ -478,22 +478,32 @@ impl HostExecutor {
                 match format {
                     _ if self.interleaves_rows(format) => format!(
                         "{} rows interleaved 8 at a time at load, dotted on q8 activations \
-                         (AVX-512 VNNI)",
+                         ({int_dot})",
                         format.name()
                     ),
-                    WeightFormat::Ggml(GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
-                        if self.uses_avx2() =>
-                    {
+                    WeightFormat::Ggml(
+                        GgmlType::Q4_K
+                        | GgmlType::Q5_K
+                        | GgmlType::Q6_K
+                        | GgmlType::Q2_K
+                        | GgmlType::Q3_K
+                        | GgmlType::IQ4_XS,
+                    ) if self.uses_avx2() => {
                         format!(
                             "{} blocks dotted in place on q8_K activations ({int_dot})",
                             format.name()
                         )
                     }
-                    WeightFormat::Ggml(GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_XS)
-                        if vnni =>
-                    {
+                    WeightFormat::Ggml(
+                        GgmlType::Q4_0
+                        | GgmlType::Q4_1
+                        | GgmlType::Q5_0
+                        | GgmlType::Q5_1
+                        | GgmlType::Q8_0
+                        | GgmlType::IQ4_NL,
+                    ) if self.uses_avx2() && !vnni => {
                         format!(
-                            "{} blocks dotted in place on q8_K activations (AVX-512 VNNI)",
+                            "{} blocks dotted in place on q8 activations (AVX2)",
                             format.name()
                         )
                     }

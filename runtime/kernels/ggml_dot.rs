@@ -212,23 +212,31 @@ pub fn interleaved_block(
 ) {
     let format = crate::tiles::WeightFormat::Ggml(ty);
     #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx512Vnni
+    if path != Path::Scalar
         && act.scale == ActivationScale::PerGroup
         && n0.is_multiple_of(super::host_layout::INTERLEAVED_ROWS)
     {
-        // Each arm's kernel needs what holds here: `Path::Avx512Vnni` is only chosen when AVX2,
-        // FMA, F16C and AVX-512 F/BW/VL/VNNI are available (`avx2::vnni_available`); `data` is
-        // the whole interleaved matrix of `ty` (its length validated against rows and cols), so
-        // it holds the groups of rows n0 .. n0 + out_rows; `act` holds `cols` codes per
-        // group-scaled row of `act_rows`, `out` `stride` per row.
+        // Each arm's kernel needs what holds here: `Path::Avx2` is only chosen when AVX2, FMA
+        // and F16C are available (`gemm`), `Path::Avx512Vnni` when AVX-512 F/BW/VL/VNNI are
+        // too (`avx2::vnni_available`); `data` is the whole interleaved matrix of `ty` (its
+        // length validated against rows and cols), so it holds the groups of rows n0 .. n0 +
+        // out_rows; `act` holds `cols` codes per group-scaled row of `act_rows`, `out` `stride`
+        // per row.
         macro_rules! interleaved {
-            ($kind:ident) => {
+            ($kernel:ident, $kind:ident) => {
                 // SAFETY: as above.
                 unsafe {
-                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::small_rows
+                    by_act_chunks!(act_rows, out, stride, |first, out| interleaved::$kernel
                         [{ interleaved::$kind }](
                         data, cols, n0, out_rows, act, first, out, stride
                     ))
+                }
+            };
+            ($kind:ident) => {
+                if path == Path::Avx512Vnni {
+                    interleaved!(small_rows, $kind)
+                } else {
+                    interleaved!(avx2_rows, $kind)
                 }
             };
         }
@@ -1453,6 +1461,31 @@ mod x86 {
         };
     }
 
+    /// Runs `$body` with `$row` bound to each weight row of `$rows` (a [`WeightRows`]) and
+    /// `$first`, `$n` to each chunk of up to [`K_ACT_CHUNK`] activation rows of `$act_rows`,
+    /// `$sums` to the chunk's outputs, and stores `$sums[..n]` at `$out[slot · $stride + r]`.
+    /// Activation chunks outside, weight rows inside: a chunk's codes stay in L1 across the
+    /// weight rows (taken the other way round, every weight row streamed all the activation rows
+    /// from L2, one byte per multiply-add, and L2 was the bound). A macro, so that the kernels
+    /// `$body` calls inline into the caller's loop.
+    macro_rules! each_row_chunk {
+        ($rows:expr, $act_rows:expr, $out:expr, $stride:expr,
+         |$row:ident, $first:ident, $n:ident, $sums:ident| $body:block) => {{
+            let (rows, act_rows) = ($rows, $act_rows);
+            for $first in act_rows.clone().step_by(K_ACT_CHUNK) {
+                let $n = (act_rows.end - $first).min(K_ACT_CHUNK);
+                for r in 0..rows.count {
+                    let mut sums = [0f32; K_ACT_CHUNK];
+                    let ($row, $sums) = (rows.row(r), &mut sums);
+                    $body
+                    for (slot, sum) in sums.iter().take($n).enumerate() {
+                        $out[($first + slot - act_rows.start) * $stride + r] = *sum;
+                    }
+                }
+            }
+        }};
+    }
+
     /// Activation rows whose accumulators one pass over a weight row's blocks keeps.
     const K_ACT_CHUNK: usize = 8;
 
@@ -1543,7 +1576,7 @@ mod x86 {
             return;
         }
         let rows = WeightRows::new(data, row_bytes, n0, out_rows);
-        each_row_chunk(rows, act_rows, out, stride, |row, first, n, sums| {
+        each_row_chunk!(rows, act_rows, out, stride, |row, first, n, sums| {
             macro_rules! rows {
                 ($n:literal) => {
                     // SAFETY: as `k_block`'s contract: `row` holds `cols / 256` blocks of
@@ -1562,34 +1595,6 @@ mod x86 {
             }
             by_row_count!(n, rows)
         });
-    }
-
-    /// Runs `one_row(row, first, n, sums)` for every weight row of `rows` and every chunk of
-    /// up to [`K_ACT_CHUNK`] activation rows of `act_rows` (`first` the chunk's first, `n` its
-    /// count), and stores the chunk's `sums[..n]` at `out[slot · stride + r]`. Activation chunks
-    /// outside, weight rows inside: a chunk's codes stay in L1 across the weight rows (taken
-    /// the other way round, every weight row streamed all the activation rows from L2, one byte
-    /// per multiply-add, and L2 was the bound).
-    ///
-    /// # Safety
-    /// `rows` are readable; `out` holds `(act_rows.len() − 1) · stride + rows.count` floats.
-    unsafe fn each_row_chunk(
-        rows: WeightRows,
-        act_rows: std::ops::Range<usize>,
-        out: &mut [f32],
-        stride: usize,
-        one_row: impl Fn(*const u8, usize, usize, &mut [f32; K_ACT_CHUNK]),
-    ) {
-        for first in act_rows.clone().step_by(K_ACT_CHUNK) {
-            let n = (act_rows.end - first).min(K_ACT_CHUNK);
-            for r in 0..rows.count {
-                let mut sums = [0f32; K_ACT_CHUNK];
-                one_row(rows.row(r), first, n, &mut sums);
-                for (slot, sum) in sums.iter().take(n).enumerate() {
-                    out[(first + slot - act_rows.start) * stride + r] = *sum;
-                }
-            }
-        }
     }
 
     /// Which 32-value block type [`block32`] reads.
@@ -1655,7 +1660,7 @@ mod x86 {
         stride: usize,
     ) {
         let rows = WeightRows::new(data, row_bytes, n0, out_rows);
-        each_row_chunk(rows, act_rows, out, stride, |row, first, n, sums| {
+        each_row_chunk!(rows, act_rows, out, stride, |row, first, n, sums| {
             macro_rules! rows {
                 ($n:literal) => {
                     // SAFETY: as `block32`'s contract: `row` holds `cols / 32` blocks of

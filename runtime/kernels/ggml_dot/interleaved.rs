@@ -151,3 +151,156 @@ pub unsafe fn small_rows<const N: usize, const KIND: u8>(
         }
     }
 }
+
+/// [`small_rows`] on AVX2: each 64-bit lane of a 256-bit register holds eight code bytes of one
+/// weight row, so a block column of 8 rows is two registers per eight values (rows 0-3, rows
+/// 4-7), each taken against the eight activation codes broadcast to every lane. Q5_0 and Q5_1
+/// take their unsigned 5-bit codes `u` in `maddubs(u, c)` (pairs ≤ 2·31·127) and sum the
+/// block's four runs of eight values in i16 (≤ 4·7874) before one `madd` widens them; each row's
+/// two i32 lanes start at `−(bias / 2)·Σc` (Q5_0's bias 16, Q5_1's 0) as in [`small_rows`].
+/// IQ4_NL's table values are signed (to −127), so ggml's sign trick `maddubs(|w|, sign(c, w))`
+/// per run, each widened by its own `madd`. Per block: the lanes converted to f32 and one FMA
+/// with `d·d_act` (each row's `d` in its two lanes); Q5_1 adds `m·d_act·Σc` (the activations'
+/// `sums`) in a second FMA on one lane per row. A row's result is its pair of lanes summed at
+/// the end, and every activation row runs the same operations whatever the other rows of the
+/// call: batched rows keep single rows' bits.
+///
+/// # Safety
+/// AVX2, FMA and F16C; otherwise as [`small_rows`].
+#[allow(clippy::too_many_arguments)] // one work item's context, as `ggml_dot::block`
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn avx2_rows<const N: usize, const KIND: u8>(
+    data: &[u8],
+    cols: usize,
+    n0: usize,
+    out_rows: usize,
+    act: &QuantizedRows,
+    first: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let at = const { column(KIND) };
+    let blocks = cols / 32;
+    let groups = act.groups();
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i));
+    let low_nibbles = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    // −bias·Σc over a row's two lanes: −(bias / 2)·Σc in each.
+    let half_bias = if KIND == Q5_0 { 8 } else { 0 };
+    // Rows 0-3 (and 4-7) of eight per-row floats, each into its two lanes.
+    let pair_lanes = [
+        _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3),
+        _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7),
+    ];
+    // Byte j of a half's fifth-bit word: byte j / 8 of it, then bit j % 8.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let sixteen = _mm256_set1_epi8(16);
+    let rows8 = |p: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+    for g in 0..out_rows.div_ceil(INTERLEAVED_ROWS) {
+        let group = data
+            .as_ptr()
+            .add((n0 / INTERLEAVED_ROWS + g) * blocks * at.bytes);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let p = group.add(b * at.bytes);
+            crate::kernels::avx2::prefetch_ahead(p, at.bytes);
+            // codes[e][h]: values 8e .. 8e + 8 of rows 4h .. 4h + 4 (w0: bytes 0-63, w1: 64-127;
+            // low nibbles values 0-7 / 8-15, high nibbles 16-23 / 24-31).
+            let mut codes = [[_mm256_setzero_si256(); 2]; 4];
+            for (h, half) in [0usize, 32].into_iter().enumerate() {
+                let w0 = _mm256_loadu_si256(p.add(at.nibbles + half) as *const __m256i);
+                let w1 = _mm256_loadu_si256(p.add(at.nibbles + 64 + half) as *const __m256i);
+                codes[0][h] = _mm256_and_si256(w0, low_nibbles);
+                codes[1][h] = _mm256_and_si256(w1, low_nibbles);
+                codes[2][h] = _mm256_and_si256(_mm256_srli_epi16::<4>(w0), low_nibbles);
+                codes[3][h] = _mm256_and_si256(_mm256_srli_epi16::<4>(w1), low_nibbles);
+            }
+            if KIND == IQ4_NL {
+                for u in codes.iter_mut().flatten() {
+                    *u = _mm256_shuffle_epi8(table, *u);
+                }
+            } else {
+                for (e, run) in codes.iter_mut().enumerate() {
+                    for (h, u) in run.iter_mut().enumerate() {
+                        // Bit 8r + k of the run's word: the fifth bit of value 8e + k of row r.
+                        let word = (p.add(at.fifth + 8 * e + 4 * h) as *const u32).read_unaligned();
+                        let bits = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), spread);
+                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, select), select);
+                        *u = _mm256_or_si256(*u, _mm256_and_si256(set, sixteen));
+                    }
+                }
+            }
+            let magnitude = if KIND == IQ4_NL {
+                codes.map(|run| run.map(|w| _mm256_sign_epi8(w, w)))
+            } else {
+                codes
+            };
+            let d8 = rows8(p);
+            let d = pair_lanes.map(|lanes| _mm256_permutevar8x32_ps(d8, lanes));
+            // Q5_1: each row's m in its first lane only.
+            let m = if KIND == Q5_1 {
+                let m8 = rows8(p.add(at.m));
+                pair_lanes.map(|lanes| {
+                    _mm256_blend_ps::<0b1010_1010>(
+                        _mm256_permutevar8x32_ps(m8, lanes),
+                        _mm256_setzero_ps(),
+                    )
+                })
+            } else {
+                [_mm256_setzero_ps(); 2]
+            };
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                let i = first + slot;
+                let x = act.codes.as_ptr().add(i * act.cols + 32 * b) as *const i64;
+                let xs: [__m256i; 4] =
+                    std::array::from_fn(|e| _mm256_set1_epi64x(x.add(e).read_unaligned()));
+                let at = i * groups + b;
+                let start = _mm256_set1_epi32(-half_bias * *act.code_sums.get_unchecked(at));
+                let act_d = _mm256_set1_ps(*act.scales.get_unchecked(at));
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let isum = if KIND == IQ4_NL {
+                        let mut isum = start;
+                        for e in 0..4 {
+                            let signed = _mm256_sign_epi8(xs[e], codes[e][h]);
+                            let pairs = _mm256_maddubs_epi16(magnitude[e][h], signed);
+                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+                        }
+                        isum
+                    } else {
+                        let mut pairs = _mm256_maddubs_epi16(codes[0][h], xs[0]);
+                        for e in 1..4 {
+                            pairs =
+                                _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[e][h], xs[e]));
+                        }
+                        _mm256_add_epi32(start, _mm256_madd_epi16(pairs, ones))
+                    };
+                    let scale = _mm256_mul_ps(d[h], act_d);
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
+                    if KIND == Q5_1 {
+                        *acc = _mm256_fmadd_ps(
+                            m[h],
+                            _mm256_set1_ps(*act.sums.get_unchecked(at)),
+                            *acc,
+                        );
+                    }
+                }
+            }
+        }
+        let r0 = g * INTERLEAVED_ROWS;
+        let live = (out_rows - r0).min(INTERLEAVED_ROWS);
+        for (slot, acc) in acc.iter().enumerate() {
+            // Lanes (2j, 2j + 1) of each half summed: rows 0, 1, 4, 5 | 2, 3, 6, 7, then in order.
+            let sums = _mm256_hadd_ps(acc[0], acc[1]);
+            let rows = _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(
+                sums,
+            )));
+            let mut all = [0f32; INTERLEAVED_ROWS];
+            _mm256_storeu_ps(all.as_mut_ptr(), rows);
+            out[slot * stride + r0..slot * stride + r0 + live].copy_from_slice(&all[..live]);
+        }
+    }
+}
