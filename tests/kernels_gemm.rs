@@ -264,18 +264,26 @@ fn plain_formats_match_reference() {
     }
 }
 
-/// On AVX-512 CPUs plain rows run in 4 × 3 register tiles (`avx512::plain_rows`); every output
-/// has the bits of the AVX2 row dot (`avx2::plain_dot`), in a batch or alone, whatever the
-/// length's remainder after 16 and 8 elements. Bf16 rows on `vdpbf16ps` (`avx512::bf16_rows`,
-/// activations rounded to bf16) keep the bits of the same row alone.
+/// From 4 activation rows plain rows run in register tiles: 2 × 3 on AVX2 (`avx2::plain_rows`),
+/// 4 × 3 on AVX-512 (`avx512::plain_rows`); every output has the bits of the AVX2 row dot
+/// (`avx2::plain_dot`, which a single row runs), in a batch or alone, whatever the length's
+/// remainder after 16 and 8 elements, and the two tile kernels give the same bits. Bf16 rows on
+/// `vdpbf16ps` (`avx512::bf16_rows`, activations rounded to bf16) keep the bits of the same row
+/// alone.
 #[test]
 fn plain_register_tiles_give_the_row_dot_bits() {
-    let wide = HostExecutor::new();
-    if !wide.uses_vnni() {
-        eprintln!("no AVX-512 VNNI on this CPU: plain rows run the AVX2 row dot only");
+    let narrow = HostExecutor::without_vnni();
+    if !narrow.uses_avx2() {
+        eprintln!("no AVX2 on this CPU: plain rows run the portable dot only");
         return;
     }
-    let narrow = HostExecutor::without_vnni();
+    let wide = HostExecutor::new();
+    let mut executors = vec![("AVX2", &narrow)];
+    if wide.uses_vnni() {
+        executors.push(("AVX-512", &wide));
+    } else {
+        eprintln!("no AVX-512 VNNI on this CPU: only the AVX2 tiles run here");
+    }
     let mut rng = Rng(0x9a17);
     for format in [WeightFormat::Bf16, WeightFormat::F16, WeightFormat::F32] {
         for (n, k) in [(37, 576), (9, 1000), (6, 1003), (5, 13), (3, 5)] {
@@ -284,34 +292,39 @@ fn plain_register_tiles_give_the_row_dot_bits() {
             let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
             for m in [1usize, 3, 4, 5, 9, 16] {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
-                let (mut tiles, mut rows) = (vec![0f32; m * n], vec![0f32; m * n]);
-                wide.gemm(&w, &x, m, &mut tiles).expect("gemm");
-                narrow.gemm(&w, &x, m, &mut rows).expect("gemm");
-                // Bf16 on `vdpbf16ps` rounds its activations, which the AVX2 row dot does not:
+                let mut batched = Vec::new();
+                for (name, exec) in &executors {
+                    let mut tiles = vec![0f32; m * n];
+                    exec.gemm(&w, &x, m, &mut tiles).expect("gemm");
+                    for i in 0..m {
+                        let mut one = vec![0f32; n];
+                        exec.gemm(&w, &x[i * k..(i + 1) * k], 1, &mut one)
+                            .expect("gemm");
+                        let same = one
+                            .iter()
+                            .zip(&tiles[i * n..(i + 1) * n])
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{} {name} {n}x{k} m={m}: row {i} differs alone",
+                            format.name()
+                        );
+                    }
+                    batched.push(tiles);
+                }
+                // Bf16 on `vdpbf16ps` rounds its activations, which the AVX2 kernels do not:
                 // only batched against single rows holds bits there.
                 let rounded = format == WeightFormat::Bf16 && wide.rounds_bf16_activations();
-                let differ = tiles
-                    .iter()
-                    .zip(&rows)
-                    .filter(|(a, b)| !rounded && a.to_bits() != b.to_bits())
-                    .count();
-                assert_eq!(
-                    differ,
-                    0,
-                    "{} {n}x{k} m={m}: {differ} outputs differ",
-                    format.name()
-                );
-                for i in 0..m {
-                    let mut one = vec![0f32; n];
-                    wide.gemm(&w, &x[i * k..(i + 1) * k], 1, &mut one)
-                        .expect("gemm");
-                    let same = one
+                if let [rows, tiles] = &batched[..] {
+                    let differ = tiles
                         .iter()
-                        .zip(&tiles[i * n..(i + 1) * n])
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        same,
-                        "{} {n}x{k} m={m}: row {i} differs alone",
+                        .zip(rows)
+                        .filter(|(a, b)| !rounded && a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ,
+                        0,
+                        "{} {n}x{k} m={m}: {differ} outputs differ",
                         format.name()
                     );
                 }

@@ -1580,6 +1580,133 @@ mod imp {
         )
     }
 
+    /// Weight rows of one register tile of [`plain_rows`].
+    const PLAIN_TILE_ROWS: usize = 2;
+    /// Most activation rows of one register tile of [`plain_rows`].
+    const PLAIN_TILE_ACTS: usize = 3;
+
+    /// Plain (f32 / f16 / bf16) weight rows `0 .. rows` of `w` (`k` elements each) against f32
+    /// activation rows `act_rows` of `x` (`k` each): `out[slot · stride + r]`, the same bits as
+    /// [`plain_dot`] for every pair. Tiles of 2 weight rows × 3 activation rows keep each
+    /// pair's two 8-lane sums in registers (12 accumulators, 2 weight vectors, the activations
+    /// read as memory operands: the 16 registers), so each 16 weights are converted once for 3
+    /// activation rows and each 16 activations loaded once for 2 weight rows. Every pair's sums
+    /// see `plain_dot`'s operations in its order: elements `16i .. 16i + 8` into the first,
+    /// `16i + 8 .. 16i + 16` into the second, a trailing 8 into the first, then the same
+    /// `hsum_float_8` of their sum and [`plain_tail`].
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; `w` holds `rows` rows of `k` elements of `kind`; `x` holds `k` floats
+    /// for every row of `act_rows`; `out` holds `(act_rows.len() - 1) · stride + rows` floats.
+    #[allow(clippy::too_many_arguments)] // one work item's context
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn plain_rows(
+        kind: PlainKind,
+        w: &[u8],
+        rows: usize,
+        k: usize,
+        x: &[f32],
+        act_rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let row_bytes = k * kind.bytes();
+        for a0 in act_rows.clone().step_by(PLAIN_TILE_ACTS) {
+            let acts = (act_rows.end - a0).min(PLAIN_TILE_ACTS);
+            for r0 in (0..rows).step_by(PLAIN_TILE_ROWS) {
+                let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
+                let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
+                macro_rules! tile {
+                    ($w:literal, $kind:expr) => {
+                        match acts {
+                            1 => plain_tile::<$w, 1, { $kind }>(wp, row_bytes, xp, k),
+                            2 => plain_tile::<$w, 2, { $kind }>(wp, row_bytes, xp, k),
+                            _ => plain_tile::<$w, 3, { $kind }>(wp, row_bytes, xp, k),
+                        }
+                    };
+                    ($w:literal) => {
+                        match kind {
+                            PlainKind::F16 => tile!($w, PLAIN_F16),
+                            PlainKind::Bf16 => tile!($w, PLAIN_BF16),
+                            PlainKind::F32 => tile!($w, PLAIN_F32),
+                        }
+                    };
+                }
+                let sums = if wrows == 2 { tile!(2) } else { tile!(1) };
+                for (a, sums) in sums.iter().enumerate().take(acts) {
+                    let xrow = &x[(a0 + a) * k..(a0 + a + 1) * k];
+                    let row = &mut out[(a0 + a - act_rows.start) * stride + r0..][..wrows];
+                    for (r, (out, &sum)) in row.iter_mut().zip(sums).enumerate() {
+                        let wrow = &w[(r0 + r) * row_bytes..(r0 + r + 1) * row_bytes];
+                        *out = plain_tail(kind, wrow, xrow, k / 8 * 8, k, sum);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`PlainKind::F16`] as [`plain_tile`]'s const-generic argument.
+    const PLAIN_F16: u8 = 0;
+    /// [`PlainKind::Bf16`] as [`plain_tile`]'s const-generic argument.
+    const PLAIN_BF16: u8 = 1;
+    /// [`PlainKind::F32`] as [`plain_tile`]'s const-generic argument.
+    const PLAIN_F32: u8 = 2;
+
+    /// One register tile of [`plain_rows`]: `W` weight rows from `w` (rows `row_bytes` apart)
+    /// against `A` activation rows from `x` (rows `k` apart), elements `0 .. k / 8 · 8`;
+    /// `[a][r]` is the vector part of pair (a, r) as [`plain_dot`] sums it, before its tail.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn plain_tile<const W: usize, const A: usize, const KIND: u8>(
+        w: *const u8,
+        row_bytes: usize,
+        x: *const f32,
+        k: usize,
+    ) -> [[f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS] {
+        let elem = if KIND == PLAIN_F32 { 4 } else { 2 };
+        let load = |r: usize, c: usize| {
+            let p = w.add(r * row_bytes + c * elem);
+            match KIND {
+                PLAIN_F16 => f16x8(p),
+                PLAIN_BF16 => bf16x8(p),
+                _ => _mm256_loadu_ps(p as *const f32),
+            }
+        };
+        let mut acc = [[[_mm256_setzero_ps(); 2]; W]; A];
+        let mut c = 0;
+        while c + 16 <= k {
+            for r in 0..W {
+                prefetch_ahead(w.add(r * row_bytes + c * elem), 16 * elem);
+            }
+            for half in 0..2 {
+                let wv: [__m256; W] = std::array::from_fn(|r| load(r, c + 8 * half));
+                for (a, acc) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(x.add(a * k + c + 8 * half));
+                    for r in 0..W {
+                        acc[r][half] = _mm256_fmadd_ps(wv[r], xv, acc[r][half]);
+                    }
+                }
+            }
+            c += 16;
+        }
+        if c + 8 <= k {
+            let wv: [__m256; W] = std::array::from_fn(|r| load(r, c));
+            for (a, acc) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(a * k + c));
+                for r in 0..W {
+                    acc[r][0] = _mm256_fmadd_ps(wv[r], xv, acc[r][0]);
+                }
+            }
+        }
+        let mut sums = [[0f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
+        for a in 0..A {
+            for r in 0..W {
+                sums[a][r] = hsum_float_8(_mm256_add_ps(acc[a][r][0], acc[a][r][1]));
+            }
+        }
+        sums
+    }
+
     /// `sum` plus the products of elements `c .. k` (fewer than 8) of a plain row, one at a time:
     /// the end of [`plain_dot`] and of the AVX-512 tiles that give its bits.
     pub(in crate::kernels) fn plain_tail(

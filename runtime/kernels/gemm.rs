@@ -1032,6 +1032,17 @@ fn compute_block(
         unsafe { super::avx512::plain_rows(kind, data, rows_here, k, x, rows, out, TILE_ROWS) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(_), FastKernel::Plain(kind), true) =
+        (fast, kernel, rows.len() >= PLAIN_TILE_MIN_ROWS)
+    {
+        let data = &w.data[n0 * k * elem..(n0 + rows_here) * k * elem];
+        // SAFETY: `fast` means the CPU has AVX2, FMA and F16C; `data` holds rows_here rows of k
+        // elements, `x` k floats per activation row (rows ⊂ 0..m), and `out` TILE_ROWS floats
+        // per row of `rows`.
+        unsafe { avx2::plain_rows(kind, data, rows_here, k, x, rows, out, TILE_ROWS) };
+        return;
+    }
     for r in 0..rows_here {
         let wrow = &w.data[(n0 + r) * k * elem..(n0 + r + 1) * k * elem];
         for (slot, i) in rows.clone().enumerate() {
