@@ -480,11 +480,13 @@ fn drafts_equal_llama_cpps_on_its_own_rounds() {
 /// previous pick. llama.cpp logs no margins for them: xdna's tell near-ties, the selector's score
 /// margin or the gap at the edge of the top-k candidate set, whichever is smaller (a token just
 /// outside the set in one runtime and inside in the other can win by its pairwise term; with
-/// random weights the top logits are dense, so this gap is often small).
+/// random weights the top logits are dense, so this gap is often small). Decided drafts are
+/// those past 0.4 nat: llama.cpp's AVX2 build (Zen 3) picked otherwise than xdna at margins of
+/// 0.31 and 0.33 nat, where its AVX-512 build agreed.
 #[test]
 fn generation_2_drafts_equal_llama_cpps_on_its_own_rounds() {
     let Some((compared, equal, decided, decided_equal)) =
-        llama_cpp_comparison(&["--dflash-generation", "2"], 0.3)
+        llama_cpp_comparison(&["--dflash-generation", "2"], 0.4)
     else {
         return;
     };
@@ -492,6 +494,7 @@ fn generation_2_drafts_equal_llama_cpps_on_its_own_rounds() {
         equal * 100 >= compared * 90,
         "only {equal} of {compared} drafts equal"
     );
+    assert!(decided >= 10, "only {decided} decided drafts to compare");
     assert_eq!(decided_equal, decided);
 }
 

@@ -15,22 +15,29 @@
 //! reference ([`unpack_row_reference`], [`dot_reference`]). The unpacked codes are the same bytes
 //! either way; the dots differ only in float summation order.
 //!
-//! Q4_K, Q5_K and Q6_K on the AVX2 path skip the scratch row: their codes are unsigned once
-//! split from the block (Q6_K's centre of 32 is subtracted as `maddubs(32, c)`), so
-//! `maddubs(u, c)` takes them straight from the block's bytes; their activations have one scale
-//! per 256-value block (ggml's `q8_K`, `quant::ActivationScale::PerSuperblock`), so the `madd`
-//! that widens the pair sums also applies the sub-block scales and a block sums in integers, with
-//! one float multiply-add per block (`x86::k_block`). CPUs with AVX-512 VNNI take 512-bit
-//! kernels for the 256-value super-blocks (`k512`, two groups per register), and from 16
-//! activation rows run them with weight rows across the lanes of a register, one `vpdpbusd` per
-//! four values of 16 rows (`lanes`): decode is 2.5–3.3× that of unpack-then-dot on Zen 3 and Zen
-//! 4, and the lanes take prefill 1.4–2.1× (docs/performance.md). On CPUs with AMX-INT8 those
-//! calls run as tile products instead (`amx_rows`), with the same exact block sums and so the
-//! same bits. IQ4_NL, Q5_0 and Q5_1 rows are
-//! interleaved eight at a time at load on those CPUs (`kernels::host_layout`) and run
-//! `interleaved`'s kernels: one `vpdpbusd` per four values of eight weight rows against broadcast
-//! activations, no horizontal sums ([`interleaved_block`]); in the file's layout (a matrix built
-//! by hand) they are unpacked to i8 and dotted by `vnni`.
+//! The vector paths skip the scratch row for every type whose activations they can take whole:
+//! - The super-block types (Q2_K … Q6_K, IQ4_XS) against activations with one scale per 256
+//!   values (ggml's `q8_K`, `quant::ActivationScale::PerSuperblock`): per 32-value group
+//!   `maddubs(u, c)` on codes split straight from the block's bytes (unsigned; Q3_K's offset
+//!   by 4, Q6_K's centre of 32 and Q2_K's minimums taken off per block through the activations'
+//!   code sums per 16; IQ4_XS's signed table values through ggml's sign trick), weighted by the
+//!   sub-block scales in the `madd` that widens the pair sums, so a block sums in integers and
+//!   takes the shared scales in one float multiply-add (`x86::k_block`). CPUs with AVX-512 VNNI
+//!   take 512-bit kernels for them (`k512`, two groups per register), from 16 activation rows
+//!   with weight rows across the lanes of a register, one `vpdpbusd` per four values of 16 rows
+//!   (`lanes`), and on CPUs with AMX-INT8 as tile products (`amx_rows`), with the same exact
+//!   block sums and so the same bits.
+//! - The 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) against activations per 32
+//!   values: each block's codes split once for up to eight activation rows, one `maddubs`, a
+//!   widening `madd` and one FMA with `d·d_act` per group and row (`x86::block32`). IQ4_NL,
+//!   Q5_0 and Q5_1 rows are interleaved eight at a time at load on every vector path
+//!   (`kernels::host_layout`) and run `interleaved`'s kernels instead: four values of eight
+//!   weight rows per instruction against broadcast activations, no horizontal sums
+//!   ([`interleaved_block`]); on AVX-512 VNNI CPUs the file's layout (a matrix built by hand) is
+//!   unpacked to i8 and dotted by `vnni`.
+//!
+//! What each gave against unpack-then-dot is measured in docs/performance.md ("GGUF block
+//! types").
 
 // Unsafe is needed for the AVX2 intrinsics.
 #![allow(unsafe_code)]

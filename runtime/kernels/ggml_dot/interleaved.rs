@@ -1,5 +1,6 @@
 //! IQ4_NL, Q5_0 and Q5_1 rows interleaved eight at a time (`host_layout`,
-//! `Packing::InterleavedRows`) on CPUs with AVX-512 VNNI: each 64-bit lane of a register holds
+//! `Packing::InterleavedRows`), as AVX-512 VNNI ([`small_rows`]) and AVX2 ([`avx2_rows`])
+//! kernels. In the VNNI kernel each 64-bit lane of a register holds
 //! eight code bytes of one weight row, so one `vpdpbusd` against eight activation codes broadcast
 //! to every lane adds four products into each of two i32 lanes per weight row, and no horizontal
 //! sum is needed until a row's end.
