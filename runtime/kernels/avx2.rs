@@ -1593,7 +1593,7 @@ mod imp {
     /// activation rows and each 16 activations loaded once for 2 weight rows. Every pair's sums
     /// see `plain_dot`'s operations in its order: elements `16i .. 16i + 8` into the first,
     /// `16i + 8 .. 16i + 16` into the second, a trailing 8 into the first, then the same
-    /// `hsum_float_8` of their sum and [`plain_tail`].
+    /// `hsum_float_8` of their sum and `plain_tail`.
     ///
     /// # Safety
     /// AVX2, FMA and F16C; `w` holds `rows` rows of `k` elements of `kind`; `x` holds `k` floats

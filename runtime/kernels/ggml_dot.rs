@@ -1919,21 +1919,28 @@ mod x86 {
     unsafe fn sub16_group_scales(scales: __m256i) -> [__m256i; 8] {
         // Byte masks that spread i16 lane 2k (into the low 128 bits) and 2k + 1 (into the high)
         // of a vector holding the same eight i16 scales in each half.
-        let spread = |k: i8| {
-            let (a, b) = (4 * k, 4 * k + 2);
-            let (lo, hi) = (
-                i16::from_le_bytes([a as u8, a as u8 + 1]),
-                i16::from_le_bytes([b as u8, b as u8 + 1]),
-            );
-            _mm256_setr_epi16(
-                lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi,
-            )
+        const SPREADS: [[u8; 32]; 4] = {
+            let mut masks = [[0u8; 32]; 4];
+            let mut k = 0;
+            while k < 4 {
+                let mut j = 0;
+                while j < 32 {
+                    let lane = if j < 16 { 2 * k } else { 2 * k + 1 };
+                    masks[k][j] = (2 * lane + j % 2) as u8;
+                    j += 1;
+                }
+                k += 1;
+            }
+            masks
         };
         let halves = [
             _mm256_permute2x128_si256(scales, scales, 0x00),
             _mm256_permute2x128_si256(scales, scales, 0x11),
         ];
-        std::array::from_fn(|g| _mm256_shuffle_epi8(halves[g / 4], spread((g % 4) as i8)))
+        std::array::from_fn(|g| {
+            let spread = _mm256_loadu_si256(SPREADS[g % 4].as_ptr() as *const __m256i);
+            _mm256_shuffle_epi8(halves[g / 4], spread)
+        })
     }
 
     /// `Σ_g madd(maddubs(q[g], c_g), sc[g])` over a block's eight 32-value groups, `c_g` the
