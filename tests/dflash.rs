@@ -347,18 +347,23 @@ fn llama_rounds(json: &serde_json::Value) -> Vec<LlamaRound> {
         .collect()
 }
 
+/// xdna's walk over one of llama.cpp's rounds.
+struct RoundWalk {
+    /// Each draft given llama.cpp's previous pick, and its margin (`block_drafts_given`).
+    given: Vec<u32>,
+    margins: Vec<f32>,
+    /// The walk on its own, each pick after its own previous one.
+    walk: Vec<u32>,
+}
+
 /// xdna's drafts for llama.cpp's rounds: the same prompt, each round's pending token and the
 /// target rows llama.cpp committed, through the target's tapped passes and the DFlash drafter.
-/// Returns (drafts compared where llama.cpp's top-2 margin exceeds `min_margin`, equal ones,
-/// rounds).
-fn compare_with_llama_rounds(
+fn walk_llama_rounds(
     target: &mut Model,
     draft: Arc<DflashWeights>,
     prompt: &[u32],
     rounds: &[LlamaRound],
-    min_margin: f64,
-    check_prefix: bool,
-) -> (usize, usize) {
+) -> Vec<RoundWalk> {
     use xdna::spec::{AcceptanceRule, DraftProposal, Drafter, TapRows, VerifyTarget};
     target.reset();
     let mut drafter =
@@ -376,8 +381,8 @@ fn compare_with_llama_rounds(
     })
     .expect("prefill");
     assert!(failure.is_none(), "{failure:?}");
-    let (mut compared, mut equal) = (0, 0);
     let mut proposal = DraftProposal::new();
+    let mut walks = Vec::with_capacity(rounds.len());
     for (r, round) in rounds.iter().enumerate() {
         assert_eq!(
             round.pos0,
@@ -412,33 +417,76 @@ fn compare_with_llama_rounds(
                 "round {r}: generation 1 walks alike"
             );
         }
-        // The walk on its own (each pick after its own previous one) equals llama.cpp's up to
-        // the first draft within `min_margin` of a tie (when that margin is one no decided
-        // draft differs at).
-        let settled = (0..given.len())
-            .position(|i| {
-                round
-                    .top2_margin
-                    .get(i)
-                    .copied()
-                    .unwrap_or(f64::from(margins[i]))
-                    <= min_margin
-            })
-            .unwrap_or(given.len());
+        walks.push(RoundWalk {
+            given,
+            margins,
+            walk: proposal.tokens().to_vec(),
+        });
+        // Commit what llama.cpp committed: the pending token and the accepted drafts.
+        let accepted = round.emitted.len() - 1;
+        let mut rows = vec![round.id_last];
+        rows.extend_from_slice(&round.drafted[..accepted]);
+        VerifyTarget::step_batch_all(target, &rows).expect("pass");
+        VerifyTarget::commit_verify_rows(target, rows.len()).expect("commit");
+        let tapped = target.pass_taps().expect("taps");
+        assert_eq!(tapped.hidden(), hidden);
+        drafter.observe_target_rows(tapped).expect("context rows");
+        sequence.extend_from_slice(&round.emitted);
+    }
+    walks
+}
+
+/// How settled each of a round's drafts is: llama.cpp's top-2 margin where it logs one
+/// (generation 1), else xdna's margin; where `exact` (the same walk with nothing rounded) is
+/// given, the smaller of its margin and the fast walk's, and 0 where the two pick differently
+/// (the target's rounding alone decides such a draft).
+fn draft_margins(round: &LlamaRound, fast: &RoundWalk, exact: Option<&RoundWalk>) -> Vec<f64> {
+    (0..fast.given.len())
+        .map(|i| {
+            if let Some(&m) = round.top2_margin.get(i) {
+                return m;
+            }
+            let m = f64::from(fast.margins[i]);
+            match exact {
+                Some(e) if e.given[i] != fast.given[i] => 0.0,
+                Some(e) => m.min(f64::from(e.margins[i])),
+                None => m,
+            }
+        })
+        .collect()
+}
+
+/// (drafts whose margin exceeds `min_margin`, the ones equal to llama.cpp's); with
+/// `check_prefix`, each walk on its own equals llama.cpp's up to its first draft within
+/// `min_margin` of a tie (when that margin is one no decided draft differs at).
+fn tally_against_llama(
+    rounds: &[LlamaRound],
+    fast: &[RoundWalk],
+    exact: Option<&[RoundWalk]>,
+    min_margin: f64,
+    check_prefix: bool,
+) -> (usize, usize) {
+    let (mut compared, mut equal) = (0, 0);
+    for (r, (round, walk)) in rounds.iter().zip(fast).enumerate() {
+        let margins = draft_margins(round, walk, exact.map(|e| &e[r]));
+        let settled = margins
+            .iter()
+            .position(|&m| m <= min_margin)
+            .unwrap_or(margins.len());
         if check_prefix {
             assert_eq!(
-                &proposal.tokens()[..settled],
+                &walk.walk[..settled],
                 &round.drafted[..settled],
                 "round {r}: the drafts before the first near-tie differ"
             );
         }
-        for (i, (&ours, &theirs)) in given.iter().zip(&round.drafted).enumerate() {
-            // llama.cpp's margin where it logs one (generation 1), else ours.
-            let margin = round
-                .top2_margin
-                .get(i)
-                .copied()
-                .unwrap_or(f64::from(margins[i]));
+        for (i, ((&ours, &theirs), &margin)) in walk
+            .given
+            .iter()
+            .zip(&round.drafted)
+            .zip(&margins)
+            .enumerate()
+        {
             if margin > min_margin {
                 compared += 1;
                 if ours == theirs {
@@ -450,16 +498,6 @@ fn compare_with_llama_rounds(
                 }
             }
         }
-        // Commit what llama.cpp committed: the pending token and the accepted drafts.
-        let accepted = round.emitted.len() - 1;
-        let mut rows = vec![round.id_last];
-        rows.extend_from_slice(&round.drafted[..accepted]);
-        VerifyTarget::step_batch_all(target, &rows).expect("pass");
-        VerifyTarget::commit_verify_rows(target, rows.len()).expect("commit");
-        let tapped = target.pass_taps().expect("taps");
-        assert_eq!(tapped.hidden(), hidden);
-        drafter.observe_target_rows(tapped).expect("context rows");
-        sequence.extend_from_slice(&round.emitted);
     }
     (compared, equal)
 }
@@ -481,12 +519,13 @@ fn drafts_equal_llama_cpps_on_its_own_rounds() {
 /// margin or the gap at the edge of the top-k candidate set, whichever is smaller (a token just
 /// outside the set in one runtime and inside in the other can win by its pairwise term; with
 /// random weights the top logits are dense, so this gap is often small). Decided drafts are
-/// those past 0.4 nat: llama.cpp's AVX2 build (Zen 3) picked otherwise than xdna at margins of
-/// 0.31 and 0.33 nat, where its AVX-512 build agreed.
+/// past 0.3 nat both in xdna's walk and in its walk without rounding, with the same pick: xdna's
+/// rounded and exact walks alone part at margins up to 0.52 nat, and each pick llama.cpp's AVX2
+/// build made otherwise past 0.3 nat of the rounded walk was one the exact walk made too.
 #[test]
 fn generation_2_drafts_equal_llama_cpps_on_its_own_rounds() {
     let Some((compared, equal, decided, decided_equal)) =
-        llama_cpp_comparison(&["--dflash-generation", "2"], 0.4)
+        llama_cpp_comparison(&["--dflash-generation", "2"], 0.3)
     else {
         return;
     };
@@ -502,7 +541,8 @@ fn generation_2_drafts_equal_llama_cpps_on_its_own_rounds() {
 /// `llama-speculative-simple --spec-type draft-dflash` (tools/llama-cpp/dflash_reference.py),
 /// and xdna's drafts on llama.cpp's rounds: (drafts with a margin > 0.1 nat, equal ones, drafts
 /// with a margin > `decided_margin`, equal ones). The margin is llama.cpp's where it logs one
-/// (generation 1), else xdna's.
+/// (generation 1), else xdna's ([`draft_margins`]: for decided drafts, with its walk without
+/// rounding).
 fn llama_cpp_comparison(
     extra: &[&str],
     decided_margin: f64,
@@ -598,15 +638,6 @@ fn compare_draft_with_llama_cpp(
         Some(true),
         "llama.cpp's own speculative run differs from its greedy run"
     );
-    let opts = LoadOptions {
-        backend: Backend::Host,
-        kernels: None,
-        exact: false,
-    };
-    let (_, mut target) = open_model(Some(&gguf), 1024, &opts).expect("target");
-    let draft = Arc::new(
-        DflashWeights::load(&open_package(draft_path).expect("draft"), false).expect("draft"),
-    );
     let prompt: Vec<u32> = json["prompt_ids"]
         .as_array()
         .expect("prompt")
@@ -614,16 +645,37 @@ fn compare_draft_with_llama_cpp(
         .map(|x| x.as_u64().expect("id") as u32)
         .collect();
     let rounds = llama_rounds(&json);
-    // Random weights magnify rounding (llama.cpp runs the draft in f16 over its own target
-    // numerics): near-ties may flip, decided drafts may not.
-    let (compared, equal) =
-        compare_with_llama_rounds(&mut target, draft.clone(), &prompt, &rounds, 0.1, false);
+    // `exact`: nothing rounded (no 8-bit activations, an f32 KV cache); otherwise activations
+    // rounded as llama.cpp rounds them.
+    let walk = |exact: bool| {
+        let opts = LoadOptions {
+            backend: Backend::Host,
+            kernels: None,
+            exact,
+        };
+        let (_, mut target) = open_model(Some(&gguf), 1024, &opts).expect("target");
+        let draft = Arc::new(
+            DflashWeights::load(&open_package(draft_path).expect("draft"), exact).expect("draft"),
+        );
+        walk_llama_rounds(&mut target, draft, &prompt, &rounds)
+    };
+    let fast = walk(false);
+    // Random weights magnify rounding: near-ties may flip, decided drafts may not. Where
+    // llama.cpp logs no margins (generation 2), a draft is decided only if xdna's walk without
+    // rounding picks it too, past the same margin: the target's rounding alone moves these
+    // margins by up to a third of a nat (its hidden states feed the draft through the fusion
+    // matrix), so a margin from one rounding says little about another runtime's.
+    let exact = rounds
+        .iter()
+        .all(|r| r.top2_margin.is_empty())
+        .then(|| walk(true));
+    let (compared, equal) = tally_against_llama(&rounds, &fast, None, 0.1, false);
     eprintln!(
         "{} rounds: {equal} of {compared} drafts with llama.cpp's top-2 margin > 0.1 nat (or unlogged) equal llama.cpp's",
         rounds.len()
     );
     let (decided, decided_equal) =
-        compare_with_llama_rounds(&mut target, draft, &prompt, &rounds, decided_margin, true);
+        tally_against_llama(&rounds, &fast, exact.as_deref(), decided_margin, true);
     eprintln!(
         "{decided_equal} of {decided} drafts with a margin > {decided_margin} nat equal llama.cpp's"
     );
