@@ -286,7 +286,7 @@ fn plain_register_tiles_give_the_row_dot_bits() {
     }
     let mut rng = Rng(0x9a17);
     for format in [WeightFormat::Bf16, WeightFormat::F16, WeightFormat::F32] {
-        for (n, k) in [(37, 576), (9, 1000), (6, 1003), (5, 13), (3, 5)] {
+        for (n, k) in [(37, 576), (9, 1000), (6, 1003), (7, 1004), (5, 13), (3, 5)] {
             let weights: Vec<f32> = (0..n * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
             let data = encode(format, &weights, n, k);
             let w = WeightMatrix::new(format, n, k, &data).expect("matrix");

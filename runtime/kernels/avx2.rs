@@ -1581,23 +1581,36 @@ mod imp {
     }
 
     /// Weight rows of one register tile of [`plain_rows`].
-    const PLAIN_TILE_ROWS: usize = 2;
+    const PLAIN_TILE_ROWS: usize = 3;
     /// Most activation rows of one register tile of [`plain_rows`].
-    const PLAIN_TILE_ACTS: usize = 3;
+    const PLAIN_TILE_ACTS: usize = 4;
+    /// Most weight rows one call of [`plain_rows`] takes (a GEMM work item's block).
+    const PLAIN_MAX_ROWS: usize = 32;
+    /// Elements of one K slice of [`plain_rows`]: a tile's 4 activation rows of it (8 KiB of
+    /// f32) stay in L1 while every weight tile of the block streams past; a multiple of 16, so
+    /// that an 8-element chunk keeps its parity across slices.
+    const PLAIN_K_SLICE: usize = 512;
+
+    /// One register tile's sums: `[parity][activation][weight row]`, the even and the odd
+    /// 8-element chunks of each pair (see [`plain_dot`]).
+    type PlainTileSums = [[[__m256; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS]; 2];
 
     /// Plain (f32 / f16 / bf16) weight rows `0 .. rows` of `w` (`k` elements each) against f32
     /// activation rows `act_rows` of `x` (`k` each): `out[slot · stride + r]`, the same bits as
-    /// [`plain_dot`] for every pair. Tiles of 2 weight rows × 3 activation rows keep each
-    /// pair's two 8-lane sums in registers (12 accumulators, 2 weight vectors, the activations
-    /// read as memory operands: the 16 registers), so each 16 weights are converted once for 3
-    /// activation rows and each 16 activations loaded once for 2 weight rows. Every pair's sums
-    /// see `plain_dot`'s operations in its order: elements `16i .. 16i + 8` into the first,
-    /// `16i + 8 .. 16i + 16` into the second, a trailing 8 into the first, then the same
-    /// `hsum_float_8` of their sum and `plain_tail`.
+    /// [`plain_dot`] for every pair. [`plain_dot`] keeps two sums per pair, of the even and of
+    /// the odd 8-element chunks; a register tile of 3 weight rows × 4 activation rows builds
+    /// them in two sweeps of one accumulator per pair (12 accumulators, 3 weight vectors, one
+    /// activation vector: the 16 registers), so each 8 weights are converted once for 4
+    /// activation rows and each 8 activations loaded once for 3 weight rows. K runs in slices
+    /// of [`PLAIN_K_SLICE`], every weight tile of the block taking one slice before the next
+    /// (the tiles' sums wait in memory meanwhile), so the activations stay in L1. Every pair's
+    /// sums see `plain_dot`'s operations in its order, then the same `hsum_float_8` of their
+    /// sum and `plain_tail`.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C; `w` holds `rows` rows of `k` elements of `kind`; `x` holds `k` floats
-    /// for every row of `act_rows`; `out` holds `(act_rows.len() - 1) · stride + rows` floats.
+    /// AVX2, FMA and F16C; `rows` ≤ 32; `w` holds `rows` rows of `k` elements of `kind`; `x`
+    /// holds `k` floats for every row of `act_rows`; `out` holds `(act_rows.len() - 1) · stride
+    /// + rows` floats.
     #[allow(clippy::too_many_arguments)] // one work item's context
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn plain_rows(
@@ -1610,59 +1623,99 @@ mod imp {
         out: &mut [f32],
         stride: usize,
     ) {
+        debug_assert!(rows <= PLAIN_MAX_ROWS);
         let row_bytes = k * kind.bytes();
+        let body = k / 8 * 8;
+        let zero: PlainTileSums = [[[_mm256_setzero_ps(); PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS]; 2];
+        let mut tiles = [zero; PLAIN_MAX_ROWS.div_ceil(PLAIN_TILE_ROWS)];
+        let row_tiles = rows.div_ceil(PLAIN_TILE_ROWS);
         for a0 in act_rows.clone().step_by(PLAIN_TILE_ACTS) {
             let acts = (act_rows.end - a0).min(PLAIN_TILE_ACTS);
-            for r0 in (0..rows).step_by(PLAIN_TILE_ROWS) {
-                let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
-                let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
-                macro_rules! tile {
-                    ($w:literal, $kind:expr) => {
-                        match acts {
-                            1 => plain_tile::<$w, 1, { $kind }>(wp, row_bytes, xp, k),
-                            2 => plain_tile::<$w, 2, { $kind }>(wp, row_bytes, xp, k),
-                            _ => plain_tile::<$w, 3, { $kind }>(wp, row_bytes, xp, k),
-                        }
-                    };
-                    ($w:literal) => {
-                        match kind {
-                            PlainKind::F16 => tile!($w, PLAIN_F16),
-                            PlainKind::Bf16 => tile!($w, PLAIN_BF16),
-                            PlainKind::F32 => tile!($w, PLAIN_F32),
-                        }
-                    };
+            tiles[..row_tiles].fill(zero);
+            for c0 in (0..body).step_by(PLAIN_K_SLICE) {
+                let c1 = (c0 + PLAIN_K_SLICE).min(body);
+                for (t, sums) in tiles[..row_tiles].iter_mut().enumerate() {
+                    let r0 = t * PLAIN_TILE_ROWS;
+                    let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
+                    let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
+                    macro_rules! sweep {
+                        ($w:literal, $a:literal, $kind:expr) => {
+                            for (parity, sums) in sums.iter_mut().enumerate() {
+                                plain_tile_sweep::<$w, $a, { $kind }>(
+                                    wp,
+                                    row_bytes,
+                                    xp,
+                                    k,
+                                    c0 + 8 * parity..c1,
+                                    sums,
+                                )
+                            }
+                        };
+                        ($w:literal, $kind:expr) => {
+                            match acts {
+                                1 => sweep!($w, 1, $kind),
+                                2 => sweep!($w, 2, $kind),
+                                3 => sweep!($w, 3, $kind),
+                                _ => sweep!($w, 4, $kind),
+                            }
+                        };
+                        ($w:literal) => {
+                            match kind {
+                                PlainKind::F16 => sweep!($w, PLAIN_F16),
+                                PlainKind::Bf16 => sweep!($w, PLAIN_BF16),
+                                PlainKind::F32 => sweep!($w, PLAIN_F32),
+                            }
+                        };
+                    }
+                    match wrows {
+                        1 => sweep!(1),
+                        2 => sweep!(2),
+                        _ => sweep!(3),
+                    }
                 }
-                let sums = if wrows == 2 { tile!(2) } else { tile!(1) };
-                for (a, sums) in sums.iter().enumerate().take(acts) {
-                    let xrow = &x[(a0 + a) * k..(a0 + a + 1) * k];
+            }
+            for (t, [even, odd]) in tiles[..row_tiles].iter().enumerate() {
+                let r0 = t * PLAIN_TILE_ROWS;
+                let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
+                for a in 0..acts {
                     let row = &mut out[(a0 + a - act_rows.start) * stride + r0..][..wrows];
-                    for (r, (out, &sum)) in row.iter_mut().zip(sums).enumerate() {
-                        let wrow = &w[(r0 + r) * row_bytes..(r0 + r + 1) * row_bytes];
-                        *out = plain_tail(kind, wrow, xrow, k / 8 * 8, k, sum);
+                    let xrow = &x[(a0 + a) * k..(a0 + a + 1) * k];
+                    for (r, out) in row.iter_mut().enumerate() {
+                        let sum = hsum_float_8(_mm256_add_ps(even[a][r], odd[a][r]));
+                        *out = if body == k {
+                            sum
+                        } else {
+                            let wrow = &w[(r0 + r) * row_bytes..(r0 + r + 1) * row_bytes];
+                            plain_tail(kind, wrow, xrow, body, k, sum)
+                        };
                     }
                 }
             }
         }
     }
 
-    /// [`PlainKind::F16`] as [`plain_tile`]'s const-generic argument.
+    /// [`PlainKind::F16`] as [`plain_tile_sweep`]'s const-generic argument.
     const PLAIN_F16: u8 = 0;
-    /// [`PlainKind::Bf16`] as [`plain_tile`]'s const-generic argument.
+    /// [`PlainKind::Bf16`] as [`plain_tile_sweep`]'s const-generic argument.
     const PLAIN_BF16: u8 = 1;
-    /// [`PlainKind::F32`] as [`plain_tile`]'s const-generic argument.
+    /// [`PlainKind::F32`] as [`plain_tile_sweep`]'s const-generic argument.
     const PLAIN_F32: u8 = 2;
 
-    /// One register tile of [`plain_rows`]: `W` weight rows from `w` (rows `row_bytes` apart)
-    /// against `A` activation rows from `x` (rows `k` apart), elements `0 .. k / 8 · 8`;
-    /// `[a][r]` is the vector part of pair (a, r) as [`plain_dot`] sums it, before its tail.
-    #[inline]
+    /// One sweep of a [`plain_rows`] register tile: `W` weight rows from `w` (rows `row_bytes`
+    /// apart) against `A` activation rows from `x` (rows `k` apart), adding the 8-element chunks
+    /// starting at `chunks.start`, `chunks.start + 16`, … (ending by `chunks.end`) to `sums`
+    /// (`[a][r]`), one FMA per chunk and pair. Not inlined: the sums go through memory between
+    /// sweeps, and the registers are all the sweep's.
+    #[inline(never)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn plain_tile<const W: usize, const A: usize, const KIND: u8>(
+    unsafe fn plain_tile_sweep<const W: usize, const A: usize, const KIND: u8>(
         w: *const u8,
         row_bytes: usize,
         x: *const f32,
         k: usize,
-    ) -> [[f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS] {
+        chunks: std::ops::Range<usize>,
+        sums: &mut [[__m256; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS],
+    ) {
         let elem = if KIND == PLAIN_F32 { 4 } else { 2 };
         let load = |r: usize, c: usize| {
             let p = w.add(r * row_bytes + c * elem);
@@ -1672,39 +1725,22 @@ mod imp {
                 _ => _mm256_loadu_ps(p as *const f32),
             }
         };
-        let mut acc = [[[_mm256_setzero_ps(); 2]; W]; A];
-        let mut c = 0;
-        while c + 16 <= k {
-            for r in 0..W {
-                prefetch_ahead(w.add(r * row_bytes + c * elem), 16 * elem);
-            }
-            for half in 0..2 {
-                let wv: [__m256; W] = std::array::from_fn(|r| load(r, c + 8 * half));
-                for (a, acc) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_loadu_ps(x.add(a * k + c + 8 * half));
-                    for r in 0..W {
-                        acc[r][half] = _mm256_fmadd_ps(wv[r], xv, acc[r][half]);
-                    }
-                }
-            }
-            c += 16;
-        }
-        if c + 8 <= k {
+        let mut acc: [[__m256; W]; A] =
+            std::array::from_fn(|a| std::array::from_fn(|r| sums[a][r]));
+        let mut c = chunks.start;
+        while c + 8 <= chunks.end {
             let wv: [__m256; W] = std::array::from_fn(|r| load(r, c));
             for (a, acc) in acc.iter_mut().enumerate() {
                 let xv = _mm256_loadu_ps(x.add(a * k + c));
                 for r in 0..W {
-                    acc[r][0] = _mm256_fmadd_ps(wv[r], xv, acc[r][0]);
+                    acc[r] = _mm256_fmadd_ps(wv[r], xv, acc[r]);
                 }
             }
+            c += 16;
         }
-        let mut sums = [[0f32; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
-        for a in 0..A {
-            for r in 0..W {
-                sums[a][r] = hsum_float_8(_mm256_add_ps(acc[a][r][0], acc[a][r][1]));
-            }
+        for (a, acc) in acc.iter().enumerate() {
+            sums[a][..W].copy_from_slice(acc);
         }
-        sums
     }
 
     /// `sum` plus the products of elements `c .. k` (fewer than 8) of a plain row, one at a time:
