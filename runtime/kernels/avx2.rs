@@ -1584,8 +1584,6 @@ mod imp {
     const PLAIN_TILE_ROWS: usize = 3;
     /// Most activation rows of one register tile of [`plain_rows`].
     const PLAIN_TILE_ACTS: usize = 4;
-    /// Most weight rows one call of [`plain_rows`] takes (a GEMM work item's block).
-    const PLAIN_MAX_ROWS: usize = 32;
     /// Elements of one K slice of [`plain_rows`]: a tile's 4 activation rows of it (8 KiB of
     /// f32) stay in L1 while every weight tile of the block streams past; a multiple of 16, so
     /// that an 8-element chunk keeps its parity across slices.
@@ -1608,7 +1606,7 @@ mod imp {
     /// sum and `plain_tail`.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C; `rows` ≤ 32; `w` holds `rows` rows of `k` elements of `kind`; `x`
+    /// AVX2, FMA and F16C; `rows` ≤ [`TILE_ROWS`] (a GEMM block); `w` holds `rows` rows of `k` elements of `kind`; `x`
     /// holds `k` floats for every row of `act_rows`; `out` holds `(act_rows.len() - 1) · stride
     /// + rows` floats.
     #[allow(clippy::too_many_arguments)] // one work item's context
@@ -1623,11 +1621,11 @@ mod imp {
         out: &mut [f32],
         stride: usize,
     ) {
-        debug_assert!(rows <= PLAIN_MAX_ROWS);
+        debug_assert!(rows <= TILE_ROWS);
         let row_bytes = k * kind.bytes();
         let body = k / 8 * 8;
         let zero: PlainTileSums = [[[_mm256_setzero_ps(); PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS]; 2];
-        let mut tiles = [zero; PLAIN_MAX_ROWS.div_ceil(PLAIN_TILE_ROWS)];
+        let mut tiles = [zero; TILE_ROWS.div_ceil(PLAIN_TILE_ROWS)];
         let row_tiles = rows.div_ceil(PLAIN_TILE_ROWS);
         for a0 in act_rows.clone().step_by(PLAIN_TILE_ACTS) {
             let acts = (act_rows.end - a0).min(PLAIN_TILE_ACTS);
