@@ -1600,7 +1600,7 @@ mod imp {
     /// them in two sweeps of one accumulator per pair (12 accumulators, 3 weight vectors, one
     /// activation vector: the 16 registers), so each 8 weights are converted once for 4
     /// activation rows and each 8 activations loaded once for 3 weight rows. K runs in slices
-    /// of [`PLAIN_K_SLICE`], every weight tile of the block taking one slice before the next
+    /// of `PLAIN_K_SLICE`, every weight tile of the block taking one slice before the next
     /// (the tiles' sums wait in memory meanwhile), so the activations stay in L1. Every pair's
     /// sums see `plain_dot`'s operations in its order, then the same `hsum_float_8` of their
     /// sum and `plain_tail`.
