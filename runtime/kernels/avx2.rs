@@ -1677,12 +1677,12 @@ mod imp {
                 let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
                 for a in 0..acts {
                     let row = &mut out[(a0 + a - act_rows.start) * stride + r0..][..wrows];
-                    let xrow = &x[(a0 + a) * k..(a0 + a + 1) * k];
                     for (r, out) in row.iter_mut().enumerate() {
                         let sum = hsum_float_8(_mm256_add_ps(even[a][r], odd[a][r]));
                         *out = if body == k {
                             sum
                         } else {
+                            let xrow = &x[(a0 + a) * k..(a0 + a + 1) * k];
                             let wrow = &w[(r0 + r) * row_bytes..(r0 + r + 1) * row_bytes];
                             plain_tail(kind, wrow, xrow, body, k, sum)
                         };
