@@ -1541,8 +1541,10 @@ mod x86 {
     /// - Q4_K / Q5_K (`w = d·sc·u − dmin·m` per 32 values): `d·d_act·Σ_g sc_g·isum_g` (|lane| ≤
     ///   8 · 2·7874·63 < 2²³) and `−Σ_g dmin·m_g·(d_act·Σc_g)` (`act.sums`), one FMA each into
     ///   separate accumulators;
-    /// - Q6_K (`w = d·sc·(u − 32)`, one i8 `sc` per 16 values): `maddubs(u, c) − maddubs(32, c)`
-    ///   weighted by the two sub-blocks' scales in one `madd`, then one FMA with `d·d_act`.
+    /// - Q6_K (`w = d·sc·(u − 32)`, one i8 `sc` per 16 values): `maddubs(u, c)` weighted by the
+    ///   two sub-blocks' scales in one `madd`, the 32 taken off as `32·Σ sc·bsum` in one `madd`
+    ///   per block against the activations' code sums per 16 (as Q3_K's 4), then one FMA with
+    ///   `d·d_act`.
     ///
     /// A block's codes and scales are extracted once for up to [`K_ACT_CHUNK`] activation rows,
     /// whose accumulators stay in registers (`N` is the chunk's row count). Every activation row
@@ -1876,15 +1878,13 @@ mod x86 {
     ) {
         const BLOCK_BYTES: usize = 210;
         let groups = act.groups();
-        let thirty_two = _mm256_set1_epi8(32);
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..cols / 256 {
             let p = row.add(b * BLOCK_BYTES);
             crate::kernels::avx2::prefetch_ahead(p, BLOCK_BYTES);
             let d = f16_at(p.add(208));
-            let sc = sub16_group_scales(_mm256_cvtepi8_epi16(_mm_loadu_si128(
-                p.add(192) as *const __m128i
-            )));
+            let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
+            let sc = sub16_group_scales(scales);
             let mut q = [_mm256_setzero_si256(); 8];
             for h in 0..2 {
                 q[4 * h..4 * h + 4].copy_from_slice(&q6k_half_codes(p, h));
@@ -1892,15 +1892,11 @@ mod x86 {
             for (slot, acc) in acc.iter_mut().enumerate() {
                 let i = first + slot;
                 let codes = act.codes.as_ptr().add(i * act.cols + b * 256);
-                let mut isum = _mm256_setzero_si256();
-                for g in 0..8 {
-                    let c = _mm256_loadu_si256(codes.add(g * 32) as *const __m256i);
-                    let centred = _mm256_sub_epi16(
-                        _mm256_maddubs_epi16(q[g], c),
-                        _mm256_maddubs_epi16(thirty_two, c),
-                    );
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(centred, sc[g]));
-                }
+                let offset = _mm256_madd_epi16(scales, code_sums16(act, i, b));
+                let isum = _mm256_sub_epi32(
+                    scaled_block_sum(&q, &sc, codes),
+                    _mm256_slli_epi32::<5>(offset),
+                );
                 // One scale for the block's eight groups (per-superblock activations).
                 let act_d = *act.scales.as_ptr().add(i * groups + b * 8);
                 *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * act_d), _mm256_cvtepi32_ps(isum), *acc);
