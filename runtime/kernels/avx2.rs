@@ -59,6 +59,9 @@ pub enum Q4Scales {
     F16,
     /// Q4_K: u8 s8/m8 times per-row bf16 super scale/min.
     Q4K,
+    /// Q4_K with per-row f16 super scale/min: a GGUF Q4_K matrix re-laid exactly
+    /// (`host_layout::Packing::KTiles`).
+    Q4KF16,
 }
 
 /// Geometry of a 4-bit tile kernel.
@@ -223,16 +226,24 @@ mod imp {
                         ],
                     )
                 }
-                Q4Scales::Q4K => {
+                Q4Scales::Q4K | Q4Scales::Q4KF16 => {
                     let s8 = tile.add(g * 32);
                     let m8 = tile.add(256 + g * 32);
                     let srow = tile.add(4608);
                     let mrow = tile.add(4672);
+                    let row_scales = |p: *const u8| {
+                        if layout.scales == Q4Scales::Q4K {
+                            bf16x8(p)
+                        } else {
+                            f16x8(p)
+                        }
+                    };
                     let mut d = [_mm256_setzero_ps(); 4];
                     let mut m = [_mm256_setzero_ps(); 4];
                     for i in 0..4 {
-                        d[i] = _mm256_mul_ps(u8x8(s8.add(8 * i)), bf16x8(srow.add(16 * i)));
-                        m[i] = _mm256_mul_ps(u8x8(m8.add(8 * i)), bf16x8(mrow.add(16 * i)));
+                        // u8 × bf16/f16 is exact in f32 (at most 8 + 11 significant bits).
+                        d[i] = _mm256_mul_ps(u8x8(s8.add(8 * i)), row_scales(srow.add(16 * i)));
+                        m[i] = _mm256_mul_ps(u8x8(m8.add(8 * i)), row_scales(mrow.add(16 * i)));
                     }
                     (d, m)
                 }
@@ -572,7 +583,7 @@ mod imp {
     /// (offset, lines) of a 4-bit group's scales, mins and codes.
     fn q4_group_lines(layout: Q4Layout, g: usize) -> [(usize, usize); 3] {
         let (scales, mins) = match layout.scales {
-            Q4Scales::Q4K => (g * 32, 256 + g * 32),
+            Q4Scales::Q4K | Q4Scales::Q4KF16 => (g * 32, 256 + g * 32),
             _ => (g * 64, layout.mins + g * 64),
         };
         if layout.column_major {

@@ -77,6 +77,17 @@ impl<'a> WeightMatrix<'a> {
         Self::checked(format, rows, cols, data, Packing::InterleavedRows)
     }
 
+    /// A GGUF Q4_K matrix in the host executor's K tiles (from [`host_layout::append_k_tiles`]),
+    /// its length checked against format and shape.
+    pub fn k_tiles(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        Self::checked(format, rows, cols, data, Packing::KTiles)
+    }
+
     fn checked(
         format: WeightFormat,
         rows: usize,
@@ -118,6 +129,7 @@ impl<'a> WeightMatrix<'a> {
             Packing::InterleavedRows => {
                 host_layout::interleaved_matrix_bytes(self.format, self.rows, self.cols)
             }
+            Packing::KTiles => host_layout::k_tiles_matrix_bytes(self.format, self.rows, self.cols),
         }
     }
 
@@ -125,16 +137,16 @@ impl<'a> WeightMatrix<'a> {
     pub fn require_tiles(&self, consumer: &'static str) -> Result<(), KernelError> {
         match self.packing {
             Packing::Tiles => Ok(()),
-            Packing::GroupRecords | Packing::InterleavedRows => {
+            Packing::GroupRecords | Packing::InterleavedRows | Packing::KTiles => {
                 Err(KernelError::Unsupported(format!(
                     "{consumer} takes {} tiles; this {}×{} matrix is in the host executor's {} layout",
                     self.format.name(),
                     self.rows,
                     self.cols,
-                    if self.packing == Packing::GroupRecords {
-                        "group-record"
-                    } else {
-                        "interleaved-row"
+                    match self.packing {
+                        Packing::GroupRecords => "group-record",
+                        Packing::InterleavedRows => "interleaved-row",
+                        _ => "K-tile",
                     }
                 )))
             }
@@ -189,6 +201,7 @@ impl<'a> WeightMatrix<'a> {
             (Packing::Tiles, Some(tile)) => {
                 self.format.padded_cols(self.cols) / self.format.tile_cols() * tile
             }
+            (Packing::KTiles, _) => self.cols / tiles::TILE_COLS * tiles::Q4K_TILE_BYTES,
             // Interleaved rows exist only for ggml blocks, which have no row blocks of tiles.
             (Packing::Tiles, None) | (Packing::InterleavedRows, _) => 0,
         }
@@ -211,6 +224,17 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
         ScaleType::Bf16 => Q4Scales::Bf16,
         ScaleType::F16 => Q4Scales::F16,
     };
+    if packing == Packing::KTiles {
+        // GGUF Q4_K re-laid as column-major Q4_K tiles with f16 row scales (host_layout).
+        return FastKernel::Q4(Q4Layout {
+            scales: Q4Scales::Q4KF16,
+            column_major: true,
+            codes: 512,
+            mins: 256,
+            tile_bytes: tiles::Q4K_TILE_BYTES,
+            groups_per_tile: tiles::GROUPS,
+        });
+    }
     if packing == Packing::GroupRecords {
         // A record is a column-major tile of one group (host_layout).
         match format {
@@ -445,6 +469,14 @@ impl HostExecutor {
         self.int_dot().is_some() && host_layout::interleaved_block_bytes(format).is_some()
     }
 
+    /// Whether this executor runs a `rows`-row matrix of `format` from K tiles (`host_layout`,
+    /// [`Packing::KTiles`]): GGUF Q4_K on the AVX2 path without VNNI, where the 4-bit tile
+    /// kernels outrun the row kernel (the VNNI and AMX paths keep their Q4_K row kernels). The
+    /// loader lays such matrices out so; every path runs either layout.
+    pub fn k_tiles(&self, format: WeightFormat, rows: usize) -> bool {
+        self.int_dot() == Some(avx2::IntDot::Maddubs) && host_layout::has_k_tiles(format, rows)
+    }
+
     /// Which kernel this executor runs a matrix of `format` with on this CPU, in words (`xdna
     /// pack info`): the kernel family and the instruction set chosen at run time.
     pub fn kernel_for(&self, format: WeightFormat) -> String {
@@ -476,6 +508,12 @@ impl HostExecutor {
             FastKernel::Ggml => {
                 let vnni = self.int_dot() == Some(avx2::IntDot::Vnni);
                 match format {
+                    _ if self.k_tiles(format, TILE_ROWS) => format!(
+                        "{} rows re-laid at load as Q4_K tiles with f16 row scales, 4-bit tile \
+                         dot on q8_K activations ({int_dot}; a row count that is not whole \
+                         blocks of 32 keeps the rows, dotted in place)",
+                        format.name()
+                    ),
                     _ if self.interleaves_rows(format) => format!(
                         "{} rows interleaved 8 at a time at load, dotted on q8 activations \
                          ({int_dot})",
@@ -939,6 +977,22 @@ fn compute_block(
             None => ggml_dot::Path::Scalar,
         };
         let out_rows = (w.rows - n0).min(TILE_ROWS);
+        if w.packing == Packing::KTiles {
+            #[cfg(target_arch = "x86_64")]
+            if let (Some(dot), FastKernel::Q4(layout)) = (fast, kernel) {
+                let block_bytes = w.block_bytes();
+                let data = &w.data[block * block_bytes..(block + 1) * block_bytes];
+                // SAFETY: `fast` means avx2::available(), and `IntDot::Vnni` means
+                // avx2::vnni_available() (`int_dot`); `data` is the row block's K tiles (the
+                // matrix length was validated against its shape, whole blocks of 32 rows and
+                // 256 columns), rows ⊂ 0..m, and `out` holds rows.len() × 32 floats.
+                unsafe { avx2::q4_block(layout, data, act, rows, dot, out) };
+                return;
+            }
+            ggml_dot::k_tiles_block(path, ty, w.data, k, n0, out_rows, act, rows, out, TILE_ROWS);
+            let _ = (kernel, x, scalar);
+            return;
+        }
         if w.packing == Packing::InterleavedRows {
             ggml_dot::interleaved_block(
                 path, ty, w.data, k, n0, out_rows, act, rows, out, TILE_ROWS,
@@ -1112,8 +1166,9 @@ fn scalar_tiled_block(
     }
     for t in 0..w.format.padded_cols(k) / tile_cols {
         let tile = match w.packing {
-            // Interleaved rows exist only for ggml blocks (`check_bytes` refuses them for tiles).
-            Packing::Tiles | Packing::InterleavedRows => {
+            // Interleaved rows and K tiles exist only for ggml blocks (`check_bytes` refuses
+            // them for tile formats).
+            Packing::Tiles | Packing::InterleavedRows | Packing::KTiles => {
                 &data[t * tile_bytes..(t + 1) * tile_bytes]
             }
             Packing::GroupRecords => {

@@ -266,6 +266,34 @@ pub fn interleaved_block(
     });
 }
 
+/// As [`block`], for a Q4_K matrix in the host executor's K tiles
+/// (`host_layout::Packing::KTiles`; `n0` a multiple of 32), on the paths that do not run the
+/// 4-bit tile kernels over them: the rows are taken back in their GGUF layout
+/// (`host_layout::k_tiles_to_rows`) and run as over the file's bytes.
+#[allow(clippy::too_many_arguments)] // one work item's context
+pub fn k_tiles_block(
+    path: Path,
+    ty: GgmlType,
+    data: &[u8],
+    cols: usize,
+    n0: usize,
+    out_rows: usize,
+    act: &super::quant::QuantizedRows,
+    act_rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let (values, bytes) = ty.block();
+    let row_bytes = cols / values * bytes;
+    crate::kernels::with_scratch(&GGUF_ROWS, |rows| {
+        rows.resize(out_rows * row_bytes, 0);
+        super::host_layout::k_tiles_to_rows(data, cols, n0..n0 + out_rows, rows);
+        block(
+            path, ty, rows, row_bytes, cols, 0, out_rows, act, act_rows, out, stride,
+        );
+    });
+}
+
 /// Output rows `n0 .. n0 + out_rows` of a `WeightMatrix::Ggml` matrix (`data`: its rows of
 /// `row_bytes`), for activation rows `act_rows` of `act` (quantized, `cols` per row):
 /// `out[slot * stride + r]` for the slot-th activation row and weight row `n0 + r`.

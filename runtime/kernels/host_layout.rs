@@ -32,6 +32,17 @@
 //! A column is 144 (IQ4_NL), 176 (Q5_0) or 192 bytes (Q5_1). Groups follow each other, a group's
 //! block columns in order. Bytes are the file's, moved: [`deinterleave_rows`] gives back the GGUF
 //! rows exactly.
+//!
+//! GGUF Q4_K matrices (whole 32-row blocks) become *K tiles* on CPUs whose fast path is AVX2
+//! without VNNI: the Q4_K tile of the device format (4736 B per 32 rows × 256 columns: the
+//! 6-bit scales `s8` at `g·32 + r`, the 6-bit minimums `m8` at `256 + g·32 + r`, the codes
+//! column-major from 512, then per row the super-block scale `d` and the negated `dmin`), with
+//! `d` and `−dmin` kept in f16, as the file has them, instead of the device's bf16. A 256-value
+//! GGUF block is one row of one tile, so every weight is the file's (`d·s8·q − dmin·m8`), and
+//! the 4-bit tile kernels run Q4_K as they run q4_1: sixteen activation rows share one unpack of
+//! the codes, and a group's 32 values of 32 rows are summed in i16 before one widening, where
+//! the GGUF row kernel takes a widening per row and group. [`k_tiles_to_rows`] gives back the
+//! GGUF rows exactly.
 
 use super::gemm::WeightMatrix;
 use super::KernelError;
@@ -48,6 +59,8 @@ pub enum Packing {
     GroupRecords,
     /// GGUF blocks with 8 weight rows interleaved (IQ4_NL, Q5_0, Q5_1); see the module docs.
     InterleavedRows,
+    /// GGUF Q4_K rows re-laid as Q4_K tiles with f16 row scales (exactly); see the module docs.
+    KTiles,
 }
 
 /// Weight rows interleaved in [`Packing::InterleavedRows`].
@@ -266,6 +279,131 @@ pub fn deinterleave_rows(
             for f in fields {
                 let from = f.dst + r * f.len;
                 dst[f.src..f.src + f.len].copy_from_slice(&src[from..from + f.len]);
+            }
+        }
+    }
+}
+
+/// Bytes of a Q4_K block (256 values of one row) in a GGUF file.
+const Q4K_BLOCK_BYTES: usize = 144;
+/// Offset of the per-row super-block scales in a K tile (f16 `d`; the negated `dmin` follows).
+const K_TILE_ROW_SCALES: usize = 4608;
+
+/// Bytes of a `[rows, cols]` GGUF Q4_K matrix as [`Packing::KTiles`].
+pub fn k_tiles_matrix_bytes(
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+) -> Result<usize, tiles::TileError> {
+    if format != WeightFormat::Ggml(GgmlType::Q4_K) {
+        return Err(tiles::TileError::UnknownFormat(format!(
+            "{} K tiles",
+            format.name()
+        )));
+    }
+    if !rows.is_multiple_of(TILE_ROWS) {
+        return Err(tiles::TileError::NotMultiple {
+            what: "K-tiled matrix rows",
+            value: rows,
+            multiple: TILE_ROWS,
+        });
+    }
+    // Whole 256-value blocks per row (the GGUF layout's own check).
+    format.matrix_bytes(1, cols)?;
+    Ok(rows / TILE_ROWS * cols / tiles::TILE_COLS * tiles::Q4K_TILE_BYTES)
+}
+
+/// Whether a matrix of `format` and `rows` has a [`Packing::KTiles`] layout.
+pub fn has_k_tiles(format: WeightFormat, rows: usize) -> bool {
+    format == WeightFormat::Ggml(GgmlType::Q4_K) && rows.is_multiple_of(TILE_ROWS)
+}
+
+/// [`Packing::KTiles`] bytes of `w`, a Q4_K matrix in its GGUF row layout, appended to `out`.
+/// Returns false, appending nothing, when it has no K-tile layout ([`has_k_tiles`]). A matrix
+/// can be packed a stripe of whole 32-row blocks at a time into one buffer.
+pub fn append_k_tiles(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, KernelError> {
+    let (format, rows, cols) = (w.format, w.rows, w.cols);
+    if !has_k_tiles(format, rows) {
+        return Ok(false);
+    }
+    w.require_tiles("re-laying Q4_K rows as K tiles")?;
+    w.check_bytes()?;
+    let added = k_tiles_matrix_bytes(format, rows, cols).map_err(|source| KernelError::Weight {
+        format: format.name(),
+        rows,
+        cols,
+        source,
+    })?;
+    let blocks_per_row = cols / tiles::TILE_COLS;
+    let row_bytes = blocks_per_row * Q4K_BLOCK_BYTES;
+    let start = out.len();
+    out.resize(start + added, 0);
+    let tile_bytes = tiles::Q4K_TILE_BYTES;
+    for (t, tile) in out[start..].chunks_exact_mut(tile_bytes).enumerate() {
+        let (row_block, b) = (t / blocks_per_row, t % blocks_per_row);
+        for r in 0..TILE_ROWS {
+            let at = (row_block * TILE_ROWS + r) * row_bytes + b * Q4K_BLOCK_BYTES;
+            let block = &w.data[at..at + Q4K_BLOCK_BYTES];
+            tile[K_TILE_ROW_SCALES + 2 * r..][..2].copy_from_slice(&block[0..2]);
+            // −dmin: the f16 sign bit flipped, so the tile's `M·m8` is the file's `−dmin·m`.
+            let neg_dmin = u16::from_le_bytes([block[2], block[3]]) ^ 0x8000;
+            tile[K_TILE_ROW_SCALES + 64 + 2 * r..][..2].copy_from_slice(&neg_dmin.to_le_bytes());
+            for g in 0..tiles::GROUPS {
+                let (sc, m) = crate::ggml::scale_min_k4(g, &block[4..16]);
+                tile[tiles::cell(g, r)] = sc;
+                tile[256 + tiles::cell(g, r)] = m;
+                // Group 2c: low nibbles of qs[32c ..], group 2c + 1: their high nibbles.
+                let qs = &block[16 + 32 * (g / 2)..][..GROUP];
+                for (i, &byte) in qs.iter().enumerate() {
+                    let q = if g % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                    let (pos, high) =
+                        tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
+                    tile[512 + pos] |= if high { q << 4 } else { q };
+                }
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// The GGUF Q4_K bytes of rows `rows` (whole rows of `cols` values) of a matrix in
+/// [`Packing::KTiles`] (`data`), into `out` (`rows.len()` rows): the inverse of
+/// [`append_k_tiles`], for the paths that read GGUF rows.
+pub fn k_tiles_to_rows(data: &[u8], cols: usize, rows: std::ops::Range<usize>, out: &mut [u8]) {
+    let blocks_per_row = cols / tiles::TILE_COLS;
+    let row_bytes = blocks_per_row * Q4K_BLOCK_BYTES;
+    if row_bytes == 0 {
+        return;
+    }
+    for (row, dst_row) in rows.zip(out.chunks_exact_mut(row_bytes)) {
+        let (row_block, r) = (row / TILE_ROWS, row % TILE_ROWS);
+        for (b, block) in dst_row.chunks_exact_mut(Q4K_BLOCK_BYTES).enumerate() {
+            let t = row_block * blocks_per_row + b;
+            let tile = &data[t * tiles::Q4K_TILE_BYTES..(t + 1) * tiles::Q4K_TILE_BYTES];
+            block[0..2].copy_from_slice(&tile[K_TILE_ROW_SCALES + 2 * r..][..2]);
+            let m_row = &tile[K_TILE_ROW_SCALES + 64 + 2 * r..][..2];
+            let dmin = u16::from_le_bytes([m_row[0], m_row[1]]) ^ 0x8000;
+            block[2..4].copy_from_slice(&dmin.to_le_bytes());
+            let (sc, m): ([u8; 8], [u8; 8]) = (
+                std::array::from_fn(|g| tile[tiles::cell(g, r)]),
+                std::array::from_fn(|g| tile[256 + tiles::cell(g, r)]),
+            );
+            // ggml's 12-byte packing of eight 6-bit pairs (`scale_min_k4` reads it back).
+            for j in 0..4 {
+                block[4 + j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+                block[8 + j] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+                block[12 + j] = (sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4);
+            }
+            let qs = &mut block[16..Q4K_BLOCK_BYTES];
+            qs.fill(0);
+            for g in 0..tiles::GROUPS {
+                for i in 0..GROUP {
+                    let (pos, high) =
+                        tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
+                    let byte = tile[512 + pos];
+                    let q = if high { byte >> 4 } else { byte & 0x0F };
+                    qs[32 * (g / 2) + i] |= if g % 2 == 0 { q } else { q << 4 };
+                }
             }
         }
     }

@@ -125,6 +125,7 @@ impl KernelProjection {
             Packing::InterleavedRows => {
                 WeightMatrix::interleaved_rows(self.format, self.rows, self.cols, data)?
             }
+            Packing::KTiles => WeightMatrix::k_tiles(self.format, self.rows, self.cols, data)?,
         })
     }
 
@@ -132,9 +133,10 @@ impl KernelProjection {
     /// (`kernels::host_layout`), replacing the stored bytes; mapped pages are released. q4_1 /
     /// Q8 tiles become group records (no tile padding, one stream per row block: decode streams
     /// ~20 % fewer bytes for SmolLM2, whose K = 576 pads to 768 in tiles), and IQ4_NL, Q5_0 and
-    /// Q5_1 rows are interleaved 8 at a time where `exec` runs them so (AVX-512 VNNI). Other
-    /// formats keep their bytes. Results are bit-identical to the stored layout's for the
-    /// records, and for the interleaved rows on every path but the one they are interleaved for.
+    /// Q5_1 rows are interleaved 8 at a time where `exec` runs them so, and GGUF Q4_K rows
+    /// become K tiles where `exec` runs those (AVX2 without VNNI). Other formats keep their
+    /// bytes. Results are bit-identical to the stored layout's for the records, and for the
+    /// interleaved rows and K tiles on every path but the one they are laid out for.
     fn use_host_layout(&mut self, exec: &HostExecutor) -> Result<(), ModelError> {
         let Store::Host(bytes) = &self.store else {
             return Ok(());
@@ -150,6 +152,8 @@ impl KernelProjection {
             Packing::GroupRecords
         } else if exec.interleaves_rows(self.format) {
             Packing::InterleavedRows
+        } else if exec.k_tiles(self.format, self.rows) {
+            Packing::KTiles
         } else {
             return Ok(());
         };
@@ -157,6 +161,7 @@ impl KernelProjection {
             Packing::GroupRecords => {
                 host_layout::records_matrix_bytes(self.format, self.rows, self.cols)
             }
+            Packing::KTiles => host_layout::k_tiles_matrix_bytes(self.format, self.rows, self.cols),
             _ => host_layout::interleaved_matrix_bytes(self.format, self.rows, self.cols),
         };
         let packed_bytes = packed_bytes.map_err(|source| kernels::KernelError::Weight {
@@ -183,6 +188,7 @@ impl KernelProjection {
             let stored = WeightMatrix::new(self.format, rows, self.cols, stripe)?;
             let appended = match packing {
                 Packing::GroupRecords => append_group_records(&stored, &mut packed)?,
+                Packing::KTiles => host_layout::append_k_tiles(&stored, &mut packed)?,
                 _ => host_layout::append_interleaved_rows(&stored, &mut packed)?,
             };
             if !appended {
