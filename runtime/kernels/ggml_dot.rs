@@ -254,16 +254,17 @@ pub fn interleaved_block(
             _ => {}
         }
     }
-    // Whole blocks per row: the matrix's length was validated against its shape.
-    let (values, bytes) = ty.block();
-    let row_bytes = cols / values * bytes;
-    crate::kernels::with_scratch(&GGUF_ROWS, |rows| {
-        rows.resize(out_rows * row_bytes, 0);
-        super::host_layout::deinterleave_rows(format, data, cols, n0..n0 + out_rows, rows);
-        block(
-            path, ty, rows, row_bytes, cols, 0, out_rows, act, act_rows, out, stride,
-        );
-    });
+    block_over_rows_taken_back(
+        path,
+        ty,
+        cols,
+        out_rows,
+        act,
+        act_rows,
+        out,
+        stride,
+        |rows| super::host_layout::deinterleave_rows(format, data, cols, n0..n0 + out_rows, rows),
+    );
 }
 
 /// As [`block`], for a Q4_K matrix in the host executor's K tiles
@@ -283,11 +284,39 @@ pub fn k_tiles_block(
     out: &mut [f32],
     stride: usize,
 ) {
+    block_over_rows_taken_back(
+        path,
+        ty,
+        cols,
+        out_rows,
+        act,
+        act_rows,
+        out,
+        stride,
+        |rows| super::host_layout::k_tiles_to_rows(data, cols, n0..n0 + out_rows, rows),
+    );
+}
+
+/// [`block`] over `out_rows` weight rows that `take_back` writes in their GGUF layout into
+/// scratch: how the paths that read GGUF rows run a matrix the host executor re-laid.
+#[allow(clippy::too_many_arguments)] // one work item's context
+fn block_over_rows_taken_back(
+    path: Path,
+    ty: GgmlType,
+    cols: usize,
+    out_rows: usize,
+    act: &super::quant::QuantizedRows,
+    act_rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    stride: usize,
+    take_back: impl FnOnce(&mut [u8]),
+) {
+    // Whole blocks per row: the matrix's length was validated against its shape.
     let (values, bytes) = ty.block();
     let row_bytes = cols / values * bytes;
     crate::kernels::with_scratch(&GGUF_ROWS, |rows| {
         rows.resize(out_rows * row_bytes, 0);
-        super::host_layout::k_tiles_to_rows(data, cols, n0..n0 + out_rows, rows);
+        take_back(rows);
         block(
             path, ty, rows, row_bytes, cols, 0, out_rows, act, act_rows, out, stride,
         );
