@@ -989,7 +989,12 @@ fn compute_block(
                 unsafe { avx2::q4_block(layout, data, act, rows, dot, out) };
                 return;
             }
-            ggml_dot::k_tiles_block(path, ty, w.data, k, n0, out_rows, act, rows, out, TILE_ROWS);
+            // Paths without the tile kernels read the GGUF rows, taken back exactly.
+            let take_back =
+                |gguf: &mut [u8]| host_layout::k_tiles_to_rows(w.data, k, n0..n0 + out_rows, gguf);
+            ggml_dot::block_over_rows_taken_back(
+                path, ty, k, out_rows, act, rows, out, TILE_ROWS, take_back,
+            );
             let _ = (kernel, x, scalar);
             return;
         }

@@ -267,40 +267,11 @@ pub fn interleaved_block(
     );
 }
 
-/// As [`block`], for a Q4_K matrix in the host executor's K tiles
-/// (`host_layout::Packing::KTiles`; `n0` a multiple of 32), on the paths that do not run the
-/// 4-bit tile kernels over them: the rows are taken back in their GGUF layout
-/// (`host_layout::k_tiles_to_rows`) and run as over the file's bytes.
-#[allow(clippy::too_many_arguments)] // one work item's context
-pub fn k_tiles_block(
-    path: Path,
-    ty: GgmlType,
-    data: &[u8],
-    cols: usize,
-    n0: usize,
-    out_rows: usize,
-    act: &super::quant::QuantizedRows,
-    act_rows: std::ops::Range<usize>,
-    out: &mut [f32],
-    stride: usize,
-) {
-    block_over_rows_taken_back(
-        path,
-        ty,
-        cols,
-        out_rows,
-        act,
-        act_rows,
-        out,
-        stride,
-        |rows| super::host_layout::k_tiles_to_rows(data, cols, n0..n0 + out_rows, rows),
-    );
-}
-
 /// [`block`] over `out_rows` weight rows that `take_back` writes in their GGUF layout into
-/// scratch: how the paths that read GGUF rows run a matrix the host executor re-laid.
+/// scratch: how the paths that read GGUF rows run a matrix the host executor re-laid
+/// (interleaved rows, K tiles).
 #[allow(clippy::too_many_arguments)] // one work item's context
-fn block_over_rows_taken_back(
+pub fn block_over_rows_taken_back(
     path: Path,
     ty: GgmlType,
     cols: usize,
