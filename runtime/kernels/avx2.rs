@@ -1546,7 +1546,11 @@ mod imp {
         }
     }
 
-    /// Dot product of one plain weight row (`k` elements of `kind` at `w`) with `x[..k]`.
+    /// Dot product of one plain weight row (`k` elements of `kind` at `w`) with `x[..k]`, in two
+    /// 8-lane sums, of the even and of the odd 8-element chunks. The AVX-512 path's single-row
+    /// dot, whose register tiles (`avx512::plain_rows`) hold the two sums in the halves of one
+    /// 512-bit accumulator and so give its bits; the AVX2 path runs [`plain_rows`] at every row
+    /// count instead.
     ///
     /// # Safety
     /// AVX2/FMA/F16C available; `w` holds `k` elements; `x.len() ≥ k`.
@@ -1591,35 +1595,39 @@ mod imp {
         )
     }
 
-    /// Weight rows of one register tile of [`plain_rows`].
+    /// Weight rows of the widest register tile of [`plain_rows`].
     const PLAIN_TILE_ROWS: usize = 3;
     /// Most activation rows of one register tile of [`plain_rows`].
     const PLAIN_TILE_ACTS: usize = 4;
-    /// Elements of one K slice of [`plain_rows`]: a tile's 4 activation rows of it (8 KiB of
-    /// f32) stay in L1 while every weight tile of the block streams past; a multiple of 16, so
-    /// that an 8-element chunk keeps its parity across slices.
-    const PLAIN_K_SLICE: usize = 512;
+    /// Elements of one K slice of [`plain_rows`]: a tile's 4 activation rows of it (16 KiB of
+    /// f32) stay in L1 while every weight tile of the block streams past; a multiple of 8.
+    const PLAIN_K_SLICE: usize = 1024;
 
-    /// One register tile's sums: `[parity][activation][weight row]`, the even and the odd
-    /// 8-element chunks of each pair (see [`plain_dot`]).
-    type PlainTileSums = [[[__m256; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS]; 2];
+    /// One register tile's sums, `[activation][weight row]`, carried from one K slice to the next.
+    type PlainTileSums = [[__m256; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
 
     /// Plain (f32 / f16 / bf16) weight rows `0 .. rows` of `w` (`k` elements each) against f32
-    /// activation rows `act_rows` of `x` (`k` each): `out[slot · stride + r]`, the same bits as
-    /// [`plain_dot`] for every pair. [`plain_dot`] keeps two sums per pair, of the even and of
-    /// the odd 8-element chunks; a register tile of 3 weight rows × 4 activation rows builds
-    /// them in two sweeps of one accumulator per pair (12 accumulators, 3 weight vectors, one
-    /// activation vector: the 16 registers), so each 8 weights are converted once for 4
-    /// activation rows and each 8 activations loaded once for 3 weight rows. K runs in slices
-    /// of `PLAIN_K_SLICE`, every weight tile of the block taking one slice before the next
-    /// (the tiles' sums wait in memory meanwhile), so the activations stay in L1. Every pair's
-    /// sums see `plain_dot`'s operations in its order, then the same `hsum_float_8` of their
-    /// sum and `plain_tail`.
+    /// activation rows `act_rows` of `x` (`k` each): `out[slot · stride + r]`. The AVX2 path's
+    /// dot for every row count, a single row included, so its order is the path's: per pair one
+    /// 8-lane sum over K's 8-element chunks in order, `hsum_float_8`, then [`plain_tail`] for the
+    /// last `k mod 8` elements. A register tile of up to 3 weight rows × 4 activation rows keeps
+    /// its 12 sums in registers (with 3 weight vectors and one activation vector, the 16
+    /// registers): each 8 weights converted once for 4 activation rows, each 8 activations
+    /// loaded once for 3 weight rows. K runs in slices of `PLAIN_K_SLICE`, every weight tile of
+    /// the block taking one slice before the next, so that the activations stay in L1 (at K =
+    /// 2816 four rows are 45 KiB); a tile's sums wait in memory between slices. Two sums per
+    /// pair, the order of [`plain_dot`] and of the AVX-512 tiles, would take 24 registers; built
+    /// in two sweeps of one parity each they held the FMAs to about 68 % of their rate on one
+    /// Zen 3 thread, where these tiles reach about 81 % (`docs/performance.md`). The last 4 rows
+    /// of a block go as 2 + 2 rather than 3 + 1: a one-row tile has only its activation rows'
+    /// chains, which FMA latency holds to half the rate. A single activation row (decode)
+    /// takes tiles of 2 weight rows over the whole of K: its pass streams the block from memory,
+    /// which three rows at once, or rows cut into slices, read slower.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C; `rows` ≤ [`TILE_ROWS`] (a GEMM block); `w` holds `rows` rows of `k` elements of `kind`; `x`
-    /// holds `k` floats for every row of `act_rows`; `out` holds `(act_rows.len() - 1) · stride
-    /// + rows` floats.
+    /// AVX2, FMA and F16C; `rows` ≤ [`TILE_ROWS`] (a GEMM block); `w` holds `rows` rows of `k`
+    /// elements of `kind`; `x` holds `k` floats for every row of `act_rows`; `out` holds
+    /// `(act_rows.len() - 1) · stride + rows` floats.
     #[allow(clippy::too_many_arguments)] // one work item's context
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn plain_rows(
@@ -1635,61 +1643,78 @@ mod imp {
         debug_assert!(rows <= TILE_ROWS);
         let row_bytes = k * kind.bytes();
         let body = k / 8 * 8;
-        let zero: PlainTileSums = [[[_mm256_setzero_ps(); PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS]; 2];
-        let mut tiles = [zero; TILE_ROWS.div_ceil(PLAIN_TILE_ROWS)];
-        let row_tiles = rows.div_ceil(PLAIN_TILE_ROWS);
+        // Each tile's first row and row count: `widest` at a time, the last 4 as 2 + 2.
+        // A single activation row (decode) streams the block from memory two weight rows at a
+        // time: three concurrent rows read slower there.
+        let (widest, slice) = if act_rows.len() == 1 {
+            (2, body.max(8))
+        } else {
+            (PLAIN_TILE_ROWS, PLAIN_K_SLICE)
+        };
+        let mut tiles = [(0, 0); TILE_ROWS.div_ceil(2)];
+        let mut tile_count = 0;
+        while tile_count == 0 || tiles[tile_count - 1].0 + tiles[tile_count - 1].1 < rows {
+            let r0 = tiles[..tile_count].last().map_or(0, |&(r0, n)| r0 + n);
+            let n = match rows - r0 {
+                4 | 2 => 2,
+                1 => 1,
+                _ => widest,
+            };
+            tiles[tile_count] = (r0, n);
+            tile_count += 1;
+        }
+        let tiles = &tiles[..tile_count];
+        let zero: PlainTileSums = [[_mm256_setzero_ps(); PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
+        let mut sums = [zero; TILE_ROWS.div_ceil(2)];
         for a0 in act_rows.clone().step_by(PLAIN_TILE_ACTS) {
             let acts = (act_rows.end - a0).min(PLAIN_TILE_ACTS);
-            tiles[..row_tiles].fill(zero);
-            for c0 in (0..body).step_by(PLAIN_K_SLICE) {
-                let c1 = (c0 + PLAIN_K_SLICE).min(body);
-                for (t, sums) in tiles[..row_tiles].iter_mut().enumerate() {
-                    let r0 = t * PLAIN_TILE_ROWS;
-                    let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
+            sums[..tile_count].fill(zero);
+            // The first activation rows read the block from memory; later ones find it in L2.
+            let stream = a0 == act_rows.start;
+            for c0 in (0..body.max(1)).step_by(slice) {
+                let chunks = c0..(c0 + slice).min(body);
+                for (&(r0, wrows), sums) in tiles.iter().zip(sums.iter_mut()) {
                     let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
-                    macro_rules! sweep {
+                    macro_rules! tile {
                         ($w:literal, $a:literal, $kind:expr) => {
-                            for (parity, sums) in sums.iter_mut().enumerate() {
-                                plain_tile_sweep::<$w, $a, { $kind }>(
-                                    wp,
-                                    row_bytes,
-                                    xp,
-                                    k,
-                                    c0 + 8 * parity..c1,
-                                    sums,
-                                )
-                            }
+                            plain_tile::<$w, $a, { $kind }>(
+                                wp,
+                                row_bytes,
+                                xp,
+                                k,
+                                chunks.clone(),
+                                sums,
+                                stream,
+                            )
                         };
                         ($w:literal, $kind:expr) => {
                             match acts {
-                                1 => sweep!($w, 1, $kind),
-                                2 => sweep!($w, 2, $kind),
-                                3 => sweep!($w, 3, $kind),
-                                _ => sweep!($w, 4, $kind),
+                                1 => tile!($w, 1, $kind),
+                                2 => tile!($w, 2, $kind),
+                                3 => tile!($w, 3, $kind),
+                                _ => tile!($w, 4, $kind),
                             }
                         };
                         ($w:literal) => {
                             match kind {
-                                PlainKind::F16 => sweep!($w, PLAIN_F16),
-                                PlainKind::Bf16 => sweep!($w, PLAIN_BF16),
-                                PlainKind::F32 => sweep!($w, PLAIN_F32),
+                                PlainKind::F16 => tile!($w, PLAIN_F16),
+                                PlainKind::Bf16 => tile!($w, PLAIN_BF16),
+                                PlainKind::F32 => tile!($w, PLAIN_F32),
                             }
                         };
                     }
                     match wrows {
-                        1 => sweep!(1),
-                        2 => sweep!(2),
-                        _ => sweep!(3),
+                        1 => tile!(1),
+                        2 => tile!(2),
+                        _ => tile!(3),
                     }
                 }
             }
-            for (t, [even, odd]) in tiles[..row_tiles].iter().enumerate() {
-                let r0 = t * PLAIN_TILE_ROWS;
-                let wrows = (rows - r0).min(PLAIN_TILE_ROWS);
-                for a in 0..acts {
+            for (&(r0, wrows), sums) in tiles.iter().zip(&sums) {
+                for (a, sums) in sums.iter().enumerate().take(acts) {
                     let row = &mut out[(a0 + a - act_rows.start) * stride + r0..][..wrows];
-                    for (r, out) in row.iter_mut().enumerate() {
-                        let sum = hsum_float_8(_mm256_add_ps(even[a][r], odd[a][r]));
+                    for (r, (out, &sum)) in row.iter_mut().zip(sums).enumerate() {
+                        let sum = hsum_float_8(sum);
                         *out = if body == k {
                             sum
                         } else {
@@ -1703,27 +1728,30 @@ mod imp {
         }
     }
 
-    /// [`PlainKind::F16`] as [`plain_tile_sweep`]'s const-generic argument.
+    /// [`PlainKind::F16`] as [`plain_tile`]'s const-generic argument.
     const PLAIN_F16: u8 = 0;
-    /// [`PlainKind::Bf16`] as [`plain_tile_sweep`]'s const-generic argument.
+    /// [`PlainKind::Bf16`] as [`plain_tile`]'s const-generic argument.
     const PLAIN_BF16: u8 = 1;
-    /// [`PlainKind::F32`] as [`plain_tile_sweep`]'s const-generic argument.
+    /// [`PlainKind::F32`] as [`plain_tile`]'s const-generic argument.
     const PLAIN_F32: u8 = 2;
 
-    /// One sweep of a [`plain_rows`] register tile: `W` weight rows from `w` (rows `row_bytes`
+    /// One K slice of a [`plain_rows`] register tile: `W` weight rows from `w` (rows `row_bytes`
     /// apart) against `A` activation rows from `x` (rows `k` apart), adding the 8-element chunks
-    /// starting at `chunks.start`, `chunks.start + 16`, … (ending by `chunks.end`) to `sums`
-    /// (`[a][r]`), one FMA per chunk and pair. Not inlined: the sums go through memory between
-    /// sweeps, and the registers are all the sweep's.
+    /// starting at `chunks.start`, `chunks.start + 8`, … (ending by `chunks.end`) to `sums`
+    /// (`[a][r]`) in order, one FMA per chunk and pair. The weight rows are prefetched a stream
+    /// distance ahead: a single row's decode needs it on a KVM guest, and a few rows' passes
+    /// read the block from memory too. Not inlined: the sums go through memory between slices,
+    /// and the registers are all the loop's.
     #[inline(never)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn plain_tile_sweep<const W: usize, const A: usize, const KIND: u8>(
+    unsafe fn plain_tile<const W: usize, const A: usize, const KIND: u8>(
         w: *const u8,
         row_bytes: usize,
         x: *const f32,
         k: usize,
         chunks: std::ops::Range<usize>,
-        sums: &mut [[__m256; PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS],
+        sums: &mut PlainTileSums,
+        stream: bool,
     ) {
         let elem = if KIND == PLAIN_F32 { 4 } else { 2 };
         let load = |r: usize, c: usize| {
@@ -1738,6 +1766,11 @@ mod imp {
             std::array::from_fn(|a| std::array::from_fn(|r| sums[a][r]));
         let mut c = chunks.start;
         while c + 8 <= chunks.end {
+            if stream {
+                for r in 0..W {
+                    prefetch_ahead(w.wrapping_add(r * row_bytes + c * elem), 8 * elem);
+                }
+            }
             let wv: [__m256; W] = std::array::from_fn(|r| load(r, c));
             for (a, acc) in acc.iter_mut().enumerate() {
                 let xv = _mm256_loadu_ps(x.add(a * k + c));
@@ -1745,7 +1778,7 @@ mod imp {
                     acc[r] = _mm256_fmadd_ps(wv[r], xv, acc[r]);
                 }
             }
-            c += 16;
+            c += 8;
         }
         for (a, acc) in acc.iter().enumerate() {
             sums[a][..W].copy_from_slice(acc);
@@ -1753,7 +1786,7 @@ mod imp {
     }
 
     /// `sum` plus the products of elements `c .. k` (fewer than 8) of a plain row, one at a time:
-    /// the end of [`plain_dot`] and of the AVX-512 tiles that give its bits.
+    /// the end of [`plain_dot`], of [`plain_rows`] and of the AVX-512 tiles.
     pub(in crate::kernels) fn plain_tail(
         kind: PlainKind,
         w: &[u8],

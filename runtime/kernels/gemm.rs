@@ -502,8 +502,12 @@ impl HostExecutor {
                 "{} row dots in 4 x 3 register tiles on f32 activations (AVX-512)",
                 format.name()
             ),
+            FastKernel::Plain(_) if self.uses_avx2() => format!(
+                "{} row dots in 3 x 4 register tiles on f32 activations, one sum per pair (AVX2)",
+                format.name()
+            ),
             FastKernel::Plain(_) => {
-                format!("{} row dot on f32 activations ({simd})", format.name())
+                format!("{} row dot on f32 activations (scalar)", format.name())
             }
             FastKernel::Ggml => {
                 let vnni = self.int_dot() == Some(avx2::IntDot::Vnni);
@@ -1079,8 +1083,8 @@ fn compute_block(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    // Register tiles from a few activation rows on: alone, a row streams best one weight row
-    // after the other (the tiles read four rows at once); both give the same bits.
+    // The AVX-512 path: register tiles from a few activation rows on; alone, a row streams best
+    // one weight row after the other (the tiles read four rows at once); both give the same bits.
     if let (Some(avx2::IntDot::Vnni), FastKernel::Plain(kind), true) =
         (fast, kernel, rows.len() >= PLAIN_TILE_MIN_ROWS)
     {
@@ -1092,9 +1096,8 @@ fn compute_block(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if let (Some(_), FastKernel::Plain(kind), true) =
-        (fast, kernel, rows.len() >= PLAIN_TILE_MIN_ROWS)
-    {
+    // The AVX2 path's tiles at every row count: their order (one sum per pair) is that path's.
+    if let (Some(avx2::IntDot::Maddubs), FastKernel::Plain(kind)) = (fast, kernel) {
         let data = &w.data[n0 * k * elem..(n0 + rows_here) * k * elem];
         // SAFETY: `fast` means the CPU has AVX2, FMA and F16C; `data` holds rows_here rows of k
         // elements, `x` k floats per activation row (rows ⊂ 0..m), and `out` TILE_ROWS floats
@@ -1109,8 +1112,8 @@ fn compute_block(
             #[cfg(target_arch = "x86_64")]
             if fast.is_some() {
                 if let FastKernel::Plain(kind) = kernel {
-                    // SAFETY: `fast` means the CPU has AVX2/FMA/F16C; wrow holds k elements and
-                    // xr has k floats.
+                    // SAFETY: `fast` (here the AVX-512 path's few rows) means the CPU has
+                    // AVX2/FMA/F16C; wrow holds k elements and xr has k floats.
                     out[slot * TILE_ROWS + r] = unsafe { avx2::plain_dot(kind, wrow, xr, k) };
                     continue;
                 }
