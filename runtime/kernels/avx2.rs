@@ -1652,9 +1652,8 @@ mod imp {
             (PLAIN_TILE_ROWS, PLAIN_K_SLICE)
         };
         let mut tiles = [(0, 0); TILE_ROWS.div_ceil(2)];
-        let mut tile_count = 0;
-        while tile_count == 0 || tiles[tile_count - 1].0 + tiles[tile_count - 1].1 < rows {
-            let r0 = tiles[..tile_count].last().map_or(0, |&(r0, n)| r0 + n);
+        let (mut tile_count, mut r0) = (0, 0);
+        while r0 < rows {
             let n = match rows - r0 {
                 4 | 2 => 2,
                 1 => 1,
@@ -1662,6 +1661,7 @@ mod imp {
             };
             tiles[tile_count] = (r0, n);
             tile_count += 1;
+            r0 += n;
         }
         let tiles = &tiles[..tile_count];
         let zero: PlainTileSums = [[_mm256_setzero_ps(); PLAIN_TILE_ROWS]; PLAIN_TILE_ACTS];
