@@ -1671,7 +1671,7 @@ mod imp {
             sums[..tile_count].fill(zero);
             // The first activation rows read the block from memory; later ones find it in L2.
             let stream = a0 == act_rows.start;
-            for c0 in (0..body.max(1)).step_by(slice) {
+            for c0 in (0..body).step_by(slice) {
                 let chunks = c0..(c0 + slice).min(body);
                 for (&(r0, wrows), sums) in tiles.iter().zip(sums.iter_mut()) {
                     let (wp, xp) = (w.as_ptr().add(r0 * row_bytes), x.as_ptr().add(a0 * k));
