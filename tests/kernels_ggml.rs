@@ -1,7 +1,8 @@
 //! Host GEMM over GGUF block rows (`WeightFormat::Ggml`): every block type on the AVX2 and the
 //! scalar path against the decode-then-f64 reference with the same q8 activations, batched rows
 //! bit-identical to single rows, and the matrix checks of a hand-built `WeightMatrix`; the same
-//! for the host executor's interleaved rows (IQ4_NL, Q5_0, Q5_1) and K tiles (Q4_K).
+//! for the host executor's interleaved rows (IQ4_NL, Q5_0, Q5_1) and K tiles (Q4_K, Q5_K,
+//! IQ4_XS).
 
 use xdna::ggml::GgmlType;
 use xdna::kernels::host_layout::{
@@ -272,69 +273,86 @@ fn interleaved_rows_are_the_file_rows_moved() {
     assert!(!append_interleaved_rows(&q6_matrix, &mut Vec::new()).expect("no layout"));
 }
 
-/// K tiles are the file's Q4_K bytes moved: taken back they are the GGUF rows exactly; the
-/// scalar path (which reads rows) gives the bits it gives over the file's layout; the AVX2
-/// path's 4-bit tile kernel matches the decode-then-f64 reference, and its batched rows keep the
-/// bits of single rows (one 32 × 32 unpack serves every row, sums in the same order). The wrong
-/// length is refused, and so is handing the layout to what takes the stored one; a row count
-/// that is not whole blocks of 32, or another type, has no K tiles.
+/// K tiles are the file's Q4_K, Q5_K and IQ4_XS bytes moved: taken back they are the GGUF rows
+/// exactly; the scalar path (which reads rows) gives the bits it gives over the file's layout; the
+/// AVX2 path's 4-bit tile kernel (Q5_K: with the fifth-bit plane, in half-group sums; IQ4_XS: its
+/// table values plus 128 in two 4-bit planes, the 128 taken off as a minimum) matches the
+/// decode-then-f64 reference, and its batched rows keep the bits of single rows (one 32 × 32
+/// unpack serves every row, sums in the same order). The wrong length is refused, and so is
+/// handing the layout to what takes the stored one; a row count that is not whole blocks of 32,
+/// or another type, has no K tiles.
 #[test]
 fn k_tiles_are_the_file_rows_moved() {
     let mut rng = Rng(0x4b71);
-    let (ty, n, k) = (GgmlType::Q4_K, 64, 768);
-    let format = WeightFormat::Ggml(ty);
-    let data = random_rows(ty, n, k, &mut rng);
-    let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
-    let mut packed = Vec::new();
-    assert!(append_k_tiles(&w, &mut packed).expect("K tiles"));
-    assert_eq!(packed.len(), 2 * 3 * 4736, "two row blocks of three tiles");
-    let mut back = vec![0u8; data.len()];
-    k_tiles_to_rows(&packed, k, 0..n, &mut back);
-    assert!(back == data, "the rows taken back differ from the file's");
-    let wk = WeightMatrix::k_tiles(format, n, k, &packed).expect("matrix");
-    let avx2 = HostExecutor::without_vnni();
-    let scalar = HostExecutor::scalar();
-    for m in [1usize, 2, 3, 5, 16, 17, 19] {
-        let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
-        let mut want = vec![0f32; m * n];
-        gemm_reference_quantized(&w, &x, m, &mut want).expect("reference");
-        let (mut file, mut moved) = (vec![0f32; m * n], vec![0f32; m * n]);
-        scalar.gemm(&w, &x, m, &mut file).expect("gemm");
-        scalar.gemm(&wk, &x, m, &mut moved).expect("gemm");
-        let same = file
-            .iter()
-            .zip(&moved)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "scalar m={m}: K tiles give other bits");
-        let mut tiled = vec![0f32; m * n];
-        avx2.gemm(&wk, &x, m, &mut tiled).expect("gemm");
-        let e = rel_err(&tiled, &want);
-        assert!(e < 2e-5, "AVX2 m={m}: relative error {e}");
-        // Every row alone, then within the batch: the same bits.
-        for (i, row) in x.chunks_exact(k).enumerate() {
-            let mut one = vec![0f32; n];
-            avx2.gemm(&wk, row, 1, &mut one).expect("gemm");
-            let batched = &tiled[i * n..(i + 1) * n];
-            assert!(
-                one.iter()
-                    .zip(batched)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "AVX2 m={m}: row {i} batched differs from the row alone"
-            );
+    let types = [
+        (GgmlType::Q4_K, 4736),
+        (GgmlType::Q5_K, 5760),
+        (GgmlType::IQ4_XS, 4416),
+    ];
+    for (ty, tile_bytes) in types {
+        let (n, k) = (64, 768);
+        let format = WeightFormat::Ggml(ty);
+        let data = random_rows(ty, n, k, &mut rng);
+        let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
+        let mut packed = Vec::new();
+        assert!(append_k_tiles(&w, &mut packed).expect("K tiles"));
+        assert_eq!(
+            packed.len(),
+            2 * 3 * tile_bytes,
+            "{ty:?}: two row blocks of three tiles"
+        );
+        let mut back = vec![0u8; data.len()];
+        k_tiles_to_rows(format, &packed, k, 0..n, &mut back);
+        assert!(
+            back == data,
+            "{ty:?}: the rows taken back differ from the file's"
+        );
+        let wk = WeightMatrix::k_tiles(format, n, k, &packed).expect("matrix");
+        let avx2 = HostExecutor::without_vnni();
+        let scalar = HostExecutor::scalar();
+        for m in [1usize, 2, 3, 5, 16, 17, 19] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
+            let mut want = vec![0f32; m * n];
+            gemm_reference_quantized(&w, &x, m, &mut want).expect("reference");
+            let (mut file, mut moved) = (vec![0f32; m * n], vec![0f32; m * n]);
+            scalar.gemm(&w, &x, m, &mut file).expect("gemm");
+            scalar.gemm(&wk, &x, m, &mut moved).expect("gemm");
+            let same = file
+                .iter()
+                .zip(&moved)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{ty:?} scalar m={m}: K tiles give other bits");
+            let mut tiled = vec![0f32; m * n];
+            avx2.gemm(&wk, &x, m, &mut tiled).expect("gemm");
+            let e = rel_err(&tiled, &want);
+            assert!(e < 2e-5, "{ty:?} AVX2 m={m}: relative error {e}");
+            // Every row alone, then within the batch: the same bits.
+            for (i, row) in x.chunks_exact(k).enumerate() {
+                let mut one = vec![0f32; n];
+                avx2.gemm(&wk, row, 1, &mut one).expect("gemm");
+                let batched = &tiled[i * n..(i + 1) * n];
+                assert!(
+                    one.iter()
+                        .zip(batched)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{ty:?} AVX2 m={m}: row {i} batched differs from the row alone"
+                );
+            }
         }
+        assert!(WeightMatrix::k_tiles(format, n, k, &packed[1..]).is_err());
+        assert!(WeightMatrix::k_tiles(format, n, k, &data).is_err());
+        let err = wk
+            .require_tiles("the reference")
+            .expect_err("not the stored layout");
+        assert!(err.to_string().contains("K-tile"), "{err}");
+        assert!(!host_layout::has_k_tiles(format, 45));
+        let partial =
+            WeightMatrix::new(format, 45, k, &data[..45 * data.len() / n]).expect("matrix");
+        assert!(!append_k_tiles(&partial, &mut Vec::new()).expect("no layout"));
     }
-    assert!(WeightMatrix::k_tiles(format, n, k, &packed[1..]).is_err());
-    assert!(WeightMatrix::k_tiles(format, n, k, &data).is_err());
-    let err = wk
-        .require_tiles("the reference")
-        .expect_err("not the stored layout");
-    assert!(err.to_string().contains("K-tile"), "{err}");
-    assert!(!host_layout::has_k_tiles(format, 45));
-    let partial = WeightMatrix::new(format, 45, k, &data[..45 * data.len() / n]).expect("matrix");
-    assert!(!append_k_tiles(&partial, &mut Vec::new()).expect("no layout"));
-    let q5 = WeightFormat::Ggml(GgmlType::Q5_K);
-    assert!(!host_layout::has_k_tiles(q5, 64));
-    let q5_data = vec![0u8; 32 * 176];
-    let q5_matrix = WeightMatrix::new(q5, 32, 256, &q5_data).expect("matrix");
-    assert!(!append_k_tiles(&q5_matrix, &mut Vec::new()).expect("no layout"));
+    let q6 = WeightFormat::Ggml(GgmlType::Q6_K);
+    assert!(!host_layout::has_k_tiles(q6, 64));
+    let q6_data = vec![0u8; 32 * 210];
+    let q6_matrix = WeightMatrix::new(q6, 32, 256, &q6_data).expect("matrix");
+    assert!(!append_k_tiles(&q6_matrix, &mut Vec::new()).expect("no layout"));
 }

@@ -79,6 +79,24 @@ pub struct Q4Layout {
     pub tile_bytes: usize,
     /// 32-column groups per tile: 8, or 1 for host group records (`gemm::Packing`).
     pub groups_per_tile: usize,
+    /// What the code bytes hold.
+    pub codes_kind: Q4Codes,
+}
+
+/// What the code bytes of a 4-bit tile hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Q4Codes {
+    /// Unsigned 4-bit codes (q4_1, Q4_K).
+    Nibbles,
+    /// 5-bit codes: the nibbles plus 16 where the fifth-bit plane at this tile offset has their
+    /// bit (GGUF Q5_K in K tiles, `host_layout::K_TILE_FIFTH_BITS`).
+    FifthBits(usize),
+    /// Indices into ggml's `IQ4_TABLE` (GGUF IQ4_XS in K tiles): each value plus 128 taken as
+    /// `16·h + l`, two planes of 4-bit codes, the 128 taken back off as the tile's minimum. The
+    /// tile has its own scales whatever `Q4Layout::scales` says: i8 `s8` at `g·32 + r` times the
+    /// row's f16 `d` at `host_layout::K_TILE_IQ4_ROW_SCALES`, minimum `−128·s8·d`
+    /// ([`group_scales`]).
+    Iq4Table,
 }
 
 /// Geometry of an 8-bit tile kernel.
@@ -176,6 +194,64 @@ mod imp {
         // SAFETY: the caller guarantees 8 readable bytes at `p`.
         let v = unsafe { _mm_loadl_epi64(p as *const __m128i) };
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+    }
+
+    /// 8 i8 → f32.
+    ///
+    /// # Safety
+    /// AVX2 available; 8 readable bytes at `p`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn i8x8(p: *const u8) -> __m256 {
+        // SAFETY: 8 bytes at `p` (caller contract).
+        let v = unsafe { _mm_loadl_epi64(p as *const __m128i) };
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+    }
+
+    /// [`q4_group_scales`] of an IQ4_XS K tile (`Q4Codes::Iq4Table`): `s8·d` and `−128·s8·d`.
+    ///
+    /// # Safety
+    /// AVX2 available; `tile` is a whole IQ4_XS K tile, `g < 8`.
+    #[inline(never)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4_group_scales(tile: *const u8, g: usize) -> ([__m256; 4], [__m256; 4]) {
+        // SAFETY: the scale area's group g and the row scales lie inside the tile (caller
+        // contract).
+        unsafe {
+            let s8 = tile.add(g * 32);
+            let srow = tile.add(crate::kernels::host_layout::K_TILE_IQ4_ROW_SCALES);
+            let minus_128 = _mm256_set1_ps(-128.0);
+            let mut d = [_mm256_setzero_ps(); 4];
+            let mut m = [_mm256_setzero_ps(); 4];
+            for i in 0..4 {
+                // i8 × f16 is exact in f32 (8 + 11 significant bits), and so is × −128.
+                d[i] = _mm256_mul_ps(i8x8(s8.add(8 * i)), f16x8(srow.add(16 * i)));
+                m[i] = _mm256_mul_ps(d[i], minus_128);
+            }
+            (d, m)
+        }
+    }
+
+    /// [`q4_group_scales`], or [`iq4_group_scales`] for an IQ4_XS K tile: what the kernels that
+    /// may meet every 4-bit layout call. Kept apart so that `q4_group_scales` stays small enough
+    /// to be inlined into the q4 decode loop, which calls it directly.
+    ///
+    /// # Safety
+    /// As [`q4_group_scales`].
+    #[inline(always)]
+    unsafe fn group_scales(
+        layout: Q4Layout,
+        tile: *const u8,
+        g: usize,
+    ) -> ([__m256; 4], [__m256; 4]) {
+        // SAFETY: the caller's contract is both functions'; AVX2 available.
+        unsafe {
+            if layout.codes_kind == Q4Codes::Iq4Table {
+                iq4_group_scales(tile, g)
+            } else {
+                q4_group_scales(layout, tile, g)
+            }
+        }
     }
 
     /// Natural-order (rows 0-7, 8-15, 16-23, 24-31) scale and min vectors of group `g`.
@@ -352,6 +428,84 @@ mod imp {
                 q4_unpack_quad(codes, column_major, c + 24),
                 q4_unpack_quad(codes, column_major, c + 28),
             ]
+        }
+    }
+
+    /// `w` (a [`q4_unpack_quad`] vector of quad `quad`) with 16 added where its fifth bit is set:
+    /// `bits` is its slot's 32 plane bytes, which hold quad q's bits in bit q
+    /// (`host_layout::K_TILE_FIFTH_BITS`). `QUAD` is a constant so that the mask and the shift are
+    /// immediates.
+    #[inline(always)]
+    fn add_fifth_bits<const QUAD: usize>(w: __m256i, bits: __m256i) -> __m256i {
+        // SAFETY: these intrinsics operate on registers only, and AVX2 is enabled in every caller
+        // (`target_feature`).
+        unsafe {
+            let bit = _mm256_and_si256(bits, _mm256_set1_epi8((1u8 << QUAD) as i8));
+            // Bit `QUAD` moved to bit 4 of the same byte (16-bit shifts cannot carry it out: the
+            // other bits are clear).
+            let sixteen = match QUAD {
+                0 => _mm256_slli_epi16::<4>(bit),
+                1 => _mm256_slli_epi16::<3>(bit),
+                2 => _mm256_slli_epi16::<2>(bit),
+                3 => _mm256_slli_epi16::<1>(bit),
+                4 => bit,
+                5 => _mm256_srli_epi16::<1>(bit),
+                6 => _mm256_srli_epi16::<2>(bit),
+                _ => _mm256_srli_epi16::<3>(bit),
+            };
+            _mm256_or_si256(w, sixteen)
+        }
+    }
+
+    /// A group's four slot vectors of fifth bits: the 128 plane bytes at `plane`.
+    ///
+    /// # Safety
+    /// AVX2 available; 128 readable bytes at `plane`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fifth_bit_slots(plane: *const u8) -> [__m256i; 4] {
+        // SAFETY: 4 × 32 bytes at `plane` (caller contract).
+        std::array::from_fn(|s| unsafe { _mm256_loadu_si256(plane.add(32 * s) as *const __m256i) })
+    }
+
+    /// Offset of a 5-bit layout's fifth-bit plane (0 for the other code kinds, which have none).
+    #[inline(always)]
+    fn fifth_bit_plane(layout: Q4Layout) -> usize {
+        match layout.codes_kind {
+            Q4Codes::FifthBits(plane) => plane,
+            Q4Codes::Nibbles | Q4Codes::Iq4Table => 0,
+        }
+    }
+
+    /// Group `g` of a 5-bit K tile (`Q4Codes::FifthBits`) as [`q4_unpack_group`]'s vectors with
+    /// their fifth bits added: codes 0..=31.
+    ///
+    /// # Safety
+    /// AVX2 available; `tile` is a whole K tile of `layout` with a fifth-bit plane, `g < 8`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_unpack_group(layout: Q4Layout, tile: *const u8, g: usize) -> [[__m256i; 4]; 8] {
+        // SAFETY: the code area and the plane's group g lie inside the tile (caller contract).
+        unsafe {
+            let mut unpacked = q4_unpack_group(tile.add(layout.codes), layout.column_major, g);
+            let plane = tile.add(fifth_bit_plane(layout) + g * 128);
+            let bits = fifth_bit_slots(plane);
+            macro_rules! quad {
+                ($q:literal) => {
+                    for (w, &bits) in unpacked[$q].iter_mut().zip(&bits) {
+                        *w = add_fifth_bits::<$q>(*w, bits);
+                    }
+                };
+            }
+            quad!(0);
+            quad!(1);
+            quad!(2);
+            quad!(3);
+            quad!(4);
+            quad!(5);
+            quad!(6);
+            quad!(7);
+            unpacked
         }
     }
 
@@ -650,6 +804,30 @@ mod imp {
         }
     }
 
+    /// Prefetch the fifth bits (128 bytes per group in the plane) of group `gg + PREFETCH_AHEAD` of
+    /// a 5-bit K tile row block; nothing for the other code kinds. Apart from
+    /// [`prefetch_q4_group`], which the q4 decode loop needs inlined.
+    ///
+    /// # Safety
+    /// AVX2 available (a prefetch itself never faults).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_fifth_bits(layout: Q4Layout, block: &[u8], groups_total: usize, gg: usize) {
+        if let Q4Codes::FifthBits(plane) = layout.codes_kind {
+            // SAFETY: AVX2 available (caller contract).
+            unsafe {
+                prefetch_group(
+                    block,
+                    groups_total,
+                    layout.groups_per_tile,
+                    layout.tile_bytes,
+                    |_, g| [(plane + g * 128, 2), (0, 0), (0, 0)],
+                    gg + PREFETCH_AHEAD,
+                )
+            };
+        }
+    }
+
     /// Prefetch the lines of group `gg + PREFETCH_AHEAD` of an 8-bit row block.
     ///
     /// # Safety
@@ -756,6 +934,65 @@ mod imp {
         if i < rows.len() {
             finish(i, rows.start + i, one(rows.start + i));
         }
+    }
+
+    /// [`q4_group_rows`] for K tiles whose codes are not plain nibbles: `dots(a)` gives one
+    /// activation row's four slot dot products over the group from its 32 codes at `a`
+    /// ([`q5_group_dots`], [`iq4_group_dots`]), and the single-row kernel's `fma(dot, d · d_x,
+    /// acc)` per group follows unchanged. Q5_K's codes reach 31, so a pair of `maddubs` products
+    /// reaches 2·31·127 and each slot's i16 sum takes 4 quads (|Σ| ≤ 31496), the two halves of
+    /// the group widened apart and added in i32 — the same integer as one sum.
+    ///
+    /// # Safety
+    /// As [`q4_group_rows`]; `dots` may read 32 codes at the pointer it is given.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn coded_group_rows<const FIRST: bool>(
+        dots: impl Fn(*const i8) -> [__m256; 4],
+        d: &[__m256; 4],
+        act: &QuantizedRows,
+        rows: std::ops::Range<usize>,
+        gg: usize,
+        out: &mut [f32],
+    ) {
+        debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
+        let groups_total = act.groups();
+        for (i, row) in rows.enumerate() {
+            // SAFETY: row < act.rows and gg < groups (caller contract): the row's 32 codes of
+            // group gg.
+            let a = unsafe { act.codes.as_ptr().add(row * act.cols + gg * GROUP) };
+            let dots = dots(a);
+            let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
+            // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
+            unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
+        }
+    }
+
+    /// One activation row's four slot dot products (as f32) over a group of 5-bit codes: 32
+    /// `maddubs` summed in i16 per half group, each half widened, the halves added in i32.
+    ///
+    /// # Safety
+    /// AVX2 available; 32 readable activation codes at `a`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_group_dots(unpacked: &[[__m256i; 4]; 8], a: *const i8) -> [__m256; 4] {
+        let ones = _mm256_set1_epi16(1);
+        let mut halves = [[_mm256_setzero_si256(); 4]; 2];
+        for (quad, w) in unpacked.iter().enumerate() {
+            // SAFETY: 4 codes at a + 4·quad (quad < 8; caller contract).
+            let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+            let half = &mut halves[quad / 4];
+            for (sum, w_slot) in half.iter_mut().zip(w) {
+                *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(*w_slot, x4));
+            }
+        }
+        std::array::from_fn(|s| {
+            let whole = _mm256_add_epi32(
+                _mm256_madd_epi16(halves[0][s], ones),
+                _mm256_madd_epi16(halves[1][s], ones),
+            );
+            _mm256_cvtepi32_ps(whole)
+        })
     }
 
     /// The 8 quads × 4 slots of `maddubs` of one group for two activation rows, in assembly: each
@@ -910,6 +1147,238 @@ mod imp {
         unsafe { q4_add_min_term(layout, block, sums, &mut out[..TILE_ROWS]) };
     }
 
+    /// [`q5_group_dots`] of group `g` of a 5-bit K tile straight from the tile: each quad is
+    /// unpacked, given its fifth bits (read from the plane as the `and`'s memory operand) and
+    /// multiplied at once, so no unpacked group is stored — a single row is bound by these
+    /// instructions, not by the multiplies. The same integers, so the same floats.
+    ///
+    /// # Safety
+    /// AVX2 available; `tile` is a whole column-major K tile of `layout` with a fifth-bit plane,
+    /// `g < 8`; 32 readable activation codes at `a`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_group_dots_one_row(
+        layout: Q4Layout,
+        tile: *const u8,
+        g: usize,
+        a: *const i8,
+    ) -> [__m256; 4] {
+        let ones = _mm256_set1_epi16(1);
+        let mut whole = [_mm256_setzero_si256(); 4];
+        // SAFETY: the code area, the plane's group g and the 32 codes at `a` are readable
+        // (caller contract).
+        unsafe {
+            let codes = tile.add(layout.codes);
+            let plane = tile.add(fifth_bit_plane(layout) + g * 128);
+            let mut sums = [_mm256_setzero_si256(); 4];
+            macro_rules! quad {
+                ($q:literal) => {
+                    let w = q4_unpack_quad(codes, true, g * GROUP + $q * 4);
+                    let x4 = broadcast4(a.add($q * 4));
+                    for (s, (sum, w)) in sums.iter_mut().zip(w).enumerate() {
+                        let bits = _mm256_loadu_si256(plane.add(32 * s) as *const __m256i);
+                        let w = add_fifth_bits::<$q>(w, bits);
+                        *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(w, x4));
+                    }
+                };
+            }
+            // Four quads per i16 sum, then widened: two halves.
+            quad!(0);
+            quad!(1);
+            quad!(2);
+            quad!(3);
+            for (whole, sum) in whole.iter_mut().zip(&mut sums) {
+                *whole = _mm256_madd_epi16(*sum, ones);
+                *sum = _mm256_setzero_si256();
+            }
+            quad!(4);
+            quad!(5);
+            quad!(6);
+            quad!(7);
+            for (whole, sum) in whole.iter_mut().zip(sums) {
+                *whole = _mm256_add_epi32(*whole, _mm256_madd_epi16(sum, ones));
+            }
+        }
+        whole.map(|w| _mm256_cvtepi32_ps(w))
+    }
+
+    /// `IQ4_TABLE[n] + 128 = 16·IQ4_SPLIT.0[n] + IQ4_SPLIT.1[n]`: the two 4-bit planes of an
+    /// IQ4 value made unsigned, so each plane's `maddubs` sums stay within i16 over a group.
+    const IQ4_SPLIT: ([u8; 16], [u8; 16]) = {
+        let (mut high, mut low) = ([0u8; 16], [0u8; 16]);
+        let mut n = 0;
+        while n < 16 {
+            let v = (crate::ggml::IQ4_TABLE[n] as i16 + 128) as u8;
+            high[n] = v >> 4;
+            low[n] = v & 0x0F;
+            n += 1;
+        }
+        (high, low)
+    };
+
+    /// [`IQ4_SPLIT`]'s two tables in both lanes of a register, for `vpshufb`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4_split_tables() -> (__m256i, __m256i) {
+        // SAFETY: each table is 16 readable bytes.
+        unsafe {
+            (
+                _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128(IQ4_SPLIT.0.as_ptr() as *const __m128i),
+                ),
+                _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128(IQ4_SPLIT.1.as_ptr() as *const __m128i),
+                ),
+            )
+        }
+    }
+
+    /// Group `g` of an IQ4_XS K tile (`Q4Codes::Iq4Table`) as the [`q4_unpack_group`] vectors of
+    /// its two planes: `[high, low]`, each code ≤ 15.
+    ///
+    /// # Safety
+    /// AVX2 available; `tile` is a whole column-major K tile of `layout`, `g < 8`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4_unpack_group(
+        layout: Q4Layout,
+        tile: *const u8,
+        g: usize,
+    ) -> [[[__m256i; 4]; 8]; 2] {
+        // SAFETY: the code area's group g lies inside the tile (caller contract).
+        let index = unsafe { q4_unpack_group(tile.add(layout.codes), true, g) };
+        // SAFETY: AVX2 available (caller contract).
+        let (high, low) = unsafe { iq4_split_tables() };
+        [
+            index.map(|quad| quad.map(|n| _mm256_shuffle_epi8(high, n))),
+            index.map(|quad| quad.map(|n| _mm256_shuffle_epi8(low, n))),
+        ]
+    }
+
+    /// One activation row's four slot dot products (as f32) over a group of IQ4 values plus 128:
+    /// each plane's 32 `maddubs` summed in i16 (|Σ| ≤ 8·2·15·127), widened with weights 16 and 1
+    /// and added in i32.
+    ///
+    /// # Safety
+    /// AVX2 available; 32 readable activation codes at `a`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4_group_dots(planes: &[[[__m256i; 4]; 8]; 2], a: *const i8) -> [__m256; 4] {
+        let mut high = [_mm256_setzero_si256(); 4];
+        let mut low = [_mm256_setzero_si256(); 4];
+        for (quad, (h, l)) in planes[0].iter().zip(&planes[1]).enumerate() {
+            // SAFETY: 4 codes at a + 4·quad (quad < 8; caller contract).
+            let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+            for s in 0..4 {
+                high[s] = _mm256_add_epi16(high[s], _mm256_maddubs_epi16(h[s], x4));
+                low[s] = _mm256_add_epi16(low[s], _mm256_maddubs_epi16(l[s], x4));
+            }
+        }
+        iq4_widen(high, low)
+    }
+
+    /// `16·high + low` per row lane, widened to i32 and converted.
+    #[inline(always)]
+    fn iq4_widen(high: [__m256i; 4], low: [__m256i; 4]) -> [__m256; 4] {
+        // SAFETY: these intrinsics operate on registers only, and AVX2 is enabled in every caller
+        // (`target_feature`).
+        unsafe {
+            let (sixteen, ones) = (_mm256_set1_epi16(16), _mm256_set1_epi16(1));
+            std::array::from_fn(|s| {
+                _mm256_cvtepi32_ps(_mm256_add_epi32(
+                    _mm256_madd_epi16(high[s], sixteen),
+                    _mm256_madd_epi16(low[s], ones),
+                ))
+            })
+        }
+    }
+
+    /// [`iq4_group_dots`] of group `g` of an IQ4_XS K tile straight from the tile, quad by quad
+    /// (no unpacked group stored): the same integers, so the same floats.
+    ///
+    /// # Safety
+    /// AVX2 available; `tile` is a whole column-major K tile of `layout`, `g < 8`; 32 readable
+    /// activation codes at `a`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4_group_dots_one_row(
+        layout: Q4Layout,
+        tile: *const u8,
+        g: usize,
+        a: *const i8,
+    ) -> [__m256; 4] {
+        let mut high = [_mm256_setzero_si256(); 4];
+        let mut low = [_mm256_setzero_si256(); 4];
+        // SAFETY: the code area's group g and the 32 codes at `a` are readable (caller contract).
+        unsafe {
+            let (high_table, low_table) = iq4_split_tables();
+            let codes = tile.add(layout.codes);
+            for quad in 0..8 {
+                let index = q4_unpack_quad(codes, true, g * GROUP + quad * 4);
+                let x4 = broadcast4(a.add(quad * 4));
+                for (s, n) in index.into_iter().enumerate() {
+                    let h = _mm256_shuffle_epi8(high_table, n);
+                    let l = _mm256_shuffle_epi8(low_table, n);
+                    high[s] = _mm256_add_epi16(high[s], _mm256_maddubs_epi16(h, x4));
+                    low[s] = _mm256_add_epi16(low[s], _mm256_maddubs_epi16(l, x4));
+                }
+            }
+        }
+        iq4_widen(high, low)
+    }
+
+    /// [`q4_block`] for a single activation row of a K tile matrix whose codes are not plain
+    /// nibbles (`Q4Codes::FifthBits`, `Q4Codes::Iq4Table`): per group the row's dot products
+    /// straight from the tile ([`q5_group_dots_one_row`], [`iq4_group_dots_one_row`]: the integers
+    /// of the multi-row kernels), the multi-row kernel's `fma(dot, d · d_x, acc)` in registers
+    /// from zero, then the min term as [`q4_block_one_row`] adds it: a row's bits do not depend
+    /// on the rows batched with it.
+    ///
+    /// # Safety
+    /// As [`q4_block`] with `rows = row..row + 1`; `layout` is a column-major K tile layout.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn coded_block_one_row(
+        layout: Q4Layout,
+        block: &[u8],
+        act: &QuantizedRows,
+        row: usize,
+        out: &mut [f32],
+    ) {
+        let groups_total = act.groups();
+        debug_assert!(row < act.rows && out.len() >= TILE_ROWS);
+        debug_assert!(
+            block.len() >= groups_total.div_ceil(layout.groups_per_tile) * layout.tile_bytes
+        );
+        let scales = &act.scales[row * groups_total..(row + 1) * groups_total];
+        let sums = &act.sums[row * groups_total..(row + 1) * groups_total];
+        // SAFETY: row < act.rows, so the row's `cols` codes are readable.
+        let a_row = unsafe { act.codes.as_ptr().add(row * act.cols) };
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (gg, &scale_x) in scales.iter().enumerate() {
+            let (t, g) = tile_and_group(gg, layout.groups_per_tile);
+            prefetch_q4_group(layout, block, groups_total, gg);
+            prefetch_fifth_bits(layout, block, groups_total, gg);
+            // SAFETY: tile t exists (caller contract), a whole K tile of `layout`; g < 8; the
+            // activation group gg has 32 codes.
+            let (dots, d) = unsafe {
+                let tile = block.as_ptr().add(t * layout.tile_bytes);
+                let a = a_row.add(gg * GROUP);
+                let dots = match layout.codes_kind {
+                    Q4Codes::Iq4Table => iq4_group_dots_one_row(layout, tile, g, a),
+                    _ => q5_group_dots_one_row(layout, tile, g, a),
+                };
+                (dots, q4_slot_order(group_scales(layout, tile, g).0))
+            };
+            let scale_x = _mm256_set1_ps(scale_x);
+            for i in 0..4 {
+                acc[i] = _mm256_fmadd_ps(dots[i], _mm256_mul_ps(d[i], scale_x), acc[i]);
+            }
+        }
+        store_rows(acc, SlotOrder::Q4, &mut out[..TILE_ROWS]);
+        // SAFETY: as above.
+        unsafe { q4_add_min_term(layout, block, sums, &mut out[..TILE_ROWS]) };
+    }
+
     /// `out[r] += Σ_g m_w[g, r] · sums[g]` for the 32 rows of a block (natural order): the q4_1 min
     /// term, kept apart from the code dot products. The single-row and multi-row kernels both add it
     /// last and in the same order, so a row's result does not depend on how many rows were batched
@@ -931,7 +1400,7 @@ mod imp {
             // SAFETY: tile t exists (caller contract); its min area holds group g.
             let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
             // SAFETY: `tile` is a whole tile and g < layout.groups_per_tile (`tile_and_group`).
-            let mins = unsafe { q4_group_scales(layout, tile, g) }.1;
+            let mins = unsafe { group_scales(layout, tile, g) }.1;
             let sum_x = _mm256_set1_ps(sum_x);
             for i in 0..4 {
                 mins_acc[i] = _mm256_fmadd_ps(mins[i], sum_x, mins_acc[i]);
@@ -989,7 +1458,7 @@ mod imp {
                     // SAFETY: tile t exists (caller contract); its min area holds group g.
                     let tile = unsafe { block.as_ptr().add(t * layout.tile_bytes) };
                     // SAFETY: `tile` is a whole tile and g < layout.groups_per_tile (`tile_and_group`).
-                    slot.write(unsafe { q4_group_scales(layout, tile, g) }.1);
+                    slot.write(unsafe { group_scales(layout, tile, g) }.1);
                 }
                 // SAFETY: entries 0..g1 - g0 were written just above; MaybeUninit<T> has T's layout.
                 let mins: &[[__m256; 4]] = unsafe {
@@ -1066,7 +1535,9 @@ mod imp {
         if m == 1 {
             // SAFETY: the caller's contract is this function's.
             unsafe {
-                if layout.column_major {
+                if layout.codes_kind != Q4Codes::Nibbles {
+                    coded_block_one_row(layout, block, act, rows.start, out)
+                } else if layout.column_major {
                     q4_block_one_row::<true>(layout, block, act, rows.start, out)
                 } else {
                     q4_block_one_row::<false>(layout, block, act, rows.start, out)
@@ -1074,7 +1545,8 @@ mod imp {
             }
             return;
         }
-        if dot == IntDot::Vnni {
+        // The 512-bit kernels take 4-bit codes only; 5-bit K tiles run below on any CPU.
+        if dot == IntDot::Vnni && layout.codes_kind == Q4Codes::Nibbles {
             // SAFETY: the caller's contract, and `IntDot::Vnni` means `vnni_available()`.
             unsafe { crate::kernels::avx512::q4_rows(layout, block, act, rows, out) };
             return;
@@ -1091,7 +1563,38 @@ mod imp {
             // SAFETY: `layout.codes` is the code area's offset inside the tile.
             let codes = unsafe { tile.add(layout.codes) };
             // SAFETY: `tile` is a whole tile and g < layout.groups_per_tile (`tile_and_group`).
-            let d = q4_slot_order(unsafe { q4_group_scales(layout, tile, g) }.0);
+            let d = q4_slot_order(unsafe { group_scales(layout, tile, g) }.0);
+            match layout.codes_kind {
+                Q4Codes::Nibbles => {}
+                Q4Codes::FifthBits(_) => {
+                    // SAFETY: a whole K tile of `layout`, g < 8; the closure gets the 32 codes of
+                    // a row of `rows` (⊂ 0..act.rows) in group gg; `out` holds m × 32 floats.
+                    unsafe {
+                        prefetch_fifth_bits(layout, block, groups_total, gg);
+                        let unpacked = q5_unpack_group(layout, tile, g);
+                        let dots = |a| q5_group_dots(&unpacked, a);
+                        if gg == 0 {
+                            coded_group_rows::<true>(dots, &d, act, rows.clone(), gg, out)
+                        } else {
+                            coded_group_rows::<false>(dots, &d, act, rows.clone(), gg, out)
+                        }
+                    }
+                    continue;
+                }
+                Q4Codes::Iq4Table => {
+                    // SAFETY: as above.
+                    unsafe {
+                        let planes = iq4_unpack_group(layout, tile, g);
+                        let dots = |a| iq4_group_dots(&planes, a);
+                        if gg == 0 {
+                            coded_group_rows::<true>(dots, &d, act, rows.clone(), gg, out)
+                        } else {
+                            coded_group_rows::<false>(dots, &d, act, rows.clone(), gg, out)
+                        }
+                    }
+                    continue;
+                }
+            }
             // SAFETY: columns g·32 .. g·32 + 32 lie inside the tile.
             let unpacked = unsafe { q4_unpack_group(codes, layout.column_major, g) };
             // SAFETY: rows ⊂ 0..act.rows and gg < groups (caller contract); `out` holds m × 32

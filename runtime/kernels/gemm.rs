@@ -12,7 +12,7 @@
 
 use std::cell::RefCell;
 
-use super::avx2::{self, Q4Layout, Q4Scales, Q8Layout};
+use super::avx2::{self, Q4Codes, Q4Layout, Q4Scales, Q8Layout};
 use super::ggml_dot;
 use super::host_layout::{self, Packing};
 use super::pool::{ChunkCounter, Pool, ShareCounter, SharedMut};
@@ -77,7 +77,8 @@ impl<'a> WeightMatrix<'a> {
         Self::checked(format, rows, cols, data, Packing::InterleavedRows)
     }
 
-    /// A GGUF Q4_K matrix in the host executor's K tiles (from [`host_layout::append_k_tiles`]),
+    /// A GGUF Q4_K, Q5_K or IQ4_XS matrix in the host executor's K tiles (from
+    /// [`host_layout::append_k_tiles`]),
     /// its length checked against format and shape.
     pub fn k_tiles(
         format: WeightFormat,
@@ -201,7 +202,10 @@ impl<'a> WeightMatrix<'a> {
             (Packing::Tiles, Some(tile)) => {
                 self.format.padded_cols(self.cols) / self.format.tile_cols() * tile
             }
-            (Packing::KTiles, _) => self.cols / tiles::TILE_COLS * tiles::Q4K_TILE_BYTES,
+            (Packing::KTiles, _) => {
+                let tile = host_layout::KTileType::of(self.format).map_or(0, |ty| ty.tile_bytes());
+                self.cols / tiles::TILE_COLS * tile
+            }
             // Interleaved rows exist only for ggml blocks, which have no row blocks of tiles.
             (Packing::Tiles, None) | (Packing::InterleavedRows, _) => 0,
         }
@@ -224,15 +228,31 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
         ScaleType::Bf16 => Q4Scales::Bf16,
         ScaleType::F16 => Q4Scales::F16,
     };
-    if packing == Packing::KTiles {
-        // GGUF Q4_K re-laid as column-major Q4_K tiles with f16 row scales (host_layout).
+    if let (Packing::KTiles, Some(ty)) = (packing, host_layout::KTileType::of(format)) {
+        // GGUF Q4_K / Q5_K re-laid as column-major Q4_K tiles with f16 row scales, Q5_K's fifth
+        // bits in a plane after them; IQ4_XS as its table indices under i8 scales (host_layout).
+        use host_layout::KTileType;
+        let (scales, codes, codes_kind) = match ty {
+            KTileType::Q4K => (Q4Scales::Q4KF16, 512, Q4Codes::Nibbles),
+            KTileType::Q5K => (
+                Q4Scales::Q4KF16,
+                512,
+                Q4Codes::FifthBits(host_layout::K_TILE_FIFTH_BITS),
+            ),
+            KTileType::Iq4Xs => (
+                Q4Scales::Q4KF16,
+                host_layout::K_TILE_IQ4_CODES,
+                Q4Codes::Iq4Table,
+            ),
+        };
         return FastKernel::Q4(Q4Layout {
-            scales: Q4Scales::Q4KF16,
+            scales,
             column_major: true,
-            codes: 512,
+            codes,
             mins: 256,
-            tile_bytes: tiles::Q4K_TILE_BYTES,
+            tile_bytes: ty.tile_bytes(),
             groups_per_tile: tiles::GROUPS,
+            codes_kind,
         });
     }
     if packing == Packing::GroupRecords {
@@ -246,6 +266,7 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
                     mins: host_layout::Q41_RECORD_MINS,
                     tile_bytes: host_layout::Q41_RECORD_BYTES,
                     groups_per_tile: 1,
+                    codes_kind: Q4Codes::Nibbles,
                 })
             }
             WeightFormat::Q8 { scale, .. } => {
@@ -270,6 +291,7 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
             mins: tiles::Q41_MINS,
             tile_bytes: tiles::Q41_TILE_BYTES,
             groups_per_tile: tiles::GROUPS,
+            codes_kind: Q4Codes::Nibbles,
         }),
         WeightFormat::Q4K => FastKernel::Q4(Q4Layout {
             scales: Q4Scales::Q4K,
@@ -278,6 +300,7 @@ fn fast_kernel(format: WeightFormat, packing: Packing) -> FastKernel {
             mins: 256,
             tile_bytes: tiles::Q4K_TILE_BYTES,
             groups_per_tile: tiles::GROUPS,
+            codes_kind: Q4Codes::Nibbles,
         }),
         WeightFormat::Q8 { scale, order } => FastKernel::Q8(Q8Layout {
             f16_scales: scale == ScaleType::F16,
@@ -470,9 +493,9 @@ impl HostExecutor {
     }
 
     /// Whether this executor runs a `rows`-row matrix of `format` from K tiles (`host_layout`,
-    /// [`Packing::KTiles`]): GGUF Q4_K on the AVX2 path without VNNI, where the 4-bit tile
-    /// kernels outrun the row kernel (the VNNI and AMX paths keep their Q4_K row kernels). The
-    /// loader lays such matrices out so; every path runs either layout.
+    /// [`Packing::KTiles`]): GGUF Q4_K, Q5_K and IQ4_XS on the AVX2 path without VNNI, where
+    /// the 4-bit tile kernels outrun the row kernels (the VNNI and AMX paths keep their row
+    /// kernels). The loader lays such matrices out so; every path runs either layout.
     pub fn k_tiles(&self, format: WeightFormat, rows: usize) -> bool {
         self.int_dot() == Some(avx2::IntDot::Maddubs) && host_layout::has_k_tiles(format, rows)
     }
@@ -513,10 +536,20 @@ impl HostExecutor {
                 let vnni = self.int_dot() == Some(avx2::IntDot::Vnni);
                 match format {
                     _ if self.k_tiles(format, TILE_ROWS) => format!(
-                        "{} rows re-laid at load as Q4_K tiles with f16 row scales, 4-bit tile \
-                         dot on q8_K activations ({int_dot}; a row count that is not whole \
-                         blocks of 32 keeps the rows, dotted in place)",
-                        format.name()
+                        "{} rows re-laid at load as {}, 4-bit tile dot on q8_K activations \
+                         ({int_dot}; a row count that is not whole blocks of 32 keeps the rows, \
+                         dotted in place)",
+                        format.name(),
+                        match host_layout::KTileType::of(format) {
+                            Some(host_layout::KTileType::Q5K) => {
+                                "Q4_K tiles with f16 row scales and a fifth-bit plane"
+                            }
+                            Some(host_layout::KTileType::Iq4Xs) => {
+                                "tiles of table indices under i8 scales and f16 row scales, the \
+                                 values plus 128 in two 4-bit planes"
+                            }
+                            _ => "Q4_K tiles with f16 row scales",
+                        }
                     ),
                     _ if self.interleaves_rows(format) => format!(
                         "{} rows interleaved 8 at a time at load, dotted on q8 activations \
@@ -994,8 +1027,9 @@ fn compute_block(
                 return;
             }
             // Paths without the tile kernels read the GGUF rows, taken back exactly.
-            let take_back =
-                |gguf: &mut [u8]| host_layout::k_tiles_to_rows(w.data, k, n0..n0 + out_rows, gguf);
+            let take_back = |gguf: &mut [u8]| {
+                host_layout::k_tiles_to_rows(w.format, w.data, k, n0..n0 + out_rows, gguf)
+            };
             ggml_dot::block_over_rows_taken_back(
                 path, ty, k, out_rows, act, rows, out, TILE_ROWS, take_back,
             );

@@ -33,16 +33,21 @@
 //! block columns in order. Bytes are the file's, moved: [`deinterleave_rows`] gives back the GGUF
 //! rows exactly.
 //!
-//! GGUF Q4_K matrices (whole 32-row blocks) become *K tiles* on CPUs whose fast path is AVX2
-//! without VNNI: the Q4_K tile of the device format (4736 B per 32 rows × 256 columns: the
-//! 6-bit scales `s8` at `g·32 + r`, the 6-bit minimums `m8` at `256 + g·32 + r`, the codes
+//! GGUF Q4_K and Q5_K matrices (whole 32-row blocks) become *K tiles* on CPUs whose fast path
+//! is AVX2 without VNNI: the Q4_K tile of the device format (4736 B per 32 rows × 256 columns:
+//! the 6-bit scales `s8` at `g·32 + r`, the 6-bit minimums `m8` at `256 + g·32 + r`, the codes
 //! column-major from 512, then per row the super-block scale `d` and the negated `dmin`), with
-//! `d` and `−dmin` kept in f16, as the file has them, instead of the device's bf16. A 256-value
-//! GGUF block is one row of one tile, so every weight is the file's (`d·s8·q − dmin·m8`), and
-//! the 4-bit tile kernels run Q4_K as they run q4_1: sixteen activation rows share one unpack of
-//! the codes, and a group's 32 values of 32 rows are summed in i16 before one widening, where
-//! the GGUF row kernel takes a widening per row and group. [`k_tiles_to_rows`] gives back the
-//! GGUF rows exactly.
+//! `d` and `−dmin` kept in f16, as the file has them, instead of the device's bf16. Q5_K's tile
+//! holds the low four bits of its codes so, followed by a 1024-byte plane of the fifth bits laid
+//! out as the kernels' unpacked vectors take them ([`K_TILE_FIFTH_BITS`]). A 256-value GGUF block
+//! is one row of one tile, so every weight is the file's (`d·s8·q − dmin·m8`), and the 4-bit tile
+//! kernels run Q4_K and Q5_K as they run q4_1: sixteen activation rows share one unpack of the
+//! codes, and a group's 32 values of 32 rows are summed in i16 (Q5_K: per half group) before one
+//! widening, where the GGUF row kernel takes a widening per row and group. [`k_tiles_to_rows`]
+//! gives back the GGUF rows exactly. IQ4_XS matrices become K tiles of their own: the i8
+//! sub-block scales at `g·32 + r`, the 4-bit `IQ4_TABLE` indices column-major from
+//! [`K_TILE_IQ4_CODES`], the rows' f16 `d` at [`K_TILE_IQ4_ROW_SCALES`]; the kernels take each
+//! value plus 128 as two 4-bit planes.
 
 use super::gemm::WeightMatrix;
 use super::KernelError;
@@ -59,7 +64,8 @@ pub enum Packing {
     GroupRecords,
     /// GGUF blocks with 8 weight rows interleaved (IQ4_NL, Q5_0, Q5_1); see the module docs.
     InterleavedRows,
-    /// GGUF Q4_K rows re-laid as Q4_K tiles with f16 row scales (exactly); see the module docs.
+    /// GGUF Q4_K, Q5_K or IQ4_XS rows re-laid as tiles with f16 row scales (Q5_K with a
+    /// fifth-bit plane; exactly); see the module docs.
     KTiles,
 }
 
@@ -284,23 +290,150 @@ pub fn deinterleave_rows(
     }
 }
 
-/// Bytes of a Q4_K block (256 values of one row) in a GGUF file.
-const Q4K_BLOCK_BYTES: usize = 144;
 /// Offset of the per-row super-block scales in a K tile (f16 `d`; the negated `dmin` follows).
 const K_TILE_ROW_SCALES: usize = 4608;
+/// Offset of a Q5_K K tile's fifth-bit plane: right after the Q4_K tile of its low four bits.
+pub const K_TILE_FIFTH_BITS: usize = tiles::Q4K_TILE_BYTES;
+/// Bytes of the fifth-bit plane: per group and slot vector, 32 bytes.
+const FIFTH_BITS_BYTES: usize = GROUPS * 4 * 32;
 
-/// Bytes of a `[rows, cols]` GGUF Q4_K matrix as [`Packing::KTiles`].
+/// Offset of the codes (`IQ4_TABLE` indices) in an IQ4_XS K tile, after the i8 scales.
+pub const K_TILE_IQ4_CODES: usize = 256;
+/// Offset of the per-row f16 super-block scales `d` in an IQ4_XS K tile, after the codes.
+pub const K_TILE_IQ4_ROW_SCALES: usize = K_TILE_IQ4_CODES + GROUPS * GROUP * TILE_ROWS / 2;
+
+/// The GGUF types that have a [`Packing::KTiles`] layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KTileType {
+    /// Q4_K: the Q4_K tile of the device format.
+    Q4K,
+    /// Q5_K: the Q4_K tile of the low four bits, then the fifth-bit plane.
+    Q5K,
+    /// IQ4_XS: i8 sub-block scales, the 4-bit table indices column-major, the rows' f16 `d`.
+    Iq4Xs,
+}
+
+impl KTileType {
+    /// The K-tile type of `format`, if it has one.
+    pub fn of(format: WeightFormat) -> Option<Self> {
+        match format {
+            WeightFormat::Ggml(GgmlType::Q4_K) => Some(Self::Q4K),
+            WeightFormat::Ggml(GgmlType::Q5_K) => Some(Self::Q5K),
+            WeightFormat::Ggml(GgmlType::IQ4_XS) => Some(Self::Iq4Xs),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one GGUF block (256 values of one row).
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Iq4Xs => 136,
+        }
+    }
+
+    /// Offset of the nibbles (`qs`) in a GGUF block; Q5_K's `qh` sits between the scales and them.
+    fn nibbles(self) -> usize {
+        match self {
+            Self::Q4K => 16,
+            Self::Q5K => 48,
+            Self::Iq4Xs => 8,
+        }
+    }
+
+    /// Bytes of one K tile (32 rows × 256 columns).
+    pub fn tile_bytes(self) -> usize {
+        match self {
+            Self::Q4K => tiles::Q4K_TILE_BYTES,
+            Self::Q5K => tiles::Q4K_TILE_BYTES + FIFTH_BITS_BYTES,
+            Self::Iq4Xs => K_TILE_IQ4_ROW_SCALES + 2 * TILE_ROWS,
+        }
+    }
+}
+
+/// Each row's place in the 4-bit kernels' slot order (`avx2::Q4_SLOT_ROWS` inverted).
+const Q4_SLOT_INDEX: [usize; TILE_ROWS] = {
+    let mut index = [0; TILE_ROWS];
+    let mut p = 0;
+    while p < TILE_ROWS {
+        index[super::avx2::Q4_SLOT_ROWS[p]] = p;
+        p += 1;
+    }
+    index
+};
+
+/// Where the fifth bit of row `r`, column `c` (of 256) of a K tile lives: `(byte offset in the
+/// tile, bit)`. Per group g and slot vector s, 32 bytes at `K_TILE_FIFTH_BITS + g·128 + s·32`;
+/// byte i holds the fifth bits of the 4-bit kernels' unpacked vector `(quad q, slot s)` byte i in
+/// bit q. That byte multiplies column `32g + 4q + i mod 4` of row `Q4_SLOT_ROWS[8s + i/4]`
+/// (`avx2::q4_unpack_quad`), so one 32-byte load gives a slot's fifth bits for all 8 quads.
+fn fifth_bit_pos(r: usize, c: usize) -> (usize, u8) {
+    let slot_index = Q4_SLOT_INDEX[r];
+    let (g, q, lane) = (c / GROUP, (c % GROUP) / 4, c % 4);
+    let (s, j) = (slot_index / 8, slot_index % 8);
+    (K_TILE_FIFTH_BITS + g * 128 + s * 32 + 4 * j + lane, 1 << q)
+}
+
+/// Row `r` of an IQ4_XS K tile from its GGUF block (136 bytes: f16 `d`, the scales' top two
+/// bits (`scales_h`, a u16) and low nibbles (`scales_l`, 4 bytes), then per 32-value sub-block
+/// 16 bytes of index nibbles, low nibbles first): `s8 = ls − 32` at `g·32 + r`, the indices
+/// column-major from [`K_TILE_IQ4_CODES`], `d` at [`K_TILE_IQ4_ROW_SCALES`] `+ 2r`.
+fn iq4xs_block_into_tile(block: &[u8], r: usize, tile: &mut [u8]) {
+    tile[K_TILE_IQ4_ROW_SCALES + 2 * r..][..2].copy_from_slice(&block[0..2]);
+    let high = u16::from_le_bytes([block[2], block[3]]);
+    for g in 0..GROUPS {
+        let low = (block[4 + g / 2] >> (4 * (g % 2))) & 0x0F;
+        let top = ((high >> (2 * g)) & 3) as u8;
+        tile[tiles::cell(g, r)] = ((low | (top << 4)) as i8 - 32) as u8;
+        let qs = &block[8 + 16 * g..][..16];
+        for i in 0..GROUP {
+            let n = if i < 16 {
+                qs[i] & 0x0F
+            } else {
+                qs[i - 16] >> 4
+            };
+            let (pos, upper) = tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
+            tile[K_TILE_IQ4_CODES + pos] |= if upper { n << 4 } else { n };
+        }
+    }
+}
+
+/// The GGUF IQ4_XS block of row `r` of a K tile: the inverse of [`iq4xs_block_into_tile`].
+fn iq4xs_block_from_tile(tile: &[u8], r: usize, block: &mut [u8]) {
+    block[0..2].copy_from_slice(&tile[K_TILE_IQ4_ROW_SCALES + 2 * r..][..2]);
+    block[2..].fill(0);
+    let mut high = 0u16;
+    for g in 0..GROUPS {
+        let ls = (tile[tiles::cell(g, r)] as i8 as i16 + 32) as u16;
+        high |= (ls >> 4) << (2 * g);
+        block[4 + g / 2] |= ((ls & 0x0F) as u8) << (4 * (g % 2));
+        for i in 0..GROUP {
+            let (pos, upper) = tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
+            let byte = tile[K_TILE_IQ4_CODES + pos];
+            let n = if upper { byte >> 4 } else { byte & 0x0F };
+            if i < 16 {
+                block[8 + 16 * g + i] |= n;
+            } else {
+                block[8 + 16 * g + i - 16] |= n << 4;
+            }
+        }
+    }
+    block[2..4].copy_from_slice(&high.to_le_bytes());
+}
+
+/// Bytes of a `[rows, cols]` GGUF Q4_K, Q5_K or IQ4_XS matrix as [`Packing::KTiles`].
 pub fn k_tiles_matrix_bytes(
     format: WeightFormat,
     rows: usize,
     cols: usize,
 ) -> Result<usize, tiles::TileError> {
-    if format != WeightFormat::Ggml(GgmlType::Q4_K) {
+    let Some(ty) = KTileType::of(format) else {
         return Err(tiles::TileError::UnknownFormat(format!(
             "{} K tiles",
             format.name()
         )));
-    }
+    };
     if !rows.is_multiple_of(TILE_ROWS) {
         return Err(tiles::TileError::NotMultiple {
             what: "K-tiled matrix rows",
@@ -310,23 +443,23 @@ pub fn k_tiles_matrix_bytes(
     }
     // Whole 256-value blocks per row (the GGUF layout's own check).
     format.matrix_bytes(1, cols)?;
-    Ok(rows / TILE_ROWS * cols / tiles::TILE_COLS * tiles::Q4K_TILE_BYTES)
+    Ok(rows / TILE_ROWS * cols / tiles::TILE_COLS * ty.tile_bytes())
 }
 
 /// Whether a matrix of `format` and `rows` has a [`Packing::KTiles`] layout.
 pub fn has_k_tiles(format: WeightFormat, rows: usize) -> bool {
-    format == WeightFormat::Ggml(GgmlType::Q4_K) && rows.is_multiple_of(TILE_ROWS)
+    KTileType::of(format).is_some() && rows.is_multiple_of(TILE_ROWS)
 }
 
-/// [`Packing::KTiles`] bytes of `w`, a Q4_K matrix in its GGUF row layout, appended to `out`.
-/// Returns false, appending nothing, when it has no K-tile layout ([`has_k_tiles`]). A matrix
-/// can be packed a stripe of whole 32-row blocks at a time into one buffer.
+/// [`Packing::KTiles`] bytes of `w`, a Q4_K, Q5_K or IQ4_XS matrix in its GGUF row layout, appended to
+/// `out`. Returns false, appending nothing, when it has no K-tile layout ([`has_k_tiles`]). A
+/// matrix can be packed a stripe of whole 32-row blocks at a time into one buffer.
 pub fn append_k_tiles(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, KernelError> {
     let (format, rows, cols) = (w.format, w.rows, w.cols);
-    if !has_k_tiles(format, rows) {
+    let Some(ty) = KTileType::of(format).filter(|_| has_k_tiles(format, rows)) else {
         return Ok(false);
-    }
-    w.require_tiles("re-laying Q4_K rows as K tiles")?;
+    };
+    w.require_tiles("re-laying GGUF rows as K tiles")?;
     w.check_bytes()?;
     let added = k_tiles_matrix_bytes(format, rows, cols).map_err(|source| KernelError::Weight {
         format: format.name(),
@@ -335,15 +468,19 @@ pub fn append_k_tiles(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, K
         source,
     })?;
     let blocks_per_row = cols / tiles::TILE_COLS;
-    let row_bytes = blocks_per_row * Q4K_BLOCK_BYTES;
+    let block_bytes = ty.block_bytes();
+    let row_bytes = blocks_per_row * block_bytes;
     let start = out.len();
     out.resize(start + added, 0);
-    let tile_bytes = tiles::Q4K_TILE_BYTES;
-    for (t, tile) in out[start..].chunks_exact_mut(tile_bytes).enumerate() {
+    for (t, tile) in out[start..].chunks_exact_mut(ty.tile_bytes()).enumerate() {
         let (row_block, b) = (t / blocks_per_row, t % blocks_per_row);
         for r in 0..TILE_ROWS {
-            let at = (row_block * TILE_ROWS + r) * row_bytes + b * Q4K_BLOCK_BYTES;
-            let block = &w.data[at..at + Q4K_BLOCK_BYTES];
+            let at = (row_block * TILE_ROWS + r) * row_bytes + b * block_bytes;
+            let block = &w.data[at..at + block_bytes];
+            if ty == KTileType::Iq4Xs {
+                iq4xs_block_into_tile(block, r, tile);
+                continue;
+            }
             tile[K_TILE_ROW_SCALES + 2 * r..][..2].copy_from_slice(&block[0..2]);
             // −dmin: the f16 sign bit flipped, so the tile's `M·m8` is the file's `−dmin·m`.
             let neg_dmin = u16::from_le_bytes([block[2], block[3]]) ^ 0x8000;
@@ -352,13 +489,19 @@ pub fn append_k_tiles(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, K
                 let (sc, m) = crate::ggml::scale_min_k4(g, &block[4..16]);
                 tile[tiles::cell(g, r)] = sc;
                 tile[256 + tiles::cell(g, r)] = m;
-                // Group 2c: low nibbles of qs[32c ..], group 2c + 1: their high nibbles.
-                let qs = &block[16 + 32 * (g / 2)..][..GROUP];
+                // Group 2c: low nibbles of qs[32c ..], group 2c + 1: their high nibbles; Q5_K's
+                // fifth bit of value i of group g is bit g of qh[i].
+                let qs = &block[ty.nibbles() + 32 * (g / 2)..][..GROUP];
                 for (i, &byte) in qs.iter().enumerate() {
                     let q = if g % 2 == 0 { byte & 0x0F } else { byte >> 4 };
                     let (pos, high) =
                         tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
                     tile[512 + pos] |= if high { q << 4 } else { q };
+                    if ty == KTileType::Q5K {
+                        // Branch-free: the bits are as good as random.
+                        let (at, bit) = fifth_bit_pos(r, g * GROUP + i);
+                        tile[at] |= bit * ((block[16 + i] >> g) & 1);
+                    }
                 }
             }
         }
@@ -366,20 +509,36 @@ pub fn append_k_tiles(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, K
     Ok(true)
 }
 
-/// The GGUF Q4_K bytes of rows `rows` (whole rows of `cols` values) of a matrix in
+/// The GGUF bytes of rows `rows` (whole rows of `cols` values) of a `format` matrix in
 /// [`Packing::KTiles`] (`data`), into `out` (`rows.len()` rows): the inverse of
-/// [`append_k_tiles`], for the paths that read GGUF rows.
-pub fn k_tiles_to_rows(data: &[u8], cols: usize, rows: std::ops::Range<usize>, out: &mut [u8]) {
+/// [`append_k_tiles`], for the paths that read GGUF rows. Writes nothing for a format without K
+/// tiles.
+pub fn k_tiles_to_rows(
+    format: WeightFormat,
+    data: &[u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [u8],
+) {
+    let Some(ty) = KTileType::of(format) else {
+        return;
+    };
     let blocks_per_row = cols / tiles::TILE_COLS;
-    let row_bytes = blocks_per_row * Q4K_BLOCK_BYTES;
+    let block_bytes = ty.block_bytes();
+    let row_bytes = blocks_per_row * block_bytes;
     if row_bytes == 0 {
         return;
     }
+    let tile_bytes = ty.tile_bytes();
     for (row, dst_row) in rows.zip(out.chunks_exact_mut(row_bytes)) {
         let (row_block, r) = (row / TILE_ROWS, row % TILE_ROWS);
-        for (b, block) in dst_row.chunks_exact_mut(Q4K_BLOCK_BYTES).enumerate() {
+        for (b, block) in dst_row.chunks_exact_mut(block_bytes).enumerate() {
             let t = row_block * blocks_per_row + b;
-            let tile = &data[t * tiles::Q4K_TILE_BYTES..(t + 1) * tiles::Q4K_TILE_BYTES];
+            let tile = &data[t * tile_bytes..(t + 1) * tile_bytes];
+            if ty == KTileType::Iq4Xs {
+                iq4xs_block_from_tile(tile, r, block);
+                continue;
+            }
             block[0..2].copy_from_slice(&tile[K_TILE_ROW_SCALES + 2 * r..][..2]);
             let m_row = &tile[K_TILE_ROW_SCALES + 64 + 2 * r..][..2];
             let dmin = u16::from_le_bytes([m_row[0], m_row[1]]) ^ 0x8000;
@@ -394,15 +553,20 @@ pub fn k_tiles_to_rows(data: &[u8], cols: usize, rows: std::ops::Range<usize>, o
                 block[8 + j] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
                 block[12 + j] = (sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4);
             }
-            let qs = &mut block[16..Q4K_BLOCK_BYTES];
-            qs.fill(0);
+            block[16..].fill(0);
             for g in 0..tiles::GROUPS {
                 for i in 0..GROUP {
                     let (pos, high) =
                         tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
                     let byte = tile[512 + pos];
                     let q = if high { byte >> 4 } else { byte & 0x0F };
-                    qs[32 * (g / 2) + i] |= if g % 2 == 0 { q } else { q << 4 };
+                    block[ty.nibbles() + 32 * (g / 2) + i] |= if g % 2 == 0 { q } else { q << 4 };
+                    if ty == KTileType::Q5K {
+                        let (at, bit) = fifth_bit_pos(r, g * GROUP + i);
+                        if tile[at] & bit != 0 {
+                            block[16 + i] |= 1 << g;
+                        }
+                    }
                 }
             }
         }

@@ -133,9 +133,9 @@ impl KernelProjection {
     /// (`kernels::host_layout`), replacing the stored bytes; mapped pages are released. q4_1 /
     /// Q8 tiles become group records (no tile padding, one stream per row block: decode streams
     /// ~20 % fewer bytes for SmolLM2, whose K = 576 pads to 768 in tiles), and IQ4_NL, Q5_0 and
-    /// Q5_1 rows are interleaved 8 at a time where `exec` runs them so, and GGUF Q4_K rows
-    /// become K tiles where `exec` runs those (AVX2 without VNNI). Other formats keep their
-    /// bytes. Results are bit-identical to the stored layout's for the records, and for the
+    /// Q5_1 rows are interleaved 8 at a time where `exec` runs them so, and GGUF Q4_K, Q5_K and
+    /// IQ4_XS rows become K tiles where `exec` runs those (AVX2 without VNNI). Other formats keep
+    /// their bytes. Results are bit-identical to the stored layout's for the records, and for the
     /// interleaved rows and K tiles on every path but the one they are laid out for.
     fn use_host_layout(&mut self, exec: &HostExecutor) -> Result<(), ModelError> {
         let Store::Host(bytes) = &self.store else {
