@@ -290,7 +290,8 @@ fn k_tiles_are_the_file_rows_moved() {
         (GgmlType::IQ4_XS, 4416),
     ];
     for (ty, tile_bytes) in types {
-        let (n, k) = (64, 768);
+        // Six row blocks of three tiles: enough tiles for the load to split them over the pool.
+        let (n, k) = (192, 768);
         let format = WeightFormat::Ggml(ty);
         let data = random_rows(ty, n, k, &mut rng);
         let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
@@ -298,8 +299,8 @@ fn k_tiles_are_the_file_rows_moved() {
         assert!(append_k_tiles(&w, &mut packed).expect("K tiles"));
         assert_eq!(
             packed.len(),
-            2 * 3 * tile_bytes,
-            "{ty:?}: two row blocks of three tiles"
+            6 * 3 * tile_bytes,
+            "{ty:?}: six row blocks of three tiles"
         );
         let mut back = vec![0u8; data.len()];
         k_tiles_to_rows(format, &packed, k, 0..n, &mut back);

@@ -47,9 +47,13 @@
 //! gives back the GGUF rows exactly. IQ4_XS matrices become K tiles of their own: the i8
 //! sub-block scales at `g·32 + r`, the 4-bit `IQ4_TABLE` indices column-major from
 //! [`K_TILE_IQ4_CODES`], the rows' f16 `d` at [`K_TILE_IQ4_ROW_SCALES`]; the kernels take each
-//! value plus 128 as two 4-bit planes.
+//! value plus 128 as two 4-bit planes. A matrix's tiles are re-laid in parallel over the pool.
+
+// Unsafe is needed for disjoint tile writes through the pool's shared-buffer handle.
+#![allow(unsafe_code)]
 
 use super::gemm::WeightMatrix;
+use super::pool::{ChunkCounter, Pool, SharedMut};
 use super::KernelError;
 use crate::ggml::GgmlType;
 use crate::tiles::{self, TileOrder, WeightFormat, GROUP, GROUPS, TILE_ROWS};
@@ -375,31 +379,21 @@ fn fifth_bit_pos(r: usize, c: usize) -> (usize, u8) {
     (K_TILE_FIFTH_BITS + g * 128 + s * 32 + 4 * j + lane, 1 << q)
 }
 
-/// Row `r` of an IQ4_XS K tile from its GGUF block (136 bytes: f16 `d`, the scales' top two
-/// bits (`scales_h`, a u16) and low nibbles (`scales_l`, 4 bytes), then per 32-value sub-block
-/// 16 bytes of index nibbles, low nibbles first): `s8 = ls − 32` at `g·32 + r`, the indices
-/// column-major from [`K_TILE_IQ4_CODES`], `d` at [`K_TILE_IQ4_ROW_SCALES`] `+ 2r`.
-fn iq4xs_block_into_tile(block: &[u8], r: usize, tile: &mut [u8]) {
+/// Row `r`'s scales of an IQ4_XS K tile from its GGUF block (136 bytes: f16 `d`, the scales' top
+/// two bits (`scales_h`, a u16) and low nibbles (`scales_l`, 4 bytes), then per 32-value sub-block
+/// 16 bytes of index nibbles, low nibbles first): `s8 = ls − 32` at `g·32 + r`, `d` at
+/// [`K_TILE_IQ4_ROW_SCALES`] `+ 2r`. The indices go column-major from [`K_TILE_IQ4_CODES`].
+fn iq4xs_scales_into_tile(block: &[u8], r: usize, tile: &mut [u8]) {
     tile[K_TILE_IQ4_ROW_SCALES + 2 * r..][..2].copy_from_slice(&block[0..2]);
     let high = u16::from_le_bytes([block[2], block[3]]);
     for g in 0..GROUPS {
         let low = (block[4 + g / 2] >> (4 * (g % 2))) & 0x0F;
         let top = ((high >> (2 * g)) & 3) as u8;
         tile[tiles::cell(g, r)] = ((low | (top << 4)) as i8 - 32) as u8;
-        let qs = &block[8 + 16 * g..][..16];
-        for i in 0..GROUP {
-            let n = if i < 16 {
-                qs[i] & 0x0F
-            } else {
-                qs[i - 16] >> 4
-            };
-            let (pos, upper) = tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
-            tile[K_TILE_IQ4_CODES + pos] |= if upper { n << 4 } else { n };
-        }
     }
 }
 
-/// The GGUF IQ4_XS block of row `r` of a K tile: the inverse of [`iq4xs_block_into_tile`].
+/// The GGUF IQ4_XS block of row `r` of a K tile: the inverse of [`iq4xs_scales_into_tile`] and the codes of [`k_tile_from_blocks`].
 fn iq4xs_block_from_tile(tile: &[u8], r: usize, block: &mut [u8]) {
     block[0..2].copy_from_slice(&tile[K_TILE_IQ4_ROW_SCALES + 2 * r..][..2]);
     block[2..].fill(0);
@@ -420,6 +414,84 @@ fn iq4xs_block_from_tile(tile: &[u8], r: usize, block: &mut [u8]) {
         }
     }
     block[2..4].copy_from_slice(&high.to_le_bytes());
+}
+
+/// One K tile (zeroed, `ty.tile_bytes()` long) from the GGUF blocks of its 32 rows (`block(r)`).
+/// Two rows at a time: the column-major code area holds rows `2j` and `2j + 1` of a column in one
+/// byte, so each code byte is written once, whole.
+fn k_tile_from_blocks<'a>(ty: KTileType, block: impl Fn(usize) -> &'a [u8], tile: &mut [u8]) {
+    let codes_at = match ty {
+        KTileType::Iq4Xs => K_TILE_IQ4_CODES,
+        KTileType::Q4K | KTileType::Q5K => 512,
+    };
+    let mut codes = [[0u8; tiles::TILE_COLS]; 2];
+    for pair in 0..TILE_ROWS / 2 {
+        for (half, row_codes) in codes.iter_mut().enumerate() {
+            let r = 2 * pair + half;
+            let block = block(r);
+            if ty == KTileType::Iq4Xs {
+                iq4xs_scales_into_tile(block, r, tile);
+            } else {
+                k_quant_scales_into_tile(block, r, tile);
+                if ty == KTileType::Q5K {
+                    fifth_bits_into_tile(&block[16..48], r, tile);
+                }
+            }
+            // Group 2c: the low nibbles of qs[32c ..], group 2c + 1: their high nibbles (Q4_K and
+            // Q5_K); sub-block g: the low nibbles of qs[16g ..] then their high nibbles (IQ4_XS).
+            let qs = &block[ty.nibbles()..];
+            for (g, group) in row_codes.chunks_exact_mut(GROUP).enumerate() {
+                let (bytes, shift) = match ty {
+                    KTileType::Iq4Xs => (&qs[16 * g..][..16], 0),
+                    KTileType::Q4K | KTileType::Q5K => (&qs[32 * (g / 2)..][..GROUP], 4 * (g % 2)),
+                };
+                if ty == KTileType::Iq4Xs {
+                    for (i, &byte) in bytes.iter().enumerate() {
+                        group[i] = byte & 0x0F;
+                        group[i + 16] = byte >> 4;
+                    }
+                } else {
+                    for (code, &byte) in group.iter_mut().zip(bytes) {
+                        *code = (byte >> shift) & 0x0F;
+                    }
+                }
+            }
+        }
+        for (c, (&even, &odd)) in codes[0].iter().zip(&codes[1]).enumerate() {
+            let (pos, _) = tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, 2 * pair, c);
+            tile[codes_at + pos] = even | (odd << 4);
+        }
+    }
+}
+
+/// Row `r`'s scales of a Q4_K / Q5_K K tile from its GGUF block: the 6-bit group scales and
+/// minimums at `cell(g, r)` and `256 + cell(g, r)`, `d` and `−dmin` at [`K_TILE_ROW_SCALES`].
+fn k_quant_scales_into_tile(block: &[u8], r: usize, tile: &mut [u8]) {
+    tile[K_TILE_ROW_SCALES + 2 * r..][..2].copy_from_slice(&block[0..2]);
+    // −dmin: the f16 sign bit flipped, so the tile's `M·m8` is the file's `−dmin·m`.
+    let neg_dmin = u16::from_le_bytes([block[2], block[3]]) ^ 0x8000;
+    tile[K_TILE_ROW_SCALES + 64 + 2 * r..][..2].copy_from_slice(&neg_dmin.to_le_bytes());
+    for g in 0..GROUPS {
+        let (sc, m) = crate::ggml::scale_min_k4(g, &block[4..16]);
+        tile[tiles::cell(g, r)] = sc;
+        tile[256 + tiles::cell(g, r)] = m;
+    }
+}
+
+/// Row `r`'s fifth bits of a Q5_K K tile from its block's `qh` (bit g of `qh[i]` is the fifth bit
+/// of value i of group g), four plane bytes per group at once: byte `lane` of [`fifth_bit_pos`]'s
+/// word holds, in bit q, the fifth bit of column `4q + lane` of the group.
+fn fifth_bits_into_tile(qh: &[u8], r: usize, tile: &mut [u8]) {
+    for g in 0..GROUPS {
+        let mut word = 0u32;
+        for (q, quad) in qh.chunks_exact(4).enumerate() {
+            let bits = u32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]]);
+            // Bit g of each byte to bit q of the same byte.
+            word |= ((bits >> g) & 0x0101_0101) << q;
+        }
+        let (at, _) = fifth_bit_pos(r, g * GROUP);
+        tile[at..at + 4].copy_from_slice(&word.to_le_bytes());
+    }
 }
 
 /// Bytes of a `[rows, cols]` GGUF Q4_K, Q5_K or IQ4_XS matrix as [`Packing::KTiles`].
@@ -470,42 +542,42 @@ pub fn append_k_tiles(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, K
     let blocks_per_row = cols / tiles::TILE_COLS;
     let block_bytes = ty.block_bytes();
     let row_bytes = blocks_per_row * block_bytes;
+    let tile_bytes = ty.tile_bytes();
     let start = out.len();
     out.resize(start + added, 0);
-    for (t, tile) in out[start..].chunks_exact_mut(ty.tile_bytes()).enumerate() {
+    let packed = &mut out[start..];
+    let tile_count = packed.len() / tile_bytes;
+    let data = w.data;
+    let fill = |t: usize, tile: &mut [u8]| {
         let (row_block, b) = (t / blocks_per_row, t % blocks_per_row);
-        for r in 0..TILE_ROWS {
+        let block = |r: usize| {
             let at = (row_block * TILE_ROWS + r) * row_bytes + b * block_bytes;
-            let block = &w.data[at..at + block_bytes];
-            if ty == KTileType::Iq4Xs {
-                iq4xs_block_into_tile(block, r, tile);
-                continue;
-            }
-            tile[K_TILE_ROW_SCALES + 2 * r..][..2].copy_from_slice(&block[0..2]);
-            // −dmin: the f16 sign bit flipped, so the tile's `M·m8` is the file's `−dmin·m`.
-            let neg_dmin = u16::from_le_bytes([block[2], block[3]]) ^ 0x8000;
-            tile[K_TILE_ROW_SCALES + 64 + 2 * r..][..2].copy_from_slice(&neg_dmin.to_le_bytes());
-            for g in 0..tiles::GROUPS {
-                let (sc, m) = crate::ggml::scale_min_k4(g, &block[4..16]);
-                tile[tiles::cell(g, r)] = sc;
-                tile[256 + tiles::cell(g, r)] = m;
-                // Group 2c: low nibbles of qs[32c ..], group 2c + 1: their high nibbles; Q5_K's
-                // fifth bit of value i of group g is bit g of qh[i].
-                let qs = &block[ty.nibbles() + 32 * (g / 2)..][..GROUP];
-                for (i, &byte) in qs.iter().enumerate() {
-                    let q = if g % 2 == 0 { byte & 0x0F } else { byte >> 4 };
-                    let (pos, high) =
-                        tiles::q4_code_pos(tiles::TileOrder::ColumnMajor, r, g * GROUP + i);
-                    tile[512 + pos] |= if high { q << 4 } else { q };
-                    if ty == KTileType::Q5K {
-                        // Branch-free: the bits are as good as random.
-                        let (at, bit) = fifth_bit_pos(r, g * GROUP + i);
-                        tile[at] |= bit * ((block[16 + i] >> g) & 1);
-                    }
-                }
+            &data[at..at + block_bytes]
+        };
+        k_tile_from_blocks(ty, block, tile);
+    };
+    // Tiles are independent, so a large matrix is split over the pool (loads re-lay every
+    // matrix once, and the 4-bit scatter is most of a K-tile load's time).
+    const PARALLEL_MIN_TILES: usize = 16;
+    let pool = Pool::global();
+    if pool.threads() < 2 || tile_count < PARALLEL_MIN_TILES {
+        for (t, tile) in packed.chunks_exact_mut(tile_bytes).enumerate() {
+            fill(t, tile);
+        }
+        return Ok(true);
+    }
+    let counter = ChunkCounter::new(tile_count, pool.threads(), 4);
+    let shared = SharedMut::new(packed);
+    pool.run(&|_, _| {
+        while let Some(range) = counter.claim() {
+            for t in range {
+                // SAFETY: each tile index is claimed by exactly one thread, so the tiles' byte
+                // ranges are disjoint.
+                let tile = unsafe { shared.slice_mut(t * tile_bytes..(t + 1) * tile_bytes) };
+                fill(t, tile);
             }
         }
-    }
+    });
     Ok(true)
 }
 

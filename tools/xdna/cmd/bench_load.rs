@@ -1,5 +1,6 @@
-//! `xdna bench load`: peak resident memory of loading a model (and of generating a few tokens,
-//! which reads every weight) against the package's weight bytes.
+//! `xdna bench load`: the wall time of loading a model (opening, checking and re-laying its
+//! weights for the backend) and the peak resident memory of the load (and of generating a few
+//! tokens, which reads every weight) against the package's weight bytes.
 //!
 //! Peak RSS is the kernel's high-water mark `VmHWM` from `/proc/self/status`: mapped package
 //! pages, anonymous memory and mapped shmem (the dma-buf weight buffers) all count. Run it in a
@@ -49,7 +50,9 @@ pub fn run(args: Args) -> xdna::Result<()> {
     let opts = args.model.load_options(false);
     let rss_start = status_bytes("VmRSS")?;
     let ctx = args.prompt_tokens + args.decode_tokens + 1;
+    let load_start = std::time::Instant::now();
     let (pkg, mut model) = open_model(args.model.path.as_deref(), ctx, &opts)?;
+    let load_seconds = load_start.elapsed().as_secs_f64();
     let peak_load = status_bytes("VmHWM")?;
     let split_load = rss_split()?;
     let weight_bytes: u64 = pkg
@@ -75,7 +78,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
             "{}",
             serde_json::json!({
                 "weight_bytes": weight_bytes, "rss_start_bytes": rss_start,
-                "peak_rss_load_bytes": peak_load, "peak_rss_bytes": peak_run,
+                "load_seconds": load_seconds, "peak_rss_load_bytes": peak_load, "peak_rss_bytes": peak_run,
                 "rss_end_bytes": rss_end, "peak_rss_over_weights": ratio,
                 "prompt_tokens": prompt.len(), "decode_tokens": args.decode_tokens,
                 "backend": backend, "last_token": next,
@@ -86,6 +89,7 @@ pub fn run(args: Args) -> xdna::Result<()> {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         println!("{:<34} {:>10}", "metric", "value");
         println!("{:<34} {:>10.1}", "weight MiB", mib(weight_bytes));
+        println!("{:<34} {:>10.3}", "load seconds", load_seconds);
         println!("{:<34} {:>10.1}", "RSS before load MiB", mib(rss_start));
         println!("{:<34} {:>10.1}", "peak RSS after load MiB", mib(peak_load));
         println!(
