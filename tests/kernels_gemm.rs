@@ -799,13 +799,14 @@ fn host_group_records_give_the_tile_results_bit_for_bit() {
 
 #[test]
 fn group_records_of_row_stripes_concatenate_to_the_whole_matrix() {
-    // What the loader does: pack a stripe of row blocks at a time into one buffer.
-    let (n, k) = (96, 576);
+    // What the loader does: pack a stripe of row blocks at a time into one buffer. The one-block
+    // stripe is packed on one thread, the 16-block stripe and the whole matrix over the pool.
+    let (n, k) = (544, 576);
     for (i, format) in record_formats().enumerate() {
         let (data, whole) = encoded_and_packed(format, n, k, &mut Rng(300 + i as u64));
         let block = data.len() / (n / TILE_ROWS);
         let mut striped = Vec::new();
-        for (rows, bytes) in [(32, &data[..block]), (64, &data[block..])] {
+        for (rows, bytes) in [(32, &data[..block]), (512, &data[block..])] {
             let stripe = WeightMatrix::new(format, rows, k, bytes).expect("valid stripe");
             assert!(host_layout::append_group_records(&stripe, &mut striped).expect("packs"));
         }

@@ -215,18 +215,24 @@ fn the_512_bit_k_quant_kernels_agree_with_the_avx2_ones() {
 #[test]
 fn interleaved_rows_are_the_file_rows_moved() {
     let mut rng = Rng(0x1a7e);
-    let n = 45;
-    for (ty, k) in [
-        (GgmlType::IQ4_NL, 608),
-        (GgmlType::Q5_0, 608),
-        (GgmlType::Q5_1, 608),
+    // Six groups of 8 rows, the last short, are interleaved on one thread; eighteen over the pool.
+    for (ty, k, n) in [
+        (GgmlType::IQ4_NL, 608, 45),
+        (GgmlType::Q5_0, 608, 45),
+        (GgmlType::Q5_1, 608, 45),
+        (GgmlType::Q5_0, 288, 141),
     ] {
         let format = WeightFormat::Ggml(ty);
         let data = random_rows(ty, n, k, &mut rng);
         let w = WeightMatrix::new(format, n, k, &data).expect("matrix");
         let mut packed = Vec::new();
         assert!(append_interleaved_rows(&w, &mut packed).expect("interleave"));
-        assert_eq!(packed.len(), 48 * data.len() / n, "six groups of 8 rows");
+        let groups = n.div_ceil(8);
+        assert_eq!(
+            packed.len(),
+            groups * 8 * data.len() / n,
+            "{groups} groups of 8 rows"
+        );
         let mut back = vec![0u8; data.len()];
         deinterleave_rows(format, &packed, k, 0..n, &mut back);
         assert!(

@@ -47,9 +47,9 @@
 //! gives back the GGUF rows exactly. IQ4_XS matrices become K tiles of their own: the i8
 //! sub-block scales at `g·32 + r`, the 4-bit `IQ4_TABLE` indices column-major from
 //! [`K_TILE_IQ4_CODES`], the rows' f16 `d` at [`K_TILE_IQ4_ROW_SCALES`]; the kernels take each
-//! value plus 128 as two 4-bit planes. A matrix's tiles are re-laid in parallel over the pool.
+//! value plus 128 as two 4-bit planes. Every layout is re-laid in parallel over the pool.
 
-// Unsafe is needed for disjoint tile writes through the pool's shared-buffer handle.
+// Unsafe is needed for disjoint chunk writes through the pool's shared-buffer handle.
 #![allow(unsafe_code)]
 
 use super::gemm::WeightMatrix;
@@ -210,6 +210,38 @@ pub fn interleaved_matrix_bytes(
     Ok(rows.div_ceil(INTERLEAVED_ROWS) * INTERLEAVED_ROWS * row_bytes)
 }
 
+/// `fill(i, chunk)` for every `chunk_bytes`-long chunk of `packed` (its index `i`), the chunks
+/// split over the worker pool when there are enough of them. Every host layout is made of
+/// independent chunks (a K tile, 8 interleaved rows, a row block of group records), and a load
+/// re-lays each matrix once, so the re-layout is most of the load's time beyond the file.
+fn fill_chunks(packed: &mut [u8], chunk_bytes: usize, fill: impl Fn(usize, &mut [u8]) + Sync) {
+    // Below this many chunks a pool dispatch costs more than it saves.
+    const PARALLEL_MIN_CHUNKS: usize = 16;
+    if chunk_bytes == 0 {
+        return;
+    }
+    let count = packed.len() / chunk_bytes;
+    let pool = Pool::global();
+    if pool.threads() < 2 || count < PARALLEL_MIN_CHUNKS {
+        for (i, chunk) in packed.chunks_exact_mut(chunk_bytes).enumerate() {
+            fill(i, chunk);
+        }
+        return;
+    }
+    let counter = ChunkCounter::new(count, pool.threads(), 4);
+    let shared = SharedMut::new(packed);
+    pool.run(&|_, _| {
+        while let Some(range) = counter.claim() {
+            for i in range {
+                // SAFETY: each chunk index is claimed by exactly one thread, so the chunks' byte
+                // ranges are disjoint.
+                let chunk = unsafe { shared.slice_mut(i * chunk_bytes..(i + 1) * chunk_bytes) };
+                fill(i, chunk);
+            }
+        }
+    });
+}
+
 /// [`Packing::InterleavedRows`] bytes of `w`, a matrix in its GGUF row layout, appended to
 /// `out`. Returns false, appending nothing, when the format has no interleaved layout. A
 /// matrix can be packed a stripe of rows at a time into one buffer when every stripe but the
@@ -240,10 +272,11 @@ pub fn append_interleaved_rows(
     }
     let start = out.len();
     out.resize(start + added, 0);
-    for (g, dst_group) in out[start..].chunks_exact_mut(group_bytes).enumerate() {
+    let data = w.data;
+    fill_chunks(&mut out[start..], group_bytes, |g, dst_group| {
         let first = g * INTERLEAVED_ROWS;
         for r in 0..INTERLEAVED_ROWS.min(rows - first) {
-            let src = &w.data[(first + r) * row_bytes..(first + r + 1) * row_bytes];
+            let src = &data[(first + r) * row_bytes..(first + r + 1) * row_bytes];
             for (dst, b) in dst_group
                 .chunks_exact_mut(block)
                 .zip(src.chunks_exact(row_block))
@@ -254,7 +287,7 @@ pub fn append_interleaved_rows(
                 }
             }
         }
-    }
+    });
     Ok(true)
 }
 
@@ -545,38 +578,14 @@ pub fn append_k_tiles(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<bool, K
     let tile_bytes = ty.tile_bytes();
     let start = out.len();
     out.resize(start + added, 0);
-    let packed = &mut out[start..];
-    let tile_count = packed.len() / tile_bytes;
     let data = w.data;
-    let fill = |t: usize, tile: &mut [u8]| {
+    fill_chunks(&mut out[start..], tile_bytes, |t, tile| {
         let (row_block, b) = (t / blocks_per_row, t % blocks_per_row);
         let block = |r: usize| {
             let at = (row_block * TILE_ROWS + r) * row_bytes + b * block_bytes;
             &data[at..at + block_bytes]
         };
         k_tile_from_blocks(ty, block, tile);
-    };
-    // Tiles are independent, so a large matrix is split over the pool (loads re-lay every
-    // matrix once, and the 4-bit scatter is most of a K-tile load's time).
-    const PARALLEL_MIN_TILES: usize = 16;
-    let pool = Pool::global();
-    if pool.threads() < 2 || tile_count < PARALLEL_MIN_TILES {
-        for (t, tile) in packed.chunks_exact_mut(tile_bytes).enumerate() {
-            fill(t, tile);
-        }
-        return Ok(true);
-    }
-    let counter = ChunkCounter::new(tile_count, pool.threads(), 4);
-    let shared = SharedMut::new(packed);
-    pool.run(&|_, _| {
-        while let Some(range) = counter.claim() {
-            for t in range {
-                // SAFETY: each tile index is claimed by exactly one thread, so the tiles' byte
-                // ranges are disjoint.
-                let tile = unsafe { shared.slice_mut(t * tile_bytes..(t + 1) * tile_bytes) };
-                fill(t, tile);
-            }
-        }
     });
     Ok(true)
 }
@@ -712,13 +721,13 @@ pub fn append_group_records(w: &WeightMatrix<'_>, out: &mut Vec<u8>) -> Result<b
     let groups = cols.div_ceil(GROUP);
     let start = out.len();
     out.resize(start + added, 0);
-    for (block, dst_block) in out[start..].chunks_exact_mut(groups * record).enumerate() {
+    fill_chunks(&mut out[start..], groups * record, |block, dst_block| {
         for (gg, dst) in dst_block.chunks_exact_mut(record).enumerate() {
             let t = block * tiles_per_block + gg / GROUPS;
             let tile = &data[t * tile_bytes..(t + 1) * tile_bytes];
             group_record(format, tile, gg % GROUPS, dst);
         }
-    }
+    });
     Ok(true)
 }
 
