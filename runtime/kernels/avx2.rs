@@ -882,7 +882,6 @@ mod imp {
     ) {
         debug_assert!(rows.end <= act.rows && out.len() >= rows.len() * TILE_ROWS);
         let groups_total = act.groups();
-        let ones = _mm256_set1_epi16(1);
         // SAFETY: the closure gets only rows of `rows` (⊆ 0..act.rows, caller contract), and
         // gg < groups: the offset is that of the row's 32 codes of group gg, inside `act.codes`
         // (read 4 at a time at a, a + 4, …, a + 28).
@@ -891,28 +890,60 @@ mod imp {
             rows,
             // SAFETY: both rows are inside `act` (caller contract), so 32 codes each (above).
             |row| unsafe { maddubs_quads_2_rows(unpacked, [codes(row), codes(row + 1)]) },
-            |row| {
-                let a = codes(row);
-                // SAFETY: 4 codes at a + 4·quad (quad < 8), as above.
-                let x0 = unsafe { broadcast4(a) };
-                let mut sum16: [__m256i; 4] =
-                    std::array::from_fn(|slot| _mm256_maddubs_epi16(unpacked[0][slot], x0));
-                for (quad, w) in unpacked.iter().enumerate().skip(1) {
-                    // SAFETY: as above.
-                    let x4 = unsafe { broadcast4(a.add(quad * 4)) };
-                    for (sum, w_slot) in sum16.iter_mut().zip(w) {
-                        *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(*w_slot, x4));
-                    }
-                }
-                sum16
-            },
+            // SAFETY: the row is inside `act` (caller contract), so 32 codes (above).
+            |row| unsafe { maddubs_quads_1_row(unpacked, codes(row)) },
             |i, row, sum16| {
                 let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-                let dots = sum16.map(|sum| _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)));
-                // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
-                unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
+                // SAFETY: AVX2 available (caller contract); i < rows.len(), so the row's 32
+                // floats are inside `out`.
+                unsafe {
+                    let dots = widen_i16_sums(sum16);
+                    accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x)
+                };
             },
         );
+    }
+
+    /// The 8 quads × 4 slots of `maddubs` of one group for one activation row (an odd row count's
+    /// last row): [`maddubs_quads_2_rows`]' sums for a single row, the same integers. A function
+    /// with the target's features rather than a closure, so that the row loop's second call site
+    /// (the odd row) cannot be left out of line as generic code: it was, and one row cost three
+    /// times a pair.
+    ///
+    /// # Safety
+    /// AVX2 available; 32 readable activation codes at `a`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn maddubs_quads_1_row(unpacked: &[[__m256i; 4]; 8], a: *const i8) -> [__m256i; 4] {
+        // SAFETY: 4 codes at a (caller contract).
+        let x0 = unsafe { broadcast4(a) };
+        let mut sum16 = [_mm256_setzero_si256(); 4];
+        for (sum, w_slot) in sum16.iter_mut().zip(&unpacked[0]) {
+            *sum = _mm256_maddubs_epi16(*w_slot, x0);
+        }
+        for (quad, w) in unpacked.iter().enumerate().skip(1) {
+            // SAFETY: 4 codes at a + 4·quad (quad < 8; caller contract).
+            let x4 = unsafe { broadcast4(a.add(quad * 4)) };
+            for (sum, w_slot) in sum16.iter_mut().zip(w) {
+                *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(*w_slot, x4));
+            }
+        }
+        sum16
+    }
+
+    /// A row's four slot i16 sums widened to i32 (`madd` with ones) and converted to f32.
+    ///
+    /// # Safety
+    /// AVX2 available.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen_i16_sums(sum16: [__m256i; 4]) -> [__m256; 4] {
+        let ones = _mm256_set1_epi16(1);
+        let mut dots = [_mm256_setzero_ps(); 4];
+        for (dot, sum) in dots.iter_mut().zip(sum16) {
+            *dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+        }
+        dots
     }
 
     /// Rows `rows` two at a time through `two` and an odd last one through `one`; `finish(i, row,
