@@ -426,7 +426,8 @@ fn iq4xs_scales_into_tile(block: &[u8], r: usize, tile: &mut [u8]) {
     }
 }
 
-/// The GGUF IQ4_XS block of row `r` of a K tile: the inverse of [`iq4xs_scales_into_tile`] and the codes of [`k_tile_from_blocks`].
+/// The GGUF IQ4_XS block of row `r` of a K tile: the inverse of [`iq4xs_scales_into_tile`] and
+/// of the codes of [`k_tile_from_blocks`].
 fn iq4xs_block_from_tile(tile: &[u8], r: usize, block: &mut [u8]) {
     block[0..2].copy_from_slice(&tile[K_TILE_IQ4_ROW_SCALES + 2 * r..][..2]);
     block[2..].fill(0);
