@@ -1280,10 +1280,16 @@ mod imp {
         let index = unsafe { q4_unpack_group(tile.add(layout.codes), true, g) };
         // SAFETY: AVX2 available (caller contract).
         let (high, low) = unsafe { iq4_split_tables() };
-        [
-            index.map(|quad| quad.map(|n| _mm256_shuffle_epi8(high, n))),
-            index.map(|quad| quad.map(|n| _mm256_shuffle_epi8(low, n))),
-        ]
+        // Loops, not `map` closures: those were left out of line as calls per quad.
+        let mut planes = [[[_mm256_setzero_si256(); 4]; 8]; 2];
+        for (table, plane) in [high, low].into_iter().zip(&mut planes) {
+            for (quad, indices) in plane.iter_mut().zip(&index) {
+                for (value, &n) in quad.iter_mut().zip(indices) {
+                    *value = _mm256_shuffle_epi8(table, n);
+                }
+            }
+        }
+        planes
     }
 
     /// One activation row's four slot dot products (as f32) over a group of IQ4 values plus 128:

@@ -235,11 +235,13 @@ pub unsafe fn avx2_rows<const N: usize, const KIND: u8>(
                     }
                 }
             }
-            let magnitude = if KIND == IQ4_NL {
-                codes.map(|run| run.map(|w| _mm256_sign_epi8(w, w)))
-            } else {
-                codes
-            };
+            // A loop, not a `map` closure: that was left out of line as a call per run.
+            let mut magnitude = codes;
+            if KIND == IQ4_NL {
+                for w in magnitude.iter_mut().flatten() {
+                    *w = _mm256_sign_epi8(*w, *w);
+                }
+            }
             let d8 = rows8(p);
             let d = pair_lanes.map(|lanes| _mm256_permutevar8x32_ps(d8, lanes));
             // Q5_1: each row's m in its first lane only.
