@@ -907,8 +907,8 @@ mod imp {
     /// The 8 quads × 4 slots of `maddubs` of one group for one activation row (an odd row count's
     /// last row): [`maddubs_quads_2_rows`]' sums for a single row, the same integers. A function
     /// with the target's features rather than a closure, so that the row loop's second call site
-    /// (the odd row) cannot be left out of line as generic code: it was, and one row cost three
-    /// times a pair.
+    /// (the odd row) cannot be left out of line as generic code: it was, and one row cost two to
+    /// four pairs.
     ///
     /// # Safety
     /// AVX2 available; 32 readable activation codes at `a`.
@@ -1737,7 +1737,12 @@ mod imp {
             },
             |i, row, sum32| {
                 let scale_x = _mm256_set1_ps(act.scales[row * groups_total + gg]);
-                let dots = sum32.map(|sum| _mm256_cvtepi32_ps(sum));
+                // A loop, not a `map` closure, which the odd row's call site may leave out of
+                // line (`q4_group_rows`).
+                let mut dots = [_mm256_setzero_ps(); 4];
+                for (dot, sum) in dots.iter_mut().zip(sum32) {
+                    *dot = _mm256_cvtepi32_ps(sum);
+                }
                 // SAFETY: i < rows.len(), so the row's 32 floats are inside `out`.
                 unsafe { accumulate_row::<FIRST>(&mut out[i * TILE_ROWS..], dots, d, scale_x) };
             },
