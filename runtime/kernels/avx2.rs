@@ -1250,7 +1250,7 @@ mod imp {
     /// [`IQ4_SPLIT`]'s two tables in both lanes of a register, for `vpshufb`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq4_split_tables() -> (__m256i, __m256i) {
+    pub(in crate::kernels) unsafe fn iq4_split_tables() -> (__m256i, __m256i) {
         // SAFETY: each table is 16 readable bytes.
         unsafe {
             (

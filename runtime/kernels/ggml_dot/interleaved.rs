@@ -159,8 +159,10 @@ pub unsafe fn small_rows<const N: usize, const KIND: u8>(
 /// take their unsigned 5-bit codes `u` in `maddubs(u, c)` (pairs ≤ 2·31·127) and sum the
 /// block's four runs of eight values in i16 (≤ 4·7874) before one `madd` widens them; each row's
 /// two i32 lanes start at `−(bias / 2)·Σc` (Q5_0's bias 16, Q5_1's 0) as in [`small_rows`].
-/// IQ4_NL's table values are signed (to −127), so ggml's sign trick `maddubs(|w|, sign(c, w))`
-/// per run, each widened by its own `madd`. Per block: the lanes converted to f32 and one FMA
+/// IQ4_NL's table values plus 128 (bias 128) reach 241, too wide for such sums, so each is looked
+/// up twice as its two nibbles `16·h + l` (`avx2::IQ4_SPLIT`): two planes of codes ≤ 15 whose
+/// `maddubs` sums stay within i16 over the block, widened once each (weights 16 and 1), where
+/// ggml's sign trick took two `vpsignb` and a `madd` more per run. Per block: the lanes converted to f32 and one FMA
 /// with `d·d_act` (each row's `d` in its two lanes); Q5_1 adds `m·d_act·Σc` (the activations'
 /// `sums`) in a second FMA on one lane per row. A row's result is its pair of lanes summed at
 /// the end, and every activation row runs the same operations whatever the other rows of the
@@ -183,11 +185,16 @@ pub unsafe fn avx2_rows<const N: usize, const KIND: u8>(
     let at = const { column(KIND) };
     let blocks = cols / 32;
     let groups = act.groups();
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_TABLE.as_ptr() as *const __m128i));
     let low_nibbles = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     // −bias·Σc over a row's two lanes: −(bias / 2)·Σc in each.
-    let half_bias = if KIND == Q5_0 { 8 } else { 0 };
+    let half_bias = match KIND {
+        IQ4_NL => 64,
+        Q5_0 => 8,
+        _ => 0,
+    };
+    let (high_table, low_table) = crate::kernels::avx2::iq4_split_tables();
+    let sixteens = _mm256_set1_epi16(16);
     // Rows 0-3 (and 4-7) of eight per-row floats, each into its two lanes.
     let pair_lanes = [
         _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3),
@@ -209,6 +216,52 @@ pub unsafe fn avx2_rows<const N: usize, const KIND: u8>(
         for b in 0..blocks {
             let p = group.add(b * at.bytes);
             crate::kernels::avx2::prefetch_ahead(p, at.bytes);
+            if KIND == IQ4_NL {
+                let d8 = rows8(p);
+                for (h, half) in [0usize, 32].into_iter().enumerate() {
+                    // Values 8e .. 8e + 8 of rows 4h .. 4h + 4 as table indices, as below.
+                    let w0 = _mm256_loadu_si256(p.add(at.nibbles + half) as *const __m256i);
+                    let w1 = _mm256_loadu_si256(p.add(at.nibbles + 64 + half) as *const __m256i);
+                    let index = [
+                        _mm256_and_si256(w0, low_nibbles),
+                        _mm256_and_si256(w1, low_nibbles),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(w0), low_nibbles),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(w1), low_nibbles),
+                    ];
+                    let mut high = [_mm256_setzero_si256(); 4];
+                    let mut low = [_mm256_setzero_si256(); 4];
+                    for e in 0..4 {
+                        high[e] = _mm256_shuffle_epi8(high_table, index[e]);
+                        low[e] = _mm256_shuffle_epi8(low_table, index[e]);
+                    }
+                    let d = _mm256_permutevar8x32_ps(d8, pair_lanes[h]);
+                    for (slot, acc) in acc.iter_mut().enumerate() {
+                        let i = first + slot;
+                        let x = act.codes.as_ptr().add(i * act.cols + 32 * b) as *const i64;
+                        let at = i * groups + b;
+                        let mut high_sum = _mm256_setzero_si256();
+                        let mut low_sum = _mm256_setzero_si256();
+                        for e in 0..4 {
+                            let xs = _mm256_set1_epi64x(x.add(e).read_unaligned());
+                            high_sum =
+                                _mm256_add_epi16(high_sum, _mm256_maddubs_epi16(high[e], xs));
+                            low_sum = _mm256_add_epi16(low_sum, _mm256_maddubs_epi16(low[e], xs));
+                        }
+                        let start =
+                            _mm256_set1_epi32(-half_bias * *act.code_sums.get_unchecked(at));
+                        let isum = _mm256_add_epi32(
+                            start,
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(high_sum, sixteens),
+                                _mm256_madd_epi16(low_sum, ones),
+                            ),
+                        );
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(*act.scales.get_unchecked(at)));
+                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[h]);
+                    }
+                }
+                continue;
+            }
             // codes[e][h]: values 8e .. 8e + 8 of rows 4h .. 4h + 4 (w0: bytes 0-63, w1: 64-127;
             // low nibbles values 0-7 / 8-15, high nibbles 16-23 / 24-31).
             let mut codes = [[_mm256_setzero_si256(); 2]; 4];
@@ -220,19 +273,13 @@ pub unsafe fn avx2_rows<const N: usize, const KIND: u8>(
                 codes[2][h] = _mm256_and_si256(_mm256_srli_epi16::<4>(w0), low_nibbles);
                 codes[3][h] = _mm256_and_si256(_mm256_srli_epi16::<4>(w1), low_nibbles);
             }
-            if KIND == IQ4_NL {
-                for u in codes.iter_mut().flatten() {
-                    *u = _mm256_shuffle_epi8(table, *u);
-                }
-            } else {
-                for (e, run) in codes.iter_mut().enumerate() {
-                    for (h, u) in run.iter_mut().enumerate() {
-                        // Bit 8r + k of the run's word: the fifth bit of value 8e + k of row r.
-                        let word = (p.add(at.fifth + 8 * e + 4 * h) as *const u32).read_unaligned();
-                        let bits = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), spread);
-                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, select), select);
-                        *u = _mm256_or_si256(*u, _mm256_and_si256(set, sixteen));
-                    }
+            for (e, run) in codes.iter_mut().enumerate() {
+                for (h, u) in run.iter_mut().enumerate() {
+                    // Bit 8r + k of the run's word: the fifth bit of value 8e + k of row r.
+                    let word = (p.add(at.fifth + 8 * e + 4 * h) as *const u32).read_unaligned();
+                    let bits = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), spread);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, select), select);
+                    *u = _mm256_or_si256(*u, _mm256_and_si256(set, sixteen));
                 }
             }
             let d8 = rows8(p);
@@ -258,26 +305,11 @@ pub unsafe fn avx2_rows<const N: usize, const KIND: u8>(
                 let start = _mm256_set1_epi32(-half_bias * *act.code_sums.get_unchecked(at));
                 let act_d = _mm256_set1_ps(*act.scales.get_unchecked(at));
                 for (h, acc) in acc.iter_mut().enumerate() {
-                    let isum = if KIND == IQ4_NL {
-                        let mut isum = start;
-                        for e in 0..4 {
-                            // The magnitude taken where it is used: an array of the 8 kept
-                            // for every row held 8 more vectors live (and, built by a `map`
-                            // closure, was once compiled out of line), and decode ran 0.58×.
-                            let w = codes[e][h];
-                            let signed = _mm256_sign_epi8(xs[e], w);
-                            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), signed);
-                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
-                        }
-                        isum
-                    } else {
-                        let mut pairs = _mm256_maddubs_epi16(codes[0][h], xs[0]);
-                        for e in 1..4 {
-                            pairs =
-                                _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[e][h], xs[e]));
-                        }
-                        _mm256_add_epi32(start, _mm256_madd_epi16(pairs, ones))
-                    };
+                    let mut pairs = _mm256_maddubs_epi16(codes[0][h], xs[0]);
+                    for e in 1..4 {
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[e][h], xs[e]));
+                    }
+                    let isum = _mm256_add_epi32(start, _mm256_madd_epi16(pairs, ones));
                     let scale = _mm256_mul_ps(d[h], act_d);
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
                     if KIND == Q5_1 {
