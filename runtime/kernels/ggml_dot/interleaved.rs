@@ -162,11 +162,11 @@ pub unsafe fn small_rows<const N: usize, const KIND: u8>(
 /// IQ4_NL's table values plus 128 (bias 128) reach 241, too wide for such sums, so each is looked
 /// up twice as its two nibbles `16·h + l` (`avx2::IQ4_SPLIT`): two planes of codes ≤ 15 whose
 /// `maddubs` sums stay within i16 over the block, widened once each (weights 16 and 1), where
-/// ggml's sign trick took two `vpsignb` and a `madd` more per run. Per block: the lanes converted to f32 and one FMA
-/// with `d·d_act` (each row's `d` in its two lanes); Q5_1 adds `m·d_act·Σc` (the activations'
-/// `sums`) in a second FMA on one lane per row. A row's result is its pair of lanes summed at
-/// the end, and every activation row runs the same operations whatever the other rows of the
-/// call: batched rows keep single rows' bits.
+/// ggml's sign trick took two `vpsignb` and a `madd` more per run. Per block: the lanes
+/// converted to f32 and one FMA with `d·d_act` (each row's `d` in its two lanes); Q5_1 adds
+/// `m·d_act·Σc` (the activations' `sums`) in a second FMA on one lane per row. A row's result is
+/// its pair of lanes summed at the end, and every activation row runs the same operations
+/// whatever the other rows of the call: batched rows keep single rows' bits.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; otherwise as [`small_rows`].
